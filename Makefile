@@ -1,0 +1,38 @@
+# kvroute developer commands. Everything runs inside .venv, which `make venv` builds.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test demo bench bench-core lint fmt clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvroute needs Python >= 3.10")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	@touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: venv
+	$(PY) -m router.demo
+
+bench: venv bench-core
+
+bench-core: venv
+	$(PY) -m router.bench.core
+
+lint: venv
+	$(VENV)/bin/ruff check router tests
+	$(VENV)/bin/ruff format --check router tests
+
+fmt: venv
+	$(VENV)/bin/ruff check --fix router tests
+	$(VENV)/bin/ruff format router tests
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

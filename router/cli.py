@@ -1,0 +1,49 @@
+"""``kvroute`` command line: one subcommand per module, each owning its flags.
+
+A command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; add it to
+``COMMANDS`` below. Modules are imported only for the command being run (and for
+``--help``), so one command's heavy imports never slow another's start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from router import __version__
+
+#: command name -> (module path, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def _parser(selected: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute",
+        description="Cache-aware request router for disaggregated LLM inference fleets.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_path, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if selected in (None, name):
+            module = importlib.import_module(module_path)
+            module.add_arguments(cmd)
+            cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in args_list if not a.startswith("-")), None)
+    parser = _parser(selected)
+    args = parser.parse_args(args_list)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

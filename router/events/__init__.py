@@ -1,0 +1,1 @@
+"""KV-cache events: domain types, wire codecs and the subscriber."""

@@ -1,0 +1,85 @@
+"""Block keys: chained xxh3_64 hashes of a prompt's full token blocks.
+
+Key *i* identifies the whole prefix up to and including block *i*::
+
+    key[-1] = seed(namespace, cache_salt)
+    key[i]  = XXH3_64bits_withSeed(le_u32(tokens of block i), seed=key[i-1])
+
+The previous key enters as XXH3's 64-bit seed, so each block costs one C call on a
+zero-copy slice and no concatenation. The namespace is the model name, or the LoRA
+adapter name when the request names an adapter; ``cache_salt`` (vLLM's per-tenant
+isolation) is folded in too, so salted prompts never share keys with unsalted ones.
+Only full blocks are hashed: a partial trailing block is never cached by an engine.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+assert array("I").itemsize == 4, "array('I') must hold 32-bit unsigned ints"
+_NATIVE_LE = sys.byteorder == "little"
+
+
+def seed_for(namespace: str, cache_salt: str | None = None) -> int:
+    """The chain's starting value for a model (or LoRA adapter) and optional cache salt."""
+    material = f"kvroute-v1\x00{namespace}\x00{cache_salt or ''}".encode()
+    return _xxh3(material)
+
+
+def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
+    """Little-endian uint32 encoding of token ids.
+
+    Raises OverflowError for ids outside [0, 2**32), which callers turn into 400s.
+    """
+    buf = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
+    if not _NATIVE_LE:
+        buf = array("I", buf)
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def block_keys(
+    tokens: Sequence[int] | array | bytes,
+    block_size: int,
+    seed: int,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Chained keys of every full block of ``tokens`` (at most ``max_blocks`` of them)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
+    step = block_size * 4
+    nblocks = len(data) // step
+    if max_blocks is not None:
+        nblocks = min(nblocks, max_blocks)
+    view = memoryview(data)
+    keys: list[int] = []
+    append = keys.append
+    key = seed
+    for off in range(0, nblocks * step, step):
+        key = _xxh3(view[off : off + step], key)
+        append(key)
+    return keys
+
+
+def chain(parent_key: int, block_tokens: Sequence[int]) -> int:
+    """The key of one block that follows a block whose key is ``parent_key``."""
+    return _xxh3(tokens_to_bytes(block_tokens), parent_key)
+
+
+def extend_keys(parent_key: int, tokens: Sequence[int], block_size: int) -> list[int]:
+    """Keys of consecutive full blocks of ``tokens`` chained after ``parent_key``."""
+    return block_keys(tokens, block_size, parent_key)
+
+
+def cacheable_blocks(prompt_len: int, block_size: int) -> int:
+    """How many leading blocks an engine can serve from cache: never the last token."""
+    if prompt_len <= 1:
+        return 0
+    return (prompt_len - 1) // block_size

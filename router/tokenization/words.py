@@ -1,0 +1,143 @@
+"""The emulator's deterministic word tokenizer.
+
+Every whitespace-separated word is one token whose id is a hash of the word, so the
+router and the emulator turn the same text into the same ids without sharing state,
+and a prompt of N words is exactly N tokens (which lets workloads size prompts in
+tokens while sending text). Ids below ``FIRST_WORD_ID`` are reserved for the chat
+markers below, so markers never collide with words.
+
+Decoding is best effort: ids of the generation vocabulary and of words this process
+has encoded map back to their words; other ids render as ``<id>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+VOCAB_SIZE = 131_072
+FIRST_WORD_ID = 1_024
+_WORD_SPAN = VOCAB_SIZE - FIRST_WORD_ID
+_MAX_REMEMBERED = 200_000
+
+# Chat markers, one token each: they are not produced by splitting ordinary text.
+ROLE_MARKERS = {
+    "system": "<|system|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+    "tool": "<|tool|>",
+    "developer": "<|developer|>",
+}
+END_MARKER = "<|end|>"
+_MARKER_IDS = {m: i + 1 for i, m in enumerate([*ROLE_MARKERS.values(), END_MARKER])}
+
+_SYLLABLES = (
+    "ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa",
+    "do", "fi", "gu", "he", "jo", "ba", "qi", "wu", "xe", "yo",
+)
+
+
+def _generation_words(count: int = 1_000) -> list[str]:
+    words: list[str] = []
+    n = len(_SYLLABLES)
+    for i in range(count):
+        a, b, c = i % n, (i // n) % n, (i // (n * n)) % n
+        words.append(_SYLLABLES[a] + _SYLLABLES[b] + (_SYLLABLES[c] if c else ""))
+    return words
+
+
+def word_id(word: str) -> int:
+    """The token id of one word (markers have fixed small ids)."""
+    marker = _MARKER_IDS.get(word)
+    if marker is not None:
+        return marker
+    return FIRST_WORD_ID + xxhash.xxh32_intdigest(word.encode("utf-8", "surrogatepass")) % _WORD_SPAN
+
+
+class _Vocab(dict[str, int]):
+    """word -> id with the ids of recently seen words remembered for decoding."""
+
+    def __init__(self, names: Mapping[int, str]) -> None:
+        super().__init__()
+        self.names: dict[int, str] = dict(names)
+
+    def __missing__(self, word: str) -> int:
+        tid = word_id(word)
+        if len(self) < _MAX_REMEMBERED:
+            self[word] = tid
+            self.names.setdefault(tid, word)
+        return tid
+
+
+class WordTokenizer:
+    """Deterministic word-level tokenizer shared by kvroute and its engine emulator."""
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self) -> None:
+        self.generation_words = _generation_words()
+        names = {word_id(w): w for w in self.generation_words}
+        names.update({i: m for m, i in _MARKER_IDS.items()})
+        self._vocab = _Vocab(names)
+        self.generation_ids = [word_id(w) for w in self.generation_words]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``: one per whitespace-separated word."""
+        return list(map(self._vocab.__getitem__, text.split()))
+
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        names = self._vocab.names
+        return " ".join(names.get(i) or f"<{i}>" for i in ids)
+
+    def token_str(self, tid: int) -> str:
+        return self._vocab.names.get(tid) or f"<{tid}>"
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        return render_chat(messages, add_generation_prompt)
+
+
+def message_text(content: Any) -> str:
+    """The text of an OpenAI message ``content``: a string or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                parts.append(part)
+        return " ".join(parts)
+    raise ValueError("message content must be a string or a list of content parts")
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Render OpenAI chat messages into the emulator's prompt text.
+
+    Each message becomes ``<|role|> content <|end|>``; the generation prompt appends
+    ``<|assistant|>``. An assistant answer appended to a conversation therefore
+    tokenizes exactly as the engine generated it, so multi-turn prefixes match.
+    """
+    pieces: list[str] = []
+    for msg in messages:
+        role = msg.get("role")
+        marker = ROLE_MARKERS.get(role) if isinstance(role, str) else None
+        if marker is None:
+            raise ValueError(f"unknown chat role {role!r}")
+        pieces.append(marker)
+        text = message_text(msg.get("content"))
+        if text:
+            pieces.append(text)
+        pieces.append(END_MARKER)
+    if add_generation_prompt:
+        pieces.append(ROLE_MARKERS["assistant"])
+    return " ".join(pieces)
