@@ -34,8 +34,26 @@ END_MARKER = "<|end|>"
 _MARKER_IDS = {m: i + 1 for i, m in enumerate([*ROLE_MARKERS.values(), END_MARKER])}
 
 _SYLLABLES = (
-    "ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa",
-    "do", "fi", "gu", "he", "jo", "ba", "qi", "wu", "xe", "yo",
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "sa",
+    "ti",
+    "vo",
+    "ze",
+    "pa",
+    "do",
+    "fi",
+    "gu",
+    "he",
+    "jo",
+    "ba",
+    "qi",
+    "wu",
+    "xe",
+    "yo",
 )
 
 
@@ -53,7 +71,9 @@ def word_id(word: str) -> int:
     marker = _MARKER_IDS.get(word)
     if marker is not None:
         return marker
-    return FIRST_WORD_ID + xxhash.xxh32_intdigest(word.encode("utf-8", "surrogatepass")) % _WORD_SPAN
+    return (
+        FIRST_WORD_ID + xxhash.xxh32_intdigest(word.encode("utf-8", "surrogatepass")) % _WORD_SPAN
+    )
 
 
 class _Vocab(dict[str, int]):

@@ -1,0 +1,106 @@
+"""The routing core: index lookup, policy decision, provisional bookkeeping.
+
+Every front end (HTTP, gRPC, ext_proc) and the cluster simulator route through
+:class:`RoutingCore`, so a request and a state give the same decision everywhere. The
+core does no network I/O of its own beyond the index backend.
+
+After each decision under an index-using policy, the chosen engine is recorded as a
+*provisional* holder of the prompt's blocks for ``provisional_ttl_s``: requests that
+share the prefix and arrive before the engine's KV events follow the first one (and
+the load it added spreads them once that engine is busier than a recompute costs).
+Engines that publish no KV events are tracked from decisions alone, for
+``approximate_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from router.config import PolicyConfig
+from router.engines.load import LoadTracker
+from router.index.base import IndexUnavailable, KVIndex, Match
+from router.policy.base import Decision, NoCandidates, Policy, RouteRequest
+from router.types import EngineKey
+
+log = logging.getLogger("kvroute.core")
+
+
+@dataclass(slots=True)
+class CoreCounters:
+    """What the core did, for metrics."""
+
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Decisions by (policy, reason)."""
+    index_errors: int = 0
+
+
+class RoutingCore:
+    """Routes one request at a time against a shared index and load view."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        policy: Policy,
+        config: PolicyConfig,
+        loads: LoadTracker,
+        *,
+        has_events: Callable[[EngineKey], bool] = lambda engine: True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.policy = policy
+        self.config = config
+        self.loads = loads
+        self.has_events = has_events
+        self.clock = clock
+        self.counters = CoreCounters()
+
+    async def lookup(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> Mapping[EngineKey, Match]:
+        """Match depths, or none at all if the index cannot answer (route on load)."""
+        if not keys or not self.policy.uses_index:
+            return {}
+        try:
+            return await self.index.lookup(keys, candidates)
+        except IndexUnavailable as exc:
+            self.counters.index_errors += 1
+            log.debug("index lookup failed, routing on load alone: %s", exc)
+            return {}
+
+    async def route(self, request: RouteRequest, candidates: Sequence[EngineKey]) -> Decision:
+        """Pick an engine for ``request`` among ``candidates`` and record the choice."""
+        if not candidates:
+            raise NoCandidates("no engine can take this request")
+        matches = await self.lookup(request.keys, candidates)
+        decision = self.policy.choose(request, candidates, matches, self.loads.view)
+        key = (decision.policy, decision.reason)
+        self.counters.decisions[key] = self.counters.decisions.get(key, 0) + 1
+        await self.record(decision.engine, request.keys)
+        return decision
+
+    async def record(self, engine: EngineKey, keys: Sequence[int]) -> None:
+        """Note that ``engine`` is about to hold ``keys`` (expiring until confirmed)."""
+        if not keys or not self.policy.uses_index:
+            return
+        ttl = (
+            self.config.provisional_ttl_s
+            if self.has_events(engine)
+            else self.config.approximate_ttl_s
+        )
+        try:
+            await self.index.add(engine, keys, ttl=ttl)
+        except IndexUnavailable as exc:
+            self.counters.index_errors += 1
+            log.debug("could not record a provisional holder: %s", exc)
+
+    def forget(self, engine: EngineKey) -> None:
+        """An engine left the fleet: drop policy state and load about it."""
+        self.policy.forget(engine)
+        self.loads.forget(engine)
+
+
+__all__ = ["NoCandidates", "RoutingCore"]

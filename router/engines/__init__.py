@@ -1,0 +1,1 @@
+"""Engines: identity, load accounting, health, registry."""

@@ -1,0 +1,419 @@
+"""Subscribe to engines' KV-event streams and keep the index true.
+
+Two topologies, as vLLM decides by its endpoint:
+
+* **connect** (vLLM binds its PUB): one SUB socket per engine stream, connected to the
+  engine's publisher (``add_source``);
+* **bind** (llm-d's central mode): one SUB socket bound by the router; every engine
+  connects and names itself in the topic ``kv@<ip>:<port>@<model>`` (``bind``). Streams
+  are keyed by topic and DP rank.
+
+Each stream tracks its sequence number. After connecting (a SUB misses what was
+published before its subscription took effect) and after a gap, it asks the engine's
+replay socket for the missing batches over a DEALER, buffering live batches meanwhile.
+If the replay cannot cover the gap (the engine keeps only its last batches), or the
+sequence goes backwards (the engine restarted), the engine's entries are cleared and
+rebuilt from the events that follow. Garbage frames are counted and dropped; nothing
+here lets an exception end the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from router.events.ingest import EventIngestor, StreamState
+from router.events.vllm import (
+    END_SEQ,
+    EventDecodeError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
+from router.types import EngineKey
+
+log = logging.getLogger("kvroute.events")
+
+_PENDING_LIMIT = 100_000
+
+
+@dataclass(slots=True)
+class EventSource:
+    """Where one engine stream's events come from."""
+
+    engine: EngineKey
+    namespace: str
+    """The model the engine serves (seeds root block keys)."""
+    endpoint: str | None = None
+    """The engine's PUB endpoint to connect to (connect mode); None in bind mode."""
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_size: int | None = None
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    """Counters for metrics; ``lag`` holds each stream's last publish-to-apply delay."""
+
+    batches: int = 0
+    gaps: int = 0
+    replays: Counter[str] = field(default_factory=Counter)
+    """Replays by outcome: ok, uncovered (engine no longer had the range), failed."""
+    restarts: int = 0
+    garbage: int = 0
+    unknown_topics: int = 0
+    lag: dict[EngineKey, float] = field(default_factory=dict)
+
+
+TopicResolver = Callable[[str, int | None], EventSource | None]
+"""Maps (topic, batch DP rank) of a bind-mode message to its source, or None to drop it."""
+
+
+class _Stream:
+    """Sequence tracking and replay for one engine stream."""
+
+    def __init__(self, source: EventSource, subscriber: KVEventSubscriber) -> None:
+        self.source = source
+        self.state = StreamState(source.engine, source.namespace, source.block_size)
+        self.sub = subscriber
+        self.replaying = False
+        self.pending: deque[tuple[int, bytes]] = deque()
+        self.overflowed = False
+        self.skip_through: int | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    # -------------------------------------------------------------- live messages
+
+    async def on_message(self, seq: int, payload: bytes) -> None:
+        if self.replaying:
+            if len(self.pending) >= _PENDING_LIMIT:
+                self.overflowed = True
+                self.pending.clear()
+            self.pending.append((seq, payload))
+            return
+        if self.skip_through is not None:
+            if seq <= self.skip_through:
+                return  # already applied through the replay that just finished
+            self.skip_through = None
+        last = self.state.last_seq
+        if last is None:
+            if seq > 0 and self.source.replay_endpoint:
+                self._start_replay(0, seq, payload)
+                return
+        elif seq <= last:
+            self.sub.stats.restarts += 1
+            log.warning(
+                "%s: sequence went back from %d to %d; engine restarted, rebuilding",
+                self.state.engine.label,
+                last,
+                seq,
+            )
+            await self.sub.ingestor.clear(self.state)
+            self.state.last_seq = None
+            if seq > 0 and self.source.replay_endpoint:
+                self._start_replay(0, seq, payload)
+                return
+        elif seq > last + 1:
+            self.sub.stats.gaps += 1
+            if self.source.replay_endpoint:
+                self._start_replay(last + 1, seq, payload)
+                return
+            log.warning(
+                "%s: missed batches %d..%d and no replay endpoint; rebuilding",
+                self.state.engine.label,
+                last + 1,
+                seq - 1,
+            )
+            await self.sub.ingestor.clear(self.state)
+        await self.apply(seq, payload)
+
+    async def apply(self, seq: int, payload: bytes) -> None:
+        self.state.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self.sub.stats.garbage += 1
+            log.debug("%s: dropped undecodable batch %d: %s", self.state.engine.label, seq, exc)
+            return
+        await self.sub.ingestor.apply(self.state, batch)
+        self.sub.stats.batches += 1
+        self.sub.stats.lag[self.state.engine] = max(time.time() - batch.ts, 0.0)
+
+    # -------------------------------------------------------------- replay
+
+    def request_replay(self, start: int) -> None:
+        """Ask for everything from ``start`` (used right after connecting)."""
+        if self.source.replay_endpoint and not self.replaying:
+            self._start_replay(start, None, None)
+
+    def _start_replay(self, start: int, seq: int | None, payload: bytes | None) -> None:
+        self.replaying = True
+        self.overflowed = False
+        self.pending.clear()
+        if seq is not None and payload is not None:
+            self.pending.append((seq, payload))
+        self.task = asyncio.ensure_future(self._replay(start))
+
+    async def _replay(self, start: int) -> None:
+        try:
+            while True:
+                await self._fetch_and_apply(start)
+                if self.overflowed:
+                    log.warning(
+                        "%s: live buffer overflowed during replay; rebuilding",
+                        self.state.engine.label,
+                    )
+                    await self.sub.ingestor.clear(self.state)
+                    self.state.last_seq = None
+                    self.overflowed = False
+                restart = None
+                # Batches keep arriving while we drain; stay in replay mode until none wait.
+                while self.pending and restart is None:
+                    pending = sorted(self.pending)
+                    self.pending.clear()
+                    restart = await self._drain(pending)
+                if restart is None:
+                    break
+                start = restart
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the subscriber must survive anything a peer sends
+            log.exception("%s: replay failed", self.state.engine.label)
+        finally:
+            self.replaying = False
+            self.skip_through = self.state.last_seq
+
+    async def _drain(self, pending: list[tuple[int, bytes]]) -> int | None:
+        """Apply buffered live batches in order; return where a new gap starts, if any."""
+        for seq, payload in pending:
+            last = self.state.last_seq
+            if last is not None and seq <= last:
+                continue
+            if last is not None and seq > last + 1:
+                self.sub.stats.gaps += 1
+                rest = [(s, p) for s, p in pending if s >= seq]
+                self.pending.extend(rest)
+                return last + 1
+            await self.apply(seq, payload)
+        return None
+
+    async def _fetch_and_apply(self, start: int) -> None:
+        endpoint = self.source.replay_endpoint
+        assert endpoint is not None
+        sock = self.sub.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart([b"", encode_seq(start)])
+            first = True
+            timeout_ms = int(self.sub.replay_timeout * 1000)
+            while True:
+                if not await sock.poll(timeout_ms, zmq.POLLIN):
+                    self.sub.stats.replays["failed"] += 1
+                    log.warning("%s: replay from %d timed out", self.state.engine.label, start)
+                    if self.state.last_seq is not None and self.pending:
+                        # The gap stays unexplained: start over from live events.
+                        await self.sub.ingestor.clear(self.state)
+                        self.state.last_seq = None
+                    return
+                frames = await sock.recv_multipart()
+                if len(frames) != 3 or frames[0] != b"":
+                    self.sub.stats.garbage += 1
+                    continue
+                if frames[1] == END_SEQ:
+                    self.sub.stats.replays["ok"] += 1
+                    return
+                try:
+                    seq = decode_seq(frames[1])
+                except EventDecodeError:
+                    self.sub.stats.garbage += 1
+                    continue
+                if first:
+                    first = False
+                    if seq > start:
+                        self.sub.stats.replays["uncovered"] += 1
+                        log.warning(
+                            "%s: replay starts at %d, not %d; rebuilding",
+                            self.state.engine.label,
+                            seq,
+                            start,
+                        )
+                        await self.sub.ingestor.clear(self.state)
+                        self.state.last_seq = None
+                last = self.state.last_seq
+                if last is not None and seq <= last:
+                    continue
+                await self.apply(seq, frames[2])
+        finally:
+            sock.close(0)
+
+
+class KVEventSubscriber:
+    """Owns the SUB sockets and the per-stream state machines."""
+
+    def __init__(
+        self,
+        ingestor: EventIngestor,
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        replay_timeout: float = 2.0,
+        receive_hwm: int = 100_000,
+    ) -> None:
+        self.ingestor = ingestor
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.replay_timeout = replay_timeout
+        self.receive_hwm = receive_hwm
+        self.stats = SubscriberStats()
+        self._streams: dict[EngineKey, _Stream] = {}
+        self._readers: dict[EngineKey, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._bind: tuple[zmq.asyncio.Socket, asyncio.Task[None]] | None = None
+        self._topic_streams: dict[tuple[str, int | None], _Stream] = {}
+        self.bound_endpoint: str | None = None
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.receive_hwm)
+        return sock
+
+    def stream_state(self, engine: EngineKey) -> StreamState | None:
+        stream = self._streams.get(engine)
+        return stream.state if stream else None
+
+    # -------------------------------------------------------------- connect mode
+
+    async def add_source(self, source: EventSource) -> None:
+        """Connect to an engine's publisher and start following its stream."""
+        if source.endpoint is None:
+            raise ValueError("connect mode needs the engine's PUB endpoint")
+        await self.remove_source(source.engine)
+        stream = _Stream(source, self)
+        sock = self._socket()
+        sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        sock.connect(source.endpoint)
+        self._streams[source.engine] = stream
+        task = asyncio.ensure_future(self._read(sock, lambda topic, rank: stream))
+        self._readers[source.engine] = (sock, task)
+        stream.request_replay(0)
+
+    async def remove_source(self, engine: EngineKey, clear: bool = False) -> None:
+        """Stop following an engine; with ``clear``, drop its index entries too."""
+        reader = self._readers.pop(engine, None)
+        stream = self._streams.pop(engine, None)
+        if reader is not None:
+            sock, task = reader
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sock.close(0)
+        if stream is not None:
+            if stream.task is not None:
+                stream.task.cancel()
+                await asyncio.gather(stream.task, return_exceptions=True)
+            if clear:
+                await self.ingestor.clear(stream.state)
+        for key, s in list(self._topic_streams.items()):
+            if s.state.engine == engine:
+                del self._topic_streams[key]
+
+    # -------------------------------------------------------------- bind mode
+
+    async def bind(self, endpoint: str, resolver: TopicResolver) -> str:
+        """Bind one SUB socket that engines connect to; returns the bound endpoint."""
+        if self._bind is not None:
+            raise RuntimeError("the subscriber is already bound")
+        sock = self._socket()
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.bind(endpoint)
+        self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        def route(topic: str, rank: int | None) -> _Stream | None:
+            stream = self._topic_streams.get((topic, rank))
+            if stream is None:
+                source = resolver(topic, rank)
+                if source is None:
+                    return None
+                stream = _Stream(source, self)
+                self._topic_streams[(topic, rank)] = stream
+                self._streams[source.engine] = stream
+            return stream
+
+        self._bind = (sock, asyncio.ensure_future(self._read(sock, route, by_topic=True)))
+        return self.bound_endpoint
+
+    # -------------------------------------------------------------- reading
+
+    async def _read(
+        self,
+        sock: zmq.asyncio.Socket,
+        route: Callable[[str, int | None], _Stream | None],
+        by_topic: bool = False,
+    ) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM:
+                    return
+                log.warning("KV-event socket error: %s", exc)
+                continue
+            try:
+                if len(frames) != 3:
+                    self.stats.garbage += 1
+                    continue
+                topic_raw, seq_raw, payload = frames
+                seq = decode_seq(seq_raw)
+                rank = None
+                if by_topic:
+                    rank = _peek_rank(payload)
+                stream = route(topic_raw.decode("utf-8", "replace"), rank)
+                if stream is None:
+                    self.stats.unknown_topics += 1
+                    continue
+                await stream.on_message(seq, payload)
+            except EventDecodeError:
+                self.stats.garbage += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV-event message dropped")
+
+    async def close(self) -> None:
+        for engine in list(self._readers):
+            await self.remove_source(engine)
+        for stream in self._streams.values():
+            if stream.task is not None:
+                stream.task.cancel()
+                await asyncio.gather(stream.task, return_exceptions=True)
+        if self._bind is not None:
+            sock, task = self._bind
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sock.close(0)
+            self._bind = None
+        self._streams.clear()
+        self._topic_streams.clear()
+
+
+def _peek_rank(payload: bytes) -> int | None:
+    """The batch's DP rank, or None if the payload cannot be decoded (counted later)."""
+    try:
+        return decode_batch(payload).data_parallel_rank
+    except EventDecodeError:
+        return None
+
+
+def parse_llmd_topic(topic: str) -> tuple[str, str] | None:
+    """``kv@<ip>:<port>@<model>`` -> (``ip:port``, model), or None for other topics."""
+    parts = topic.split("@", 2)
+    if len(parts) != 3 or parts[0] != "kv" or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]

@@ -1,0 +1,92 @@
+"""The KV-block index interface every backend implements.
+
+An index records, per block key, the engines that hold the block and in which tier. A
+holder is either *firm* (from the engine's own KV events; lives until removed) or
+*expiring* (recorded from a routing decision: a provisional holder until the engine's
+events confirm it, or an approximate-mode holder for engines that publish no events).
+A firm record for the same (key, engine, tier) replaces an expiring one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from router.types import EngineKey, Tier
+
+
+class Match(msgspec.Struct, gc=False):
+    """How much of a prompt's prefix one engine holds.
+
+    ``blocks`` is the match depth: leading blocks held in any tier, counted from block 0
+    and stopping at the engine's first miss. ``offloaded`` of them are held only in an
+    offloaded tier (cheaper than recomputing, dearer than a GPU hit).
+    """
+
+    blocks: int
+    offloaded: int = 0
+
+    def weighted(self, offload_weight: float) -> float:
+        """Depth with offloaded blocks counted at ``offload_weight``."""
+        return self.blocks - self.offloaded * (1.0 - offload_weight)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Sizes for metrics and benchmarks."""
+
+    blocks: int
+    """Distinct block keys with at least one holder."""
+    entries: int
+    """(block, engine, tier) records, firm and expiring."""
+    engines: int
+    """Engines with at least one firm record."""
+
+
+class IndexUnavailable(RuntimeError):
+    """The backend cannot answer now (for example Redis is down); route on load alone."""
+
+
+class KVIndex(ABC):
+    """Records and looks up which engines hold which block keys."""
+
+    @abstractmethod
+    async def lookup(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> Mapping[EngineKey, Match]:
+        """Match depth of each candidate for ``keys`` (a prompt's chained block keys).
+
+        The walk stops at the first block no candidate holds. Engines with depth 0 are
+        left out of the result. Expired holders do not count.
+        """
+
+    @abstractmethod
+    async def add(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        """Record ``engine`` as a holder of ``keys``: firm when ``ttl`` is None, else for
+        ``ttl`` seconds. An expiring record never downgrades a firm one."""
+
+    @abstractmethod
+    async def remove(
+        self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None
+    ) -> None:
+        """Drop ``engine``'s records of ``keys`` in ``tier`` (every tier when None)."""
+
+    @abstractmethod
+    async def clear(self, engine: EngineKey) -> None:
+        """Drop everything ``engine`` holds (AllBlocksCleared, restart, removal)."""
+
+    @abstractmethod
+    async def stats(self) -> IndexStats:
+        """Current sizes."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook for backends with resources
+        """Release resources held by the backend."""

@@ -1,0 +1,279 @@
+"""The embedded in-memory index (the default backend).
+
+Each block key maps to a bitmask of the engines that hold it, one dict per tier, so a
+block held by many engines costs one entry and a lookup is one dict probe and an AND
+per block, stopped at the first block no candidate holds. (A cumulative AND built from
+``accumulate``/``takewhile``/``groupby`` measured slower than this loop.) Engines get
+small integer ids; cleared engines' ids are reused.
+
+Expiring holders (provisional and approximate-mode records) are set in the GPU mask
+like firm ones and remembered with their deadline; every read first sweeps out what
+has expired (a heap check when nothing has), so lookups never test deadlines per key.
+Whether a GPU bit is firm is known from the engine's set of firmly held keys.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from router.index.base import IndexStats, KVIndex, Match
+from router.types import EngineKey, Tier
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """Indices of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _clear_bit(table: dict[int, int], key: int, bit: int) -> None:
+    mask = table.get(key, 0)
+    if mask & bit:
+        mask &= ~bit
+        if mask:
+            table[key] = mask
+        else:
+            del table[key]
+
+
+class MemoryIndex(KVIndex):
+    """Bitmask index held in this process."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._ids: dict[EngineKey, int] = {}
+        self._names: list[EngineKey | None] = []
+        self._free: list[int] = []
+        self._tiers: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        self._held: list[set[int]] = []
+        """Per engine id: keys held firmly in any tier."""
+        self._exp: dict[int, dict[int, float]] = {}
+        """key -> engine id -> deadline of an expiring GPU record."""
+        self._exp_heap: list[tuple[float, int, int, Sequence[int]]] = []
+        self._exp_count = 0
+        self._seq = 0
+
+    # ------------------------------------------------------------------ engine ids
+
+    def _id(self, engine: EngineKey) -> int:
+        idx = self._ids.get(engine)
+        if idx is None:
+            if self._free:
+                idx = self._free.pop()
+                self._names[idx] = engine
+            else:
+                idx = len(self._names)
+                self._names.append(engine)
+                self._held.append(set())
+            self._ids[engine] = idx
+        return idx
+
+    def _candidate_mask(self, candidates: Sequence[EngineKey]) -> int:
+        ids = self._ids
+        mask = 0
+        for engine in candidates:
+            idx = ids.get(engine)
+            if idx is not None:
+                mask |= 1 << idx
+        return mask
+
+    # ------------------------------------------------------------------ lookups
+
+    async def lookup(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> Mapping[EngineKey, Match]:
+        return self.lookup_now(keys, candidates)
+
+    def lookup_now(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> dict[EngineKey, Match]:
+        """Synchronous lookup (the in-memory backend never waits)."""
+        alive = self._candidate_mask(candidates)
+        if not alive or not keys:
+            return {}
+        if self._exp_heap and self._exp_heap[0][0] <= self._clock():
+            self._sweep(self._clock())
+        gpu, off = self._tiers
+        gpu_get, off_get = gpu.get, off.get
+        depth: dict[int, int] = {}
+        pos = 0
+        for pos, key in enumerate(keys):
+            held = (gpu_get(key, 0) | off_get(key, 0) if off else gpu_get(key, 0)) & alive
+            if held != alive:
+                for idx in _bits(alive & ~held):
+                    depth[idx] = pos
+                alive = held
+                if not alive:
+                    break
+        else:
+            pos = len(keys)
+        for idx in _bits(alive):
+            depth[idx] = pos
+        names = self._names
+        if not off:
+            return {names[idx]: Match(d) for idx, d in depth.items() if d}  # type: ignore[misc]
+        result: dict[EngineKey, Match] = {}
+        for idx, d in depth.items():
+            if d:
+                bit = 1 << idx
+                only_off = sum(
+                    1 for k in keys[:d] if not gpu.get(k, 0) & bit and off.get(k, 0) & bit
+                )
+                result[names[idx]] = Match(d, only_off)  # type: ignore[index]
+        return result
+
+    # ------------------------------------------------------------------ writes
+
+    async def add(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        self.add_now(engine, keys, tier, ttl)
+
+    def add_now(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        """Synchronous :meth:`add`. Expiring records are always GPU-tier predictions."""
+        idx = self._id(engine)
+        bit = 1 << idx
+        held = self._held[idx]
+        if ttl is None:
+            table = self._tiers[tier]
+            get = table.get
+            for key in keys:
+                table[key] = get(key, 0) | bit
+            held.update(keys)
+            return
+        now = self._clock()
+        if self._exp_heap:
+            self._sweep(now)
+        deadline = now + ttl
+        gpu = self._tiers[Tier.GPU]
+        gpu_get = gpu.get
+        exp = self._exp
+        fresh: list[int] = []
+        for key in keys:
+            if key in held:
+                continue
+            gpu[key] = gpu_get(key, 0) | bit
+            pending = exp.get(key)
+            if pending is None:
+                exp[key] = {idx: deadline}
+                self._exp_count += 1
+            else:
+                if idx not in pending:
+                    self._exp_count += 1
+                pending[idx] = deadline
+            fresh.append(key)
+        if fresh:
+            self._seq += 1
+            heapq.heappush(self._exp_heap, (deadline, self._seq, idx, fresh))
+
+    async def remove(
+        self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None
+    ) -> None:
+        self.remove_now(engine, keys, tier)
+
+    def remove_now(self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None) -> None:
+        """Synchronous :meth:`remove`."""
+        idx = self._ids.get(engine)
+        if idx is None:
+            return
+        bit = 1 << idx
+        gpu, off = self._tiers
+        held = self._held[idx]
+        exp = self._exp
+        for key in keys:
+            if tier is not Tier.OFFLOADED:
+                _clear_bit(gpu, key, bit)
+                if exp:
+                    pending = exp.get(key)
+                    if pending and pending.pop(idx, None) is not None:
+                        self._exp_count -= 1
+                        if not pending:
+                            del exp[key]
+            if tier is not Tier.GPU:
+                _clear_bit(off, key, bit)
+            if key in held and not ((gpu.get(key, 0) | off.get(key, 0)) & bit):
+                held.discard(key)
+
+    async def clear(self, engine: EngineKey) -> None:
+        self.clear_now(engine)
+
+    def clear_now(self, engine: EngineKey) -> None:
+        """Synchronous :meth:`clear`; the engine's id is freed for reuse."""
+        idx = self._ids.pop(engine, None)
+        if idx is None:
+            return
+        bit = 1 << idx
+        for table in self._tiers:
+            for key in self._held[idx]:
+                _clear_bit(table, key, bit)
+        self._held[idx] = set()
+        exp = self._exp
+        gpu = self._tiers[Tier.GPU]
+        kept = []
+        for entry in self._exp_heap:
+            if entry[2] != idx:
+                kept.append(entry)
+                continue
+            for key in entry[3]:
+                pending = exp.get(key)
+                if pending and pending.pop(idx, None) is not None:
+                    self._exp_count -= 1
+                    _clear_bit(gpu, key, bit)
+                    if not pending:
+                        del exp[key]
+        heapq.heapify(kept)
+        self._exp_heap = kept
+        self._names[idx] = None
+        self._free.append(idx)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def _sweep(self, now: float) -> None:
+        """Drop expiring records whose deadline has passed."""
+        heap = self._exp_heap
+        exp = self._exp
+        gpu = self._tiers[Tier.GPU]
+        while heap and heap[0][0] <= now:
+            _, _, idx, keys = heapq.heappop(heap)
+            held = self._held[idx]
+            bit = 1 << idx
+            for key in keys:
+                pending = exp.get(key)
+                if pending is None:
+                    continue
+                deadline = pending.get(idx)
+                if deadline is not None and deadline <= now:
+                    del pending[idx]
+                    self._exp_count -= 1
+                    if not pending:
+                        del exp[key]
+                    if key not in held:
+                        _clear_bit(gpu, key, bit)
+
+    async def stats(self) -> IndexStats:
+        return self.stats_now()
+
+    def stats_now(self) -> IndexStats:
+        """Synchronous :meth:`stats`."""
+        self._sweep(self._clock())
+        gpu, off = self._tiers
+        blocks = len(gpu) + (len(off.keys() - gpu.keys()) if off else 0)
+        return IndexStats(
+            blocks=blocks,
+            entries=sum(len(h) for h in self._held) + self._exp_count,
+            engines=sum(1 for h in self._held if h),
+        )

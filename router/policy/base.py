@@ -1,0 +1,126 @@
+"""What every routing policy sees and returns.
+
+A policy is a pure choice: given a request's block keys, the candidates, each
+candidate's match depth from the index and the load view, it returns a
+:class:`Decision` that carries the reason with its numbers. Policies never touch the
+network; the HTTP, gRPC and ext_proc servers and the simulator all call the same ones.
+Random choices use an RNG seeded from the request id, so the same request and state
+give the same choice on every API.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import msgspec
+import xxhash
+
+from router.engines.load import LoadView
+from router.index.base import Match
+from router.types import EngineKey
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """The routing-relevant facts of one request."""
+
+    request_id: str
+    keys: Sequence[int]
+    """Chained block keys of the prompt's full blocks."""
+    prompt_tokens: int
+    block_size: int
+    max_tokens: int = 0
+    session: str | None = None
+    """Affinity key for the ``session`` policy (header or ``user`` field)."""
+
+
+class Score(msgspec.Struct, gc=False):
+    """One candidate's cost terms under a cost-based policy (lower total wins)."""
+
+    engine: EngineKey
+    matched_blocks: int
+    cached_tokens: int
+    queue: float
+    prefill: float
+    decode: float
+    reported: float
+    total: float
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen engine and why."""
+
+    engine: EngineKey
+    policy: str
+    reason: str
+    """Short machine-friendly reason code, e.g. ``lowest_cost``, ``balance``."""
+    matched_blocks: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the chosen engine is expected to serve from cache."""
+    scores: list[Score] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line for the ``x-kvroute-reason`` header."""
+        text = f"{self.policy}:{self.reason} match={self.matched_blocks}"
+        chosen = next((s for s in self.scores if s.engine == self.engine), None)
+        if chosen is not None:
+            text += (
+                f" cost={chosen.total:.1f} queue={chosen.queue:.1f}"
+                f" prefill={chosen.prefill:.1f} decode={chosen.decode:.1f}"
+            )
+        return text
+
+    def describe(self) -> str:
+        """Every candidate's numbers, for the debug log."""
+        parts = [f"{self.summary()} engine={self.engine.label}"]
+        for s in sorted(self.scores, key=lambda s: s.total):
+            parts.append(
+                f"{s.engine.label}[match={s.matched_blocks} cached={s.cached_tokens}"
+                f" queue={s.queue:.1f} prefill={s.prefill:.1f} decode={s.decode:.1f}"
+                f" reported={s.reported:.1f} total={s.total:.1f}]"
+            )
+        return " ".join(parts)
+
+
+def request_seed(request_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(request_id.encode("utf-8", "surrogatepass"))
+
+
+def request_rng(request_id: str) -> random.Random:
+    """An RNG whose draws depend only on the request id."""
+    return random.Random(request_seed(request_id))
+
+
+def tiebreak(request_id: str, engine: EngineKey) -> int:
+    """A pseudo-random rank of ``engine`` for this request, for breaking ties."""
+    return xxhash.xxh3_64_intdigest(f"{request_id}\x00{engine.label}".encode())
+
+
+class NoCandidates(LookupError):
+    """No engine can take the request (the API turns this into 503)."""
+
+
+class Policy(ABC):
+    """A named routing policy."""
+
+    name: ClassVar[str]
+    uses_index: ClassVar[bool] = False
+    """Whether the router must look the request's keys up before calling ``choose``."""
+
+    @abstractmethod
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: Mapping[EngineKey, Match],
+        loads: LoadView,
+    ) -> Decision:
+        """Pick one of ``candidates`` (never empty)."""
+
+    def forget(self, engine: EngineKey) -> None:  # noqa: B027 - stateless policies ignore it
+        """Drop any state about an engine that left the fleet."""

@@ -1,0 +1,154 @@
+"""The default policy: the engine that will serve the prompt soonest, cache included.
+
+Per candidate, in KV blocks (lower wins)::
+
+    queue    = queue_weight   * prefill tokens already queued on the engine / block_size
+    prefill  = prefill_weight * (prompt_tokens - cached_tokens) / block_size
+    decode   = decode_weight  * blocks held by the engine's decoding requests
+    reported = waiting_weight * reported_waiting + kv_usage_weight * reported_kv_usage
+    cost     = queue + prefill + decode + reported
+
+``cached_tokens`` is the match depth (offloaded blocks weighted by ``offload_weight``)
+capped by the engine's never-the-last-token rule.
+
+The request's own uncached work counts twice by default (``prefill_weight`` 2 against
+``queue_weight`` 1): the request waits for it, and so does everything queued behind
+it on that engine. With equal weights (Dynamo's cost) the second request of a
+same-prefix burst goes to an idle engine and recomputes the whole prefix, because the
+first one's prefill is still queued where the prefix will be; counting the externality
+keeps a burst together until the queue really costs more than the recompute, then
+spreads it. Load stays part of every decision, which is what keeps a workload whose
+prompts all share their first block from piling onto one engine. Engine-reported terms
+are off by default (the router's own accounting is fresher) and ignored once older
+than ``report_max_age_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from router.config import PolicyConfig
+from router.engines.load import LoadView
+from router.hashing import cacheable_blocks
+from router.index.base import Match
+from router.policy.base import Decision, Policy, RouteRequest, Score, request_seed, tiebreak
+from router.types import EngineKey
+
+
+class KVCostPolicy(Policy):
+    """Cache affinity weighed against queued prefill and decode load."""
+
+    name = "kv_cost"
+    uses_index = True
+
+    def __init__(self, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+
+    def score(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: Mapping[EngineKey, Match],
+        loads: LoadView,
+    ) -> list[Score]:
+        """Every candidate's cost terms (the hot path: keep it lean)."""
+        cfg = self.config
+        bs = request.block_size
+        isl = request.prompt_tokens
+        cap = cacheable_blocks(isl, bs) * bs
+        per_queued = cfg.queue_weight / bs
+        per_uncached = cfg.prefill_weight / bs
+        per_decode_block = cfg.decode_weight
+        offload_discount = 1.0 - cfg.offload_weight
+        ww, wk = cfg.waiting_weight, cfg.kv_usage_weight
+        fresh_after = self._clock() - cfg.report_max_age_s if ww or wk else None
+        get_match, get_load = matches.get, loads.get
+        scores = []
+        append = scores.append
+        for engine in candidates:
+            match = get_match(engine)
+            if match is None:
+                blocks = cached = 0
+            else:
+                blocks = match.blocks
+                held = blocks - match.offloaded * offload_discount if match.offloaded else blocks
+                cached = int(held * bs)
+                if cached > cap:
+                    cached = cap
+            prefill = per_uncached * (isl - cached)
+            load = get_load(engine)
+            if load is None:
+                append(Score(engine, blocks, cached, 0.0, prefill, 0.0, 0.0, prefill))
+                continue
+            queue = per_queued * load.prefill_tokens
+            decode = per_decode_block * load.decode_blocks
+            reported = 0.0
+            if (
+                fresh_after is not None
+                and load.reported_at is not None
+                and load.reported_at >= fresh_after
+            ):
+                reported = ww * (load.waiting or 0.0) + wk * (load.kv_usage or 0.0)
+            append(
+                Score(
+                    engine,
+                    blocks,
+                    cached,
+                    queue,
+                    prefill,
+                    decode,
+                    reported,
+                    queue + prefill + decode + reported,
+                )
+            )
+        return scores
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: Mapping[EngineKey, Match],
+        loads: LoadView,
+    ) -> Decision:
+        scores = self.score(request, candidates, matches, loads)
+        if self.config.temperature > 0 and len(scores) > 1:
+            chosen = self._sample(request, scores)
+        else:
+            best = min(s.total for s in scores)
+            tied = [s for s in scores if s.total - best <= 1e-9]
+            chosen = (
+                tied[0]
+                if len(tied) == 1
+                else min(tied, key=lambda s: tiebreak(request.request_id, s.engine))
+            )
+        deepest = max(s.matched_blocks for s in scores)
+        if deepest == 0:
+            reason = "no_prefix"
+        elif chosen.matched_blocks == deepest:
+            reason = "prefix_hit"
+        else:
+            reason = "load_over_prefix"
+        return Decision(
+            engine=chosen.engine,
+            policy=self.name,
+            reason=reason,
+            matched_blocks=chosen.matched_blocks,
+            cached_tokens=chosen.cached_tokens,
+            scores=scores,
+        )
+
+    def _sample(self, request: RouteRequest, scores: list[Score]) -> Score:
+        """Softmax over min-max normalised costs at the configured temperature."""
+        lo = min(s.total for s in scores)
+        hi = max(s.total for s in scores)
+        span = hi - lo or 1.0
+        weights = [math.exp(-((s.total - lo) / span) / self.config.temperature) for s in scores]
+        point = (request_seed(request.request_id) / 2**64) * sum(weights)
+        for score, weight in zip(scores, weights, strict=True):
+            point -= weight
+            if point < 0:
+                return score
+        return scores[-1]

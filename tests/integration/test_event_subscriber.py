@@ -1,0 +1,290 @@
+"""The KV-event subscriber over real ZMQ sockets on loopback.
+
+The publisher here speaks vLLM's protocol (PUB ``[topic, seq, payload]`` and a ROUTER
+replay socket) with knobs a real engine lacks: publish a batch to the replay buffer
+without sending it (a forced gap), forget old batches, restart from sequence 0, send
+garbage. Tests against the engine emulator live beside the emulator's tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from router.events.ingest import EventIngestor
+from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
+from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.events.vllm import END_SEQ, decode_seq, encode_batch, encode_seq
+from router.hashing import block_keys, seed_for
+from router.index import MemoryIndex
+from router.types import EngineKey
+
+MODEL = "m"
+BS = 4
+
+
+class Publisher:
+    """A vLLM-style publisher with fault knobs."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, pub: str, replay: str, connect: bool = False
+    ) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if connect:
+            self.pub.connect(pub)
+            self.pub_endpoint = pub
+        else:
+            self.pub.bind(pub)
+            self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(replay)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
+        self.seq = 0
+        self.topic = b""
+        self._task = asyncio.ensure_future(self._serve_replay())
+
+    async def publish(
+        self, events: list[KVEvent], send: bool = True, rank: int | None = None
+    ) -> int:
+        seq = self.seq
+        self.seq += 1
+        payload = encode_batch(events, time.time(), rank)
+        self.buffer.append((seq, payload))
+        if send:
+            await self.pub.send_multipart([self.topic, encode_seq(seq), payload])
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        self.seq = 0
+        self.buffer.clear()
+
+    async def _serve_replay(self) -> None:
+        while True:
+            ident, _, start = await self.router.recv_multipart()
+            first = decode_seq(start)
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    await self.router.send_multipart([ident, b"", encode_seq(seq), payload])
+            await self.router.send_multipart([ident, b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(0)
+        self.router.close(0)
+
+
+def tokens(start: int, nblocks: int) -> list[int]:
+    return list(range(start, start + nblocks * BS))
+
+
+def stored(hashes: list[int], toks: list[int], parent: int | None = None) -> BlockStored:
+    return BlockStored(hashes, parent, toks, BS, medium="GPU")
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def ctx():
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def index() -> MemoryIndex:
+    return MemoryIndex()
+
+
+@pytest.fixture
+async def subscriber(ctx, index):
+    sub = KVEventSubscriber(EventIngestor(index), ctx=ctx, replay_timeout=1.0)
+    yield sub
+    await sub.close()
+
+
+async def connected(ctx, subscriber, tmp_path, name: str = "e1") -> tuple[Publisher, EngineKey]:
+    pub = Publisher(ctx, f"ipc://{tmp_path}/{name}-pub", f"ipc://{tmp_path}/{name}-replay")
+    engine = EngineKey(f"127.0.0.1:{9000 + len(name)}")
+    await subscriber.add_source(
+        EventSource(engine, MODEL, pub.pub_endpoint, pub.replay_endpoint, block_size=BS)
+    )
+    return pub, engine
+
+
+def depth(index: MemoryIndex, toks: list[int], engine: EngineKey) -> int:
+    match = index.lookup_now(block_keys(toks, BS, seed_for(MODEL)), [engine]).get(engine)
+    return match.blocks if match else 0
+
+
+async def test_batches_published_before_connecting_arrive_by_replay(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    pub = Publisher(ctx, f"ipc://{tmp_path}/early-pub", f"ipc://{tmp_path}/early-replay")
+    toks = tokens(100, 3)
+    await pub.publish([stored([1, 2, 3], toks)])  # nobody listens yet
+    engine = EngineKey("127.0.0.1:9100")
+    await subscriber.add_source(EventSource(engine, MODEL, pub.pub_endpoint, pub.replay_endpoint))
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 3))
+    await pub.close()
+
+
+async def test_stored_child_and_removed_events_update_the_index(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    toks = tokens(200, 4)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.publish([stored([11, 12], toks[: 2 * BS])])
+    await pub.publish([stored([13, 14], toks[2 * BS :], parent=12)])
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 4))
+    await pub.publish([BlockRemoved([13], "GPU")])
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 2))
+    await pub.publish([AllBlocksCleared()])
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 0))
+    await pub.close()
+
+
+async def test_a_gap_is_repaired_by_replay(ctx, subscriber, index, tmp_path) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    toks = tokens(300, 3)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.publish([stored([21], toks[:BS])])
+    await pub.publish([stored([22], toks[BS : 2 * BS], parent=21)], send=False)  # lost on the wire
+    await pub.publish([stored([23], toks[2 * BS :], parent=22)])
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 3))
+    assert subscriber.stats.gaps == 1 and subscriber.stats.replays["ok"] >= 2
+    await pub.close()
+
+
+async def test_a_gap_older_than_the_replay_buffer_clears_and_rebuilds(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    stale, fresh = tokens(400, 2), tokens(500, 2)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.publish([stored([31, 32], stale)])
+    await until(lambda: asyncio.sleep(0, depth(index, stale, engine) == 2))
+    await pub.publish([BlockRemoved([31, 32], "GPU")], send=False)  # lost, and...
+    pub.buffer.clear()  # ...already gone from the engine's replay buffer
+    await pub.publish([stored([41, 42], fresh)], send=False)
+    await pub.publish([stored([43], tokens(600, 1))])
+    await until(lambda: asyncio.sleep(0, subscriber.stats.replays["uncovered"] == 1))
+    await until(lambda: asyncio.sleep(0, depth(index, fresh, engine) == 2))
+    assert depth(index, stale, engine) == 0  # the removal we never saw cannot leave stale entries
+    await pub.close()
+
+
+async def test_an_engine_restart_clears_what_it_held(ctx, subscriber, index, tmp_path) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    old, new = tokens(700, 2), tokens(800, 2)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    for i in range(3):
+        await pub.publish([stored([51 + i], tokens(900 + 10 * i, 1))])
+    await pub.publish([stored([61, 62], old)])
+    await until(lambda: asyncio.sleep(0, depth(index, old, engine) == 2))
+    pub.restart()
+    await pub.publish([stored([71, 72], new)])
+    await until(lambda: asyncio.sleep(0, depth(index, new, engine) == 2))
+    assert depth(index, old, engine) == 0
+    assert subscriber.stats.restarts == 1
+    await pub.close()
+
+
+async def test_garbage_frames_are_counted_and_the_stream_goes_on(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    toks = tokens(1000, 1)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.send_raw([b"", b"\x00\x01"])  # two frames
+    await pub.send_raw([b"", b"short", b"x"])  # bad sequence frame
+    pub.seq += 1
+    await pub.send_raw([b"", encode_seq(0), b"\xc1\xc1not msgpack"])
+    await pub.publish([stored([81], toks)])
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 1))
+    assert subscriber.stats.garbage == 3
+    await pub.close()
+
+
+async def test_without_a_replay_endpoint_a_gap_clears_the_engine(ctx, index, tmp_path) -> None:
+    sub = KVEventSubscriber(EventIngestor(index), ctx=ctx)
+    pub = Publisher(ctx, f"ipc://{tmp_path}/nr-pub", f"ipc://{tmp_path}/nr-replay")
+    engine = EngineKey("127.0.0.1:9200")
+    await sub.add_source(EventSource(engine, MODEL, pub.pub_endpoint, None))
+    early, late = tokens(1100, 1), tokens(1200, 1)
+
+    # Without replay the slow joiner may miss the first batches: publish until one lands.
+    async def landed() -> bool:
+        await pub.publish([stored([91], early)])
+        await asyncio.sleep(0.02)
+        return depth(index, early, engine) == 1
+
+    await until(landed)
+    pub.seq += 3
+    await pub.publish([stored([92], late)])
+    await until(lambda: asyncio.sleep(0, depth(index, late, engine) == 1))
+    assert depth(index, early, engine) == 0
+    await sub.close()
+    await pub.close()
+
+
+async def test_bind_mode_keys_streams_by_topic(ctx, subscriber, index, tmp_path) -> None:
+    def resolve(topic: str, rank: int | None) -> EventSource | None:
+        parsed = parse_llmd_topic(topic)
+        if parsed is None:
+            return None
+        endpoint, model = parsed
+        return EventSource(EngineKey(endpoint, rank or 0), model)
+
+    bound = await subscriber.bind(f"ipc://{tmp_path}/central", resolve)
+    pubs = []
+    for i in range(2):
+        pub = Publisher(ctx, bound, f"ipc://{tmp_path}/c{i}-replay", connect=True)
+        pub.topic = f"kv@10.0.0.{i + 1}:8000@{MODEL}".encode()
+        pubs.append(pub)
+    toks = [tokens(2000, 2), tokens(3000, 1)]
+
+    async def both_landed() -> bool:
+        for i, pub in enumerate(pubs):
+            if depth(index, toks[i], EngineKey(f"10.0.0.{i + 1}:8000")) == 0:
+                pub.restart()  # resend from scratch until the connection is up
+                await pub.publish([stored([100 + i, 200 + i][: len(toks[i]) // BS], toks[i])])
+        await asyncio.sleep(0.02)
+        return all(
+            depth(index, toks[i], EngineKey(f"10.0.0.{i + 1}:8000")) == len(toks[i]) // BS
+            for i in range(2)
+        )
+
+    await until(both_landed)
+    await pubs[0].send_raw([b"other-topic", encode_seq(0), b"\x90"])
+    await until(lambda: asyncio.sleep(0, subscriber.stats.unknown_topics == 1))
+    assert (
+        index.lookup_now(block_keys(toks[0], BS, seed_for(MODEL)), [EngineKey("10.0.0.2:8000")])
+        == {}
+    )
+    for pub in pubs:
+        await pub.close()
+
+
+def test_llmd_topics_parse() -> None:
+    assert parse_llmd_topic("kv@10.1.2.3:8000@meta/llama") == ("10.1.2.3:8000", "meta/llama")
+    assert parse_llmd_topic("kv-events") is None
