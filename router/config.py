@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -91,11 +91,30 @@ class PolicyConfig(_Section):
         return name
 
 
+class IndexConfig(_Section):
+    """Where the KV-block index lives."""
+
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="`memory` (embedded, default) or `redis` (shared by replicas)."
+    )
+    url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Redis URL (`redis://` or `rediss://`)."
+    )
+    namespace: str = Field("kvroute", min_length=1, description="Prefix of every Redis key.")
+    budget_ms: float = Field(
+        5.0,
+        gt=0,
+        description="A Redis call slower than this is abandoned; routing goes on "
+        "without the index for that request.",
+    )
+
+
 class Config(_Section):
     """Everything ``kvroute serve`` reads."""
 
     block_size: int = Field(16, gt=0, description="Tokens per KV block; must match the engines.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
 
 
 class ConfigError(ValueError):
