@@ -230,14 +230,18 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             p.kill()
     base = results["direct"]
-    print(
-        f"{'stack':<20}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>11}{'added p99':>11}{'rps':>8}{'vs direct':>11}"
-    )
+    columns = ("p50 ms", "p99 ms", "added p50", "added p99", "rps", "vs direct")
+    print(f"{'stack':<20}" + "".join(f"{c:>11}" for c in columns))
     for name, r in results.items():
-        print(
-            f"{name:<20}{r['p50_ms']:>8.2f}{r['p99_ms']:>8.2f}{r['p50_ms'] - base['p50_ms']:>11.2f}"
-            f"{r['p99_ms'] - base['p99_ms']:>11.2f}{r['rps']:>8.0f}{r['rps'] / base['rps']:>10.0%}"
+        cells = (
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['p50_ms'] - base['p50_ms']:.2f}",
+            f"{r['p99_ms'] - base['p99_ms']:.2f}",
+            f"{r['rps']:.0f}",
+            f"{r['rps'] / base['rps']:.0%}",
         )
+        print(f"{name:<20}" + "".join(f"{c:>11}" for c in cells))
     return 0
 
 
