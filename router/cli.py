@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from router import __version__
 
 #: command name -> (module path, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("router.serve", "Run the router (OpenAI-compatible HTTP API)"),
+}
 
 
 def _parser(selected: str | None) -> argparse.ArgumentParser:

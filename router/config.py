@@ -109,12 +109,120 @@ class IndexConfig(_Section):
     )
 
 
+class ServerConfig(_Section):
+    """The router's own HTTP listener."""
+
+    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 for all).")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class EventEndpoints(_Section):
+    """Where an engine publishes KV events (vLLM's ``--kv-events-config``)."""
+
+    endpoint: str = Field(description="The engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557.")
+    replay_endpoint: str | None = Field(None, description="Its replay ROUTER endpoint.")
+    topic: str = Field("", description="Topic prefix to subscribe to.")
+
+
+class EngineConfig(_Section):
+    """One engine (inference server) the router may send requests to."""
+
+    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000.")
+    role: Literal["both", "prefill", "decode"] = "both"
+    models: list[str] = Field(
+        default_factory=list, description="Models served; empty means ask its /v1/models."
+    )
+    dp_size: int = Field(1, ge=1, description="Data-parallel ranks behind this URL.")
+    kv_events: Literal["auto", "none"] | EventEndpoints = Field(
+        "auto",
+        description="`auto`: read endpoints from the engine's /server_info when it reports "
+        "them (the emulator does), else track it from decisions; `none`: never subscribe; "
+        "or explicit endpoints.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+            raise ValueError("engine url must look like http://host:port")
+        return url.rstrip("/")
+
+
+class HealthConfig(_Section):
+    """Active probes and passive ejection of engines."""
+
+    interval_s: float = Field(2.0, gt=0, description="Seconds between /health probes.")
+    timeout_s: float = Field(1.0, gt=0, description="A probe slower than this fails.")
+    eject_after_failures: int = Field(
+        3, ge=1, description="Consecutive failures (probes or requests) that eject an engine."
+    )
+    backoff_initial_s: float = Field(1.0, gt=0, description="First ejection's length.")
+    backoff_max_s: float = Field(30.0, gt=0, description="Longest ejection (doubles up to it).")
+
+
+class ScrapeConfig(_Section):
+    """Background reads of the engines' /metrics (never on the request path)."""
+
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+
+
+class ProxyConfig(_Section):
+    """Forwarding to engines."""
+
+    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect to an engine.")
+    first_byte_timeout_s: float = Field(
+        120.0, gt=0, description="From sending to the engine's first byte (queueing + prefill)."
+    )
+    idle_timeout_s: float = Field(60.0, gt=0, description="Longest silence inside a response.")
+    retries: int = Field(
+        1, ge=0, le=3, description="Retries on another engine before the first byte is relayed."
+    )
+
+
+class LimitsConfig(_Section):
+    """Bounds on what the router accepts."""
+
+    max_body_bytes: int = Field(16 * 2**20, gt=0, description="Largest request body (413).")
+    max_inflight: int = Field(
+        10_000, gt=0, description="Requests in flight through the router before 429."
+    )
+    default_max_tokens: int = Field(
+        256,
+        gt=0,
+        description="Output tokens assumed for load accounting when a request sets no max_tokens.",
+    )
+
+
+class EventsConfig(_Section):
+    """KV-event ingestion."""
+
+    enabled: bool = Field(True, description="Subscribe to engines' KV events at all.")
+    replay_timeout_s: float = Field(2.0, gt=0, description="Wait for a replay answer this long.")
+    bind_endpoint: str | None = Field(
+        None,
+        description="Bind one SUB socket here for engines that connect to the router "
+        "(llm-d central mode, topic kv@<ip>:<port>@<model>).",
+    )
+
+
 class Config(_Section):
     """Everything ``kvroute serve`` reads."""
 
     block_size: int = Field(16, gt=0, description="Tokens per KV block; must match the engines.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    engines: list[EngineConfig] = Field(default_factory=list)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
 
 
 class ConfigError(ValueError):

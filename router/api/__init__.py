@@ -1,0 +1,1 @@
+"""Front ends: the OpenAI-compatible HTTP API (and, later, gRPC and ext_proc)."""

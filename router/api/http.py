@@ -1,0 +1,447 @@
+"""The OpenAI-compatible HTTP API (aiohttp.web: it measured fastest, docs/benchmarks.md).
+
+The request path: read and decode the body, tokenize the prompt, compute its block
+keys, ask the routing core for an engine, forward the original bytes unchanged, and
+relay the answer. A failure before the first byte reaches the client (connection
+refused, 5xx, 429, timeout) is retried on another engine; after it, a stream ends with
+an SSE error event and ``[DONE]``. A client that leaves cancels the handler, which
+closes the upstream connection (the engine aborts) and releases the load it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.api.errors import ApiError
+from router.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ParsedRequest,
+    decode_body,
+    parse_chat,
+    parse_completion,
+    resolve_model,
+)
+from router.engines.load import Ticket
+from router.hashing import block_keys, seed_for
+from router.policy.base import Decision, NoCandidates, RouteRequest
+from router.proxy import UpstreamError, Watchdog
+
+if TYPE_CHECKING:
+    from router.app import RouterApp
+
+log = logging.getLogger("kvroute.http")
+
+_encode = msgspec.json.Encoder().encode
+_JSON = "application/json"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_encode(payload), status=status, content_type=_JSON, headers=headers)
+
+
+def error_response(err: ApiError, request_id: str | None = None) -> web.Response:
+    headers: dict[str, str] = {}
+    if request_id:
+        headers["x-request-id"] = request_id
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(int(err.retry_after), 1))
+    return web.Response(body=err.body(), status=err.status, content_type=_JSON, headers=headers)
+
+
+class _Outcome:
+    """What finally happened to one request, for the requests metric."""
+
+    __slots__ = ("outcome", "status")
+
+    def __init__(self) -> None:
+        self.outcome = "cancelled"
+        self.status = 499
+
+    def set(self, outcome: str, status: int) -> None:
+        self.outcome, self.status = outcome, status
+
+
+class HttpApi:
+    """Handlers bound to one running router."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self.tokenizer = app.tokenizer
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/ready", self.ready),
+            web.get("/metrics", self.metrics),
+            web.get("/openapi.json", self.openapi),
+        ]
+
+    # ------------------------------------------------------------------ small endpoints
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(self.app.started_at)
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "kvroute"}
+            for m in self.app.registry.models()
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        healthy = self.app.registry.healthy_count()
+        if self.app.draining or healthy == 0:
+            reason = "draining" if self.app.draining else "no healthy engine"
+            return _json({"status": "not ready", "reason": reason}, status=503)
+        return _json({"status": "ready", "healthy_engines": healthy})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.app.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json(openapi_document())
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        outcome = _Outcome()
+        app = self.app
+        try:
+            if app.draining:
+                raise ApiError(503, "the router is shutting down", retry_after=1)
+            if app.core.loads.in_flight >= app.config.limits.max_inflight:
+                raise ApiError(429, "too many requests in flight", retry_after=1)
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(
+                    413, f"request body is larger than {app.config.limits.max_body_bytes} bytes"
+                ) from None
+            payload = decode_body(body)
+            parse = parse_chat if route == "chat" else parse_completion
+            parsed = parse(payload, self.tokenizer)
+            model = resolve_model(parsed.model, app.registry.models())
+            tokens = parsed.routing_prompt
+            bs = app.config.block_size
+            max_tokens = (
+                parsed.max_tokens
+                if parsed.max_tokens is not None
+                else app.config.limits.default_max_tokens
+            )
+            route_request = RouteRequest(
+                request_id,
+                block_keys(tokens, bs, seed_for(model, parsed.cache_salt)),
+                len(tokens),
+                bs,
+                max_tokens * parsed.n,
+                session=request.headers.get("x-session-id") or parsed.user,
+            )
+            response = await self._forward(
+                request, route, model, parsed, route_request, body, started, outcome
+            )
+            return response
+        except ApiError as err:
+            outcome.set(
+                "client_error" if err.status < 500 else _server_outcome(err.status), err.status
+            )
+            if err.status == 429:
+                outcome.outcome = "rejected"
+            return error_response(err, request_id)
+        finally:
+            app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
+            app.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        route: str,
+        model: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        body: bytes,
+        started: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        app = self.app
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        exclude: set[str] = set()
+        last_error: UpstreamError | None = None
+        for attempt in range(1 + app.config.proxy.retries):
+            candidates = app.registry.candidates(model, exclude=exclude)
+            if not candidates:
+                if last_error is not None:
+                    raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+                raise ApiError(503, f"no healthy engine serves model '{model}'", retry_after=1)
+            try:
+                decision = await app.core.route(route_request, candidates)
+            except NoCandidates:
+                raise ApiError(503, f"no healthy engine serves model '{model}'") from None
+            if attempt == 0:
+                app.metrics.routing_seconds.observe(time.perf_counter() - started)
+                if route_request.prompt_tokens:
+                    app.metrics.prefix_match.observe(
+                        decision.cached_tokens / route_request.prompt_tokens
+                    )
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s: %s", route_request.request_id, decision.describe())
+            try:
+                return await self._attempt(
+                    request, path, parsed, route_request, decision, body, started, outcome
+                )
+            except UpstreamError as err:
+                last_error = err
+                exclude.add(decision.engine.endpoint)
+                app.metrics.retries.labels(err.kind).inc()
+                log.info(
+                    "request %s: %s failed before the first byte (%s); %s",
+                    route_request.request_id,
+                    decision.engine.label,
+                    err,
+                    "retrying" if attempt < app.config.proxy.retries else "giving up",
+                )
+        assert last_error is not None
+        raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        path: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        decision: Decision,
+        body: bytes,
+        started: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        """One try on one engine. Raises UpstreamError while nothing reached the client."""
+        app = self.app
+        engine = app.registry.engine_of(decision.engine)
+        assert engine is not None
+        ticket = app.core.loads.begin(
+            decision.engine,
+            sum(len(p) for p in parsed.prompts) * parsed.n,
+            decision.cached_tokens,
+            route_request.max_tokens,
+        )
+        headers = {"Content-Type": _JSON, "X-Request-Id": route_request.request_id}
+        if engine.dp_size > 1:
+            headers["X-data-parallel-rank"] = str(decision.engine.rank)
+        auth = request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        ours = {
+            "x-request-id": route_request.request_id,
+            "x-kvroute-engine": decision.engine.label,
+            "x-kvroute-reason": decision.summary(),
+        }
+        watchdog = Watchdog(app.config.proxy.first_byte_timeout_s)
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                upstream = await app.upstream.open(engine.url + path, body, headers, watchdog)
+            except UpstreamError:
+                app.registry.record_failure(engine)
+                raise
+            if upstream.status >= 400:  # the engine refused the request itself: pass it on
+                data = await self._read_all(upstream, watchdog, engine)
+                app.registry.record_success(engine)
+                outcome.set("client_error", upstream.status)
+                ctype = upstream.headers.get("Content-Type", _JSON)
+                return web.Response(
+                    body=data, status=upstream.status, headers={**ours, "Content-Type": ctype}
+                )
+            if not parsed.stream:
+                data = await self._read_all(upstream, watchdog, engine)
+                app.registry.record_success(engine)
+                outcome.set("ok", upstream.status)
+                return web.Response(
+                    body=data, status=upstream.status, headers={**ours, "Content-Type": _JSON}
+                )
+            return await self._relay(
+                request, upstream, watchdog, engine, ticket, ours, started, outcome
+            )
+        finally:
+            watchdog.stop()
+            if upstream is not None:
+                upstream.close()
+            app.core.loads.end(ticket)
+
+    async def _read_all(
+        self, upstream: aiohttp.ClientResponse, watchdog: Watchdog, engine: Any
+    ) -> bytes:
+        try:
+            return await upstream.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self.app.registry.record_failure(engine)
+            if watchdog.expired:
+                raise UpstreamError("timeout", "the engine went quiet mid-answer") from None
+            raise UpstreamError("protocol", f"the answer broke off: {exc}") from None
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        watchdog: Watchdog,
+        engine: Any,
+        ticket: Ticket,
+        ours: dict[str, str],
+        started: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        """Stream the engine's SSE answer through, chunk by chunk."""
+        app = self.app
+        content = upstream.content
+        try:
+            first = await content.readany()
+        except (aiohttp.ClientError, OSError) as exc:
+            app.registry.record_failure(engine)
+            if watchdog.expired:
+                raise UpstreamError("timeout", "no first token in time") from None
+            raise UpstreamError(
+                "protocol", f"the stream broke before its first byte: {exc}"
+            ) from None
+        if not first:
+            app.registry.record_failure(engine)
+            raise UpstreamError("protocol", "the engine closed the stream without a byte")
+        watchdog.touch(app.config.proxy.idle_timeout_s)
+        app.core.loads.prefilled(ticket)
+        app.metrics.ttft_seconds.observe(time.perf_counter() - started)
+        out = web.StreamResponse(status=upstream.status, headers={**ours, **_SSE_HEADERS})
+        await out.prepare(request)
+        await out.write(first)
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                watchdog.touch()
+                await out.write(chunk)
+        except (aiohttp.ClientError, OSError) as exc:
+            if isinstance(exc, (ConnectionResetError, aiohttp.ClientConnectionResetError)) and (
+                request.transport is None or request.transport.is_closing()
+            ):
+                raise asyncio.CancelledError from None  # the client left
+            app.registry.record_failure(engine)
+            err = (
+                ApiError(504, "the engine went quiet mid-stream")
+                if watchdog.expired
+                else ApiError(502, f"the engine's stream broke: {exc}")
+            )
+            outcome.set("stream_error", err.status)
+            await out.write(err.sse())
+            await out.write_eof()
+            return out
+        app.registry.record_success(engine)
+        outcome.set("ok", upstream.status)
+        await out.write_eof()
+        return out
+
+
+def _server_outcome(status: int) -> str:
+    return {502: "engine_error", 503: "no_engine", 504: "timeout"}.get(status, "engine_error")
+
+
+def openapi_document() -> dict[str, Any]:
+    """OpenAPI 3.1 description of the router's HTTP API."""
+    from pydantic.json_schema import models_json_schema
+
+    _, defs = models_json_schema(
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        ref_template="#/components/schemas/{model}",
+    )
+    error = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "integer", "null"]},
+                },
+            }
+        },
+    }
+    schemas = {**defs.get("$defs", {}), "Error": error}
+    errors = {
+        str(code): {
+            "description": text,
+            "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+        for code, text in (
+            (400, "Invalid request"),
+            (404, "Unknown model"),
+            (413, "Body too large"),
+            (429, "Too many requests in flight (see Retry-After)"),
+            (502, "An engine failed"),
+            (503, "No healthy engine"),
+            (504, "An engine timed out"),
+        )
+    }
+
+    def generate(model: str, summary: str) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{model}"}}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "The engine's answer (JSON, or SSE when streaming)",
+                        "content": {
+                            _JSON: {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors,
+                },
+            }
+        }
+
+    def plain(summary: str, codes: tuple[str, ...] = ("200",)) -> dict[str, Any]:
+        return {
+            "get": {"summary": summary, "responses": {c: {"description": summary} for c in codes}}
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvroute", "version": __import__("router").__version__},
+        "paths": {
+            "/v1/completions": generate("CompletionRequest", "Create a completion"),
+            "/v1/chat/completions": generate("ChatCompletionRequest", "Create a chat completion"),
+            "/v1/models": plain("List served models"),
+            "/health": plain("Liveness"),
+            "/ready": plain("Readiness", ("200", "503")),
+            "/metrics": plain("Prometheus metrics"),
+        },
+        "components": {"schemas": schemas},
+    }

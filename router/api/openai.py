@@ -1,0 +1,218 @@
+"""Parse OpenAI completion and chat requests into what routing needs.
+
+The hot path decodes the body with msgspec into plain objects and checks only what
+routing reads; the engine validates the rest (and its 4xx answers pass through). The
+pydantic models at the bottom describe the request bodies for the OpenAPI document
+and are not used per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.api.errors import ApiError, bad_request
+from router.tokenization.words import WordTokenizer
+
+_decode = msgspec.json.Decoder().decode
+_MAX_TOKEN_ID = 2**32
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """The routing-relevant facts of one completion or chat request."""
+
+    model: str | None
+    prompts: list[list[int]]
+    """Token ids of every prompt (a batch of completions, or one rendered chat)."""
+    stream: bool
+    max_tokens: int | None
+    n: int
+    cache_salt: str | None
+    user: str | None
+    include_usage: bool
+
+    @property
+    def routing_prompt(self) -> list[int]:
+        """The prompt routing follows: the longest one in a batch."""
+        return max(self.prompts, key=len)
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts) * self.n
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    try:
+        payload = _decode(body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    return payload
+
+
+def _opt_int(payload: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = payload.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer", name)
+    if value < minimum:
+        raise bad_request(f"'{name}' must be at least {minimum}", name)
+    return value
+
+
+def _opt_str(payload: dict[str, Any], name: str) -> str | None:
+    value = payload.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise bad_request(f"'{name}' must be a string", name)
+
+
+def _token_ids(ids: list[Any]) -> list[int]:
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _MAX_TOKEN_ID:
+            raise bad_request("token ids must be integers in [0, 2^32)", "prompt")
+    return ids
+
+
+def _prompts(value: Any, tokenizer: WordTokenizer) -> list[list[int]]:
+    if isinstance(value, str):
+        return [tokenizer.encode(value)]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return [tokenizer.encode(p) for p in value]
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+            return [_token_ids(value)]
+        if all(isinstance(p, list) for p in value):
+            return [_token_ids(p) for p in value]
+    raise bad_request(
+        "'prompt' must be a string, a list of strings, a list of token ids, "
+        "or a list of token-id lists",
+        "prompt",
+    )
+
+
+def _common(
+    payload: dict[str, Any],
+) -> tuple[str | None, bool, int | None, int, str | None, str | None, bool]:
+    model = _opt_str(payload, "model")
+    stream = payload.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    max_tokens = _opt_int(payload, "max_tokens", 0)
+    if max_tokens is None:
+        max_tokens = _opt_int(payload, "max_completion_tokens", 0)
+    n = _opt_int(payload, "n", 1) or 1
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    return (
+        model,
+        stream,
+        max_tokens,
+        n,
+        _opt_str(payload, "cache_salt"),
+        _opt_str(payload, "user"),
+        include_usage,
+    )
+
+
+def parse_completion(payload: dict[str, Any], tokenizer: WordTokenizer) -> ParsedRequest:
+    if "prompt" not in payload:
+        raise bad_request("'prompt' is required", "prompt")
+    prompts = _prompts(payload["prompt"], tokenizer)
+    if any(not p for p in prompts):
+        raise bad_request("'prompt' must not be empty", "prompt")
+    model, stream, max_tokens, n, salt, user, usage = _common(payload)
+    return ParsedRequest(model, prompts, stream, max_tokens, n, salt, user, usage)
+
+
+def parse_chat(payload: dict[str, Any], tokenizer: WordTokenizer) -> ParsedRequest:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    for msg in messages:
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise bad_request("each message must be an object with a 'role'", "messages")
+    add_generation_prompt = payload.get("add_generation_prompt", True)
+    try:
+        text = tokenizer.apply_chat_template(messages, bool(add_generation_prompt))
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    tokens = tokenizer.encode(text)
+    model, stream, max_tokens, n, salt, user, usage = _common(payload)
+    return ParsedRequest(model, [tokens], stream, max_tokens, n, salt, user, usage)
+
+
+def resolve_model(requested: str | None, served: Sequence[str]) -> str:
+    """The model to route for: the requested one if served, the only one if omitted."""
+    if requested is None:
+        if len(served) == 1:
+            return served[0]
+        raise bad_request("'model' is required when several models are served", "model")
+    if requested not in served:
+        listed = ", ".join(served) or "none"
+        raise ApiError(
+            404,
+            f"The model '{requested}' does not exist. Served models: {listed}",
+            param="model",
+            code="model_not_found",
+        )
+    return requested
+
+
+# --------------------------------------------------------------------------- OpenAPI models
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = None
+
+
+class CompletionRequest(_Body):
+    """POST /v1/completions. Fields beyond these pass through to the engine."""
+
+    model: str | None = Field(None, description="Served model or LoRA adapter name.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text, texts, token ids, or lists of token ids (non-empty)."
+    )
+    max_tokens: int | None = Field(None, ge=0)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    cache_salt: str | None = Field(None, description="Isolates prefix caching per tenant.")
+    user: str | None = Field(None, description="Also the session key of the session policy.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Body):
+    """POST /v1/chat/completions. Fields beyond these pass through to the engine."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    cache_salt: str | None = None
+    user: str | None = None

@@ -1,0 +1,180 @@
+"""One running router: every component built from the configuration, started and stopped.
+
+``kvroute serve`` runs one :class:`RouterApp` in one asyncio process. Tests run several
+in one process (each has its own metrics registry, index and client session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from router.api.http import HttpApi
+from router.config import Config
+from router.core import RoutingCore
+from router.engines.load import LoadTracker
+from router.engines.monitor import EngineMonitor
+from router.engines.registry import Engine, Registry
+from router.events.ingest import EventIngestor
+from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
+from router.index import KVIndex, MemoryIndex
+from router.index.base import IndexStats
+from router.metrics import RouterMetrics, StateSources
+from router.policy import make_policy
+from router.proxy import Upstream
+from router.tokenization.words import WordTokenizer
+from router.types import EngineKey
+
+log = logging.getLogger("kvroute")
+
+
+def build_index(config: Config) -> KVIndex:
+    if config.index.backend == "memory":
+        return MemoryIndex()
+    raise NotImplementedError(f"index backend {config.index.backend!r} is not available")
+
+
+class RouterApp:
+    """The router's components and their lifecycle."""
+
+    def __init__(self, config: Config, index: KVIndex | None = None) -> None:
+        self.config = config
+        self.tokenizer = WordTokenizer()
+        self.index = index or build_index(config)
+        self.loads = LoadTracker(config.block_size)
+        self.registry = Registry(config.health)
+        for engine_cfg in config.engines:
+            self.registry.add(Engine.from_config(engine_cfg))
+        policy = make_policy(config.policy)
+        self.core = RoutingCore(
+            self.index, policy, config.policy, self.loads, has_events=self._has_events
+        )
+        self.ingestor = EventIngestor(self.index, on_block_size_mismatch=self._block_size_mismatch)
+        self.subscriber: KVEventSubscriber | None = None
+        self._index_stats: IndexStats | None = None
+        self.metrics = RouterMetrics(
+            StateSources(
+                core=self.core,
+                registry=self.registry,
+                ingest=self.ingestor.counters,
+                index_stats=lambda: self._index_stats,
+            )
+        )
+        self.draining = False
+        self.started_at = time.time()
+        self.upstream: Upstream | None = None
+        self.monitor: EngineMonitor | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.url = ""
+
+    # ------------------------------------------------------------------ wiring
+
+    def _has_events(self, key: EngineKey) -> bool:
+        if self.subscriber is None:
+            return False
+        return self.subscriber.stream_state(key) is not None
+
+    def _block_size_mismatch(self, key: EngineKey, expected: int, got: int) -> None:
+        log.error(
+            "engine %s publishes KV events with block size %d, the router uses %d; "
+            "its events are ignored",
+            key.label,
+            got,
+            expected,
+        )
+
+    async def _subscribe(self, engine: Engine) -> None:
+        """Follow an engine's KV events once discovery says where they are."""
+        if self.subscriber is None or engine.events is None:
+            return
+        for key in engine.keys:
+            if self.subscriber.stream_state(key) is not None:
+                continue
+            await self.subscriber.add_source(
+                EventSource(
+                    engine=key,
+                    namespace=next(iter(sorted(engine.models)), ""),
+                    endpoint=engine.events.endpoint,
+                    replay_endpoint=engine.events.replay_endpoint,
+                    topic=engine.events.topic,
+                    block_size=self.config.block_size,
+                )
+            )
+            log.info("following KV events of %s at %s", key.label, engine.events.endpoint)
+
+    def _resolve_topic(self, topic: str, rank: int | None) -> EventSource | None:
+        parsed = parse_llmd_topic(topic)
+        if parsed is None:
+            return None
+        endpoint, model = parsed
+        engine = self.registry.get(endpoint)
+        if engine is None:
+            return None
+        return EventSource(EngineKey(endpoint, rank or 0), model, block_size=self.config.block_size)
+
+    async def _refresh_index_stats(self) -> None:
+        while True:
+            try:
+                self._index_stats = await self.index.stats()
+            except Exception:  # the index may be briefly unavailable; keep the last value
+                log.debug("index stats unavailable", exc_info=True)
+            await asyncio.sleep(5.0)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def web_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+        app.add_routes(HttpApi(self).routes())
+        return app
+
+    async def start(self) -> str:
+        """Start everything and listen; returns the bound URL."""
+        self.upstream = Upstream(self.config.proxy)
+        if self.config.events.enabled:
+            self.subscriber = KVEventSubscriber(
+                self.ingestor, replay_timeout=self.config.events.replay_timeout_s
+            )
+            self.metrics.state.sources.subscriber = self.subscriber.stats
+            if self.config.events.bind_endpoint:
+                bound = await self.subscriber.bind(
+                    self.config.events.bind_endpoint, self._resolve_topic
+                )
+                log.info("KV events: bound %s for engines that connect", bound)
+        self.monitor = EngineMonitor(
+            self.config, self.registry, self.upstream, self.loads, self._subscribe
+        )
+        await self.monitor.start()
+        self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
+        self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, self.config.server.host, self.config.server.port, backlog=1024
+        )
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        host, port = sockets[0].getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{port}"
+        self.started_at = time.time()
+        return self.url
+
+    async def stop(self) -> None:
+        self.draining = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+        if self.upstream is not None:
+            await self.upstream.close()
+        await self.index.close()

@@ -1,0 +1,269 @@
+"""A load generator for OpenAI-compatible endpoints (kvroute, an engine, another router).
+
+It sends :class:`RequestSpec` s closed-loop (a fixed number in flight) or on a schedule
+(each spec's ``at`` offset), streams by default, and records per request what routing
+is judged by: the engine that served it (``x-kvroute-engine``), the cached prompt
+tokens the engine reported, time to first token, inter-token gaps, end-to-end time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to send."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int = 16
+    group: str = ""
+    """A label results are grouped by (a shared-prefix group, a conversation)."""
+    at: float | None = None
+    """Seconds after the run starts to send it (None: as soon as a slot is free)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Result:
+    spec: RequestSpec
+    status: int = 0
+    engine: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    error: str = ""
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+def words(rng: random.Random, count: int, tag: str = "w") -> str:
+    """``count`` pseudo-random words; the emulator's tokenizer makes each one token."""
+    return " ".join(f"{tag}{rng.getrandbits(40):x}" for _ in range(count))
+
+
+def shared_prefix_workload(
+    groups: int,
+    per_group: int,
+    prefix_tokens: int,
+    question_tokens: int,
+    max_tokens: int,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> list[RequestSpec]:
+    """Groups of prompts that share a long prefix and end in distinct questions."""
+    rng = random.Random(seed)
+    specs = []
+    for g in range(groups):
+        prefix = words(rng, prefix_tokens, f"g{g}x")
+        for _ in range(per_group):
+            prompt = f"{prefix} {words(rng, question_tokens, 'q')}"
+            specs.append(RequestSpec(prompt=prompt, max_tokens=max_tokens, group=f"group-{g}"))
+    if shuffle:
+        rng.shuffle(specs)
+    return specs
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str | None,
+    spec: RequestSpec,
+    stream: bool,
+    headers: dict[str, str],
+) -> Result:
+    result = Result(spec)
+    chat = spec.messages is not None
+    body: dict[str, Any] = {"max_tokens": spec.max_tokens, "stream": stream, **spec.extra}
+    if model is not None:
+        body["model"] = model
+    if chat:
+        body["messages"] = spec.messages
+    else:
+        body["prompt"] = spec.prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    started = time.perf_counter()
+    last = started
+    pieces: list[str] = []
+    try:
+        async with session.post(url, data=_encode(body), headers=headers) as resp:
+            result.status = resp.status
+            result.engine = resp.headers.get("x-kvroute-engine", "")
+            if resp.status != 200:
+                result.error = (await resp.read())[:300].decode("utf-8", "replace")
+                return result
+            if not stream:
+                payload = _decode(await resp.read())
+                _take_usage(result, payload.get("usage"))
+                choice = (payload.get("choices") or [{}])[0]
+                pieces.append(
+                    choice.get("text") or (choice.get("message") or {}).get("content") or ""
+                )
+            else:
+                buffer = b""
+                async for chunk in resp.content.iter_any():
+                    buffer += chunk
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        if not event.startswith(b"data: "):
+                            continue
+                        data = event[6:]
+                        if data == b"[DONE]":
+                            continue
+                        payload = _decode(data)
+                        if "error" in payload:
+                            result.error = str(payload["error"].get("message", "stream error"))
+                            continue
+                        _take_usage(result, payload.get("usage"))
+                        for choice in payload.get("choices") or []:
+                            text = choice.get("text")
+                            if text is None:
+                                text = (choice.get("delta") or {}).get("content")
+                            if text:
+                                now = time.perf_counter()
+                                if result.ttft is None:
+                                    result.ttft = now - started
+                                else:
+                                    result.itl.append(now - last)
+                                last = now
+                                pieces.append(text)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.e2e = time.perf_counter() - started
+    if result.ttft is None and result.ok:
+        result.ttft = result.e2e
+    result.text = "".join(pieces)
+    return result
+
+
+def _take_usage(result: Result, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.completion_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+async def run_load(
+    base_url: str,
+    specs: Iterable[RequestSpec],
+    *,
+    concurrency: int = 8,
+    model: str | None = None,
+    stream: bool = True,
+    timeout: float = 300.0,
+    headers: dict[str, str] | None = None,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Send every spec; closed loop with ``concurrency`` slots, or on each spec's ``at``."""
+    items = list(specs)
+    results: list[Result | None] = [None] * len(items)
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    connector = aiohttp.TCPConnector(limit=0)
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
+        started = time.perf_counter()
+        slots = asyncio.Semaphore(concurrency)
+
+        async def send(i: int) -> None:
+            spec = items[i]
+            if spec.at is not None:
+                delay = spec.at - (time.perf_counter() - started)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            async with slots:
+                result = await _one(session, base_url, model, spec, stream, hdrs)
+            results[i] = result
+            if on_result is not None:
+                on_result(result)
+
+        await asyncio.gather(*(send(i) for i in range(len(items))))
+    return [r for r in results if r is not None]
+
+
+# ------------------------------------------------------------------------------ summaries
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class Summary:
+    requests: int
+    errors: int
+    hit_rate: float
+    """Cached prompt tokens over prompt tokens, as the engines reported."""
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    e2e_p50: float
+    per_engine: dict[str, tuple[int, float]]
+    """engine -> (requests, cached-token ratio)."""
+    group_affinity: float
+    """Mean share of each group's requests that went to that group's busiest engine."""
+
+
+def summarize(results: Sequence[Result]) -> Summary:
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    per_engine: dict[str, list[Result]] = defaultdict(list)
+    groups: dict[str, list[str]] = defaultdict(list)
+    for r in ok:
+        per_engine[r.engine or "?"].append(r)
+        groups[r.spec.group].append(r.engine)
+    table = {
+        engine: (
+            len(rs),
+            sum(r.cached_tokens for r in rs) / max(sum(r.prompt_tokens for r in rs), 1),
+        )
+        for engine, rs in sorted(per_engine.items())
+    }
+    shares = [
+        max(engines.count(e) for e in set(engines)) / len(engines)
+        for engines in groups.values()
+        if engines
+    ]
+    itl = [gap for r in ok for gap in r.itl]
+    return Summary(
+        requests=len(results),
+        errors=len(results) - len(ok),
+        hit_rate=cached / prompt if prompt else 0.0,
+        ttft_p50=percentile([r.ttft for r in ok if r.ttft is not None], 50),
+        ttft_p99=percentile([r.ttft for r in ok if r.ttft is not None], 99),
+        itl_p50=percentile(itl, 50),
+        e2e_p50=percentile([r.e2e for r in ok], 50),
+        per_engine=table,
+        group_affinity=statistics.mean(shares) if shares else 0.0,
+    )

@@ -1,0 +1,179 @@
+"""The engines the router knows: identity, role, models, and health state.
+
+An engine is one inference server URL; with ``dp_size`` N it is N routing targets
+(:class:`~router.types.EngineKey` per data-parallel rank) that share the URL and
+health. Only healthy engines are candidates.
+
+Health: ``record_failure`` counts consecutive failures from requests and probes;
+``eject_after_failures`` in a row eject the engine for a backoff that doubles with
+each ejection (up to ``backoff_max_s``); a successful probe after the backoff
+re-admits it and resets the count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+from router.config import EngineConfig, EventEndpoints, HealthConfig
+from router.types import EngineKey
+
+
+class EngineState(str, Enum):
+    HEALTHY = "healthy"
+    EJECTED = "ejected"
+    DRAINING = "draining"
+    """No new requests; in-flight ones finish (admin drain, shutdown)."""
+
+
+def endpoint_of(url: str) -> str:
+    """``http://host:port/...`` -> ``host:port``."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}"
+
+
+@dataclass(slots=True)
+class Engine:
+    """One engine and what the router knows about it."""
+
+    url: str
+    role: str = "both"
+    models: set[str] = field(default_factory=set)
+    dp_size: int = 1
+    events: EventEndpoints | None = None
+    """Where its KV events come from, once known."""
+    wants_events: bool = True
+    """False when configured with ``kv_events: none``."""
+    block_size: int | None = None
+    state: EngineState = EngineState.HEALTHY
+    failures: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0
+    admitted_at: float = 0.0
+    discovered: bool = False
+    """Whether /v1/models and /server_info have been read."""
+
+    @property
+    def endpoint(self) -> str:
+        return endpoint_of(self.url)
+
+    @property
+    def keys(self) -> list[EngineKey]:
+        return [EngineKey(self.endpoint, rank) for rank in range(self.dp_size)]
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> Engine:
+        return cls(
+            url=cfg.url,
+            role=cfg.role,
+            models=set(cfg.models),
+            dp_size=cfg.dp_size,
+            events=cfg.kv_events if isinstance(cfg.kv_events, EventEndpoints) else None,
+            wants_events=cfg.kv_events != "none",
+        )
+
+
+class Registry:
+    """All engines, by endpoint, with candidate selection and health bookkeeping."""
+
+    def __init__(self, health: HealthConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.health = health
+        self.clock = clock
+        self._engines: dict[str, Engine] = {}
+        self.listeners: list[Callable[[Engine, EngineState], None]] = []
+        """Called with (engine, previous state) whenever an engine changes state."""
+
+    def __iter__(self) -> Iterable[Engine]:  # type: ignore[override]
+        return iter(list(self._engines.values()))
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def add(self, engine: Engine) -> Engine:
+        self._engines[engine.endpoint] = engine
+        return engine
+
+    def remove(self, endpoint: str) -> Engine | None:
+        return self._engines.pop(endpoint, None)
+
+    def get(self, endpoint: str) -> Engine | None:
+        return self._engines.get(endpoint)
+
+    def engine_of(self, key: EngineKey) -> Engine | None:
+        return self._engines.get(key.endpoint)
+
+    def models(self) -> list[str]:
+        """Every model some engine serves, sorted."""
+        return sorted({m for e in self._engines.values() for m in e.models})
+
+    def serves(self, model: str) -> bool:
+        return any(model in e.models for e in self._engines.values())
+
+    def candidates(
+        self, model: str, roles: tuple[str, ...] = ("both",), exclude: Iterable[str] = ()
+    ) -> list[EngineKey]:
+        """Routing targets that serve ``model`` in one of ``roles`` and are healthy."""
+        skip = set(exclude)
+        return [
+            key
+            for e in self._engines.values()
+            if e.state is EngineState.HEALTHY
+            and e.role in roles
+            and model in e.models
+            and e.endpoint not in skip
+            for key in e.keys
+        ]
+
+    def healthy_count(self) -> int:
+        return sum(1 for e in self._engines.values() if e.state is EngineState.HEALTHY)
+
+    # ---------------------------------------------------------------- health
+
+    def _set_state(self, engine: Engine, state: EngineState) -> None:
+        previous = engine.state
+        if previous is state:
+            return
+        engine.state = state
+        for listener in self.listeners:
+            listener(engine, previous)
+
+    def record_success(self, engine: Engine) -> None:
+        engine.failures = 0
+
+    def record_failure(self, engine: Engine) -> bool:
+        """Count a failure; returns True if this one ejected the engine."""
+        engine.failures += 1
+        now = self.clock()
+        if now - engine.admitted_at > self.health.backoff_max_s:
+            engine.ejections = 0  # a long healthy run forgives earlier ejections
+        if (
+            engine.state is EngineState.HEALTHY
+            and engine.failures >= self.health.eject_after_failures
+        ):
+            backoff = min(
+                self.health.backoff_initial_s * 2**engine.ejections, self.health.backoff_max_s
+            )
+            engine.ejections += 1
+            engine.ejected_until = now + backoff
+            self._set_state(engine, EngineState.EJECTED)
+            return True
+        return False
+
+    def probe_succeeded(self, engine: Engine) -> bool:
+        """A health probe passed; returns True if that re-admitted the engine."""
+        engine.failures = 0
+        if engine.state is EngineState.EJECTED and self.clock() >= engine.ejected_until:
+            engine.admitted_at = self.clock()
+            self._set_state(engine, EngineState.HEALTHY)
+            return True
+        return False
+
+    def drain(self, engine: Engine) -> None:
+        self._set_state(engine, EngineState.DRAINING)
+
+    def undrain(self, engine: Engine) -> None:
+        if engine.state is EngineState.DRAINING:
+            self._set_state(engine, EngineState.HEALTHY)

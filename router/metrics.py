@@ -1,0 +1,240 @@
+"""kvroute's Prometheus metrics. Every name here is listed in docs/metrics.md: a contract.
+
+Request-path metrics are updated where things happen. Everything the core, the index,
+the subscriber and the registry already count is read at scrape time by
+:class:`StateCollector`, so it costs nothing per request and per-engine series vanish
+with their engine (label sets stay bounded by the fleet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router import __version__
+
+if TYPE_CHECKING:
+    from router.core import RoutingCore
+    from router.engines.registry import Registry
+    from router.events.ingest import IngestCounters
+    from router.events.subscriber import SubscriberStats
+    from router.index.base import IndexStats
+
+# ``*_created`` series double the output and nobody alerts on them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
+OVERHEAD_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass(slots=True)
+class StateSources:
+    """Where the scrape-time values come from (any may be absent)."""
+
+    core: RoutingCore | None = None
+    registry: Registry | None = None
+    ingest: IngestCounters | None = None
+    subscriber: SubscriberStats | None = None
+    index_stats: Callable[[], IndexStats | None] | None = None
+
+
+class StateCollector(Collector):
+    """Exports counters and state kept elsewhere, computed at scrape time."""
+
+    def __init__(self, sources: StateSources) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        src = self.sources
+        info = GaugeMetricFamily("kvroute_build_info", "kvroute version", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        if src.core is not None:
+            decisions = CounterMetricFamily(
+                "kvroute_decisions",
+                "Routing decisions by policy and reason",
+                labels=["policy", "reason"],
+            )
+            for (policy, reason), n in sorted(src.core.counters.decisions.items()):
+                decisions.add_metric([policy, reason], n)
+            yield decisions
+            yield CounterMetricFamily(
+                "kvroute_index_errors",
+                "Index calls that failed or ran over budget",
+                value=src.core.counters.index_errors,
+            )
+            yield GaugeMetricFamily(
+                "kvroute_inflight_requests",
+                "Requests in flight through this router",
+                value=src.core.loads.in_flight,
+            )
+        if src.registry is not None and src.core is not None:
+            yield from self._engines(src.registry, src.core)
+        if src.index_stats is not None:
+            stats = src.index_stats()
+            if stats is not None:
+                yield GaugeMetricFamily(
+                    "kvroute_index_blocks", "Distinct block keys in the index", value=stats.blocks
+                )
+                yield GaugeMetricFamily(
+                    "kvroute_index_entries",
+                    "(block, engine, tier) records in the index",
+                    value=stats.entries,
+                )
+        if src.ingest is not None:
+            events = CounterMetricFamily(
+                "kvroute_kv_events", "KV events applied, by type", labels=["type"]
+            )
+            for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+                events.add_metric([kind], src.ingest.events.get(kind, 0))
+            yield events
+            skipped = CounterMetricFamily(
+                "kvroute_kv_events_skipped", "KV events not applied, by reason", labels=["reason"]
+            )
+            for reason, n in sorted(src.ingest.skipped.items()):
+                skipped.add_metric([reason], n)
+            yield skipped
+        if src.subscriber is not None:
+            sub = src.subscriber
+            yield CounterMetricFamily(
+                "kvroute_kv_event_batches", "KV-event batches applied", value=sub.batches
+            )
+            yield CounterMetricFamily(
+                "kvroute_kv_event_gaps", "Sequence gaps seen in KV-event streams", value=sub.gaps
+            )
+            replays = CounterMetricFamily(
+                "kvroute_kv_event_replays", "Replay requests by outcome", labels=["outcome"]
+            )
+            for outcome in ("ok", "uncovered", "failed"):
+                replays.add_metric([outcome], sub.replays.get(outcome, 0))
+            yield replays
+            yield CounterMetricFamily(
+                "kvroute_kv_event_restarts",
+                "Engine restarts detected from sequence numbers",
+                value=sub.restarts,
+            )
+            yield CounterMetricFamily(
+                "kvroute_kv_event_garbage",
+                "Undecodable KV-event frames dropped",
+                value=sub.garbage,
+            )
+            lag = GaugeMetricFamily(
+                "kvroute_kv_event_lag_seconds",
+                "Publish-to-apply delay of the last batch",
+                labels=["engine"],
+            )
+            for engine, seconds in sorted(sub.lag.items()):
+                lag.add_metric([engine.label], seconds)
+            yield lag
+
+    def _engines(self, registry: Registry, core: RoutingCore) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily(
+            "kvroute_engine_healthy", "1 if the engine takes requests", labels=["engine"]
+        )
+        inflight = GaugeMetricFamily(
+            "kvroute_engine_inflight_requests",
+            "Requests this router has in flight there",
+            labels=["engine"],
+        )
+        prefill = GaugeMetricFamily(
+            "kvroute_engine_queued_prefill_tokens",
+            "Prompt tokens this router sent there whose first token has not come back",
+            labels=["engine"],
+        )
+        ejections = CounterMetricFamily(
+            "kvroute_engine_ejections", "Times the engine was ejected", labels=["engine"]
+        )
+        view = core.loads.view
+        for engine in registry:
+            healthy.add_metric([engine.endpoint], 1.0 if engine.state.value == "healthy" else 0.0)
+            ejections.add_metric([engine.endpoint], engine.ejections)
+            for key in engine.keys:
+                load = view.get(key)
+                inflight.add_metric([key.label], load.requests if load else 0)
+                prefill.add_metric([key.label], load.prefill_tokens if load else 0)
+        yield healthy
+        yield inflight
+        yield prefill
+        yield ejections
+
+
+class RouterMetrics:
+    """The request-path metrics, in a registry of their own (tests run many routers)."""
+
+    def __init__(self, sources: StateSources | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests",
+            "Client requests by route, outcome and HTTP status",
+            ["route", "outcome", "status"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries",
+            "Requests retried on another engine before the first byte",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_match = Histogram(
+            "kvroute_prefix_match_ratio",
+            "Share of the prompt the chosen engine was expected to hold",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.routing_seconds = Histogram(
+            "kvroute_routing_seconds",
+            "Time from receiving a request to forwarding it (parse, tokenize, hash, decide)",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "kvroute_ttft_seconds",
+            "Time to the first streamed byte, as the router sees it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvroute_request_seconds",
+            "Time from request to the end of the answer",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.state = StateCollector(sources or StateSources())
+        r.register(self.state)
