@@ -159,7 +159,7 @@ def _event(raw: Any) -> KVEvent:
         names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS
         if len(raw) - 1 > len(names):
             raise EventDecodeError(f"{tag} has {len(raw) - 1} fields, at most {len(names)} known")
-        fields = dict(zip(names, raw[1:]))
+        fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise EventDecodeError("event must be a tagged array or a map with 'type'")
     if tag == "BlockStored":

@@ -56,7 +56,7 @@ def test_decoder_reads_golden_payload(name: str) -> None:
 @pytest.mark.parametrize("name", FILES)
 def test_index_ignores_exactly_the_marked_groups(name: str) -> None:
     batch = decode_batch((GOLDEN / name).read_bytes())
-    for event, raw in zip(batch.events, EXPECTED[name]["events"]):
+    for event, raw in zip(batch.events, EXPECTED[name]["events"], strict=True):
         if isinstance(event, BlockStored):
             assert event.indexed is not raw.get("ignored_by_index", False)
 
