@@ -1,11 +1,11 @@
 """Runs an ``EngineModel`` in real time inside the server's event loop.
 
-Model time maps to wall time as ``wall = t0 + model x time_scale``. Each step is
-scheduled at the model time it starts, and its results are applied at the model time
-it ends; the driver sleeps until that wall instant. When the loop falls behind (timer
-granularity, a busy CPU), the next steps run without sleeping until the schedule is
-caught up, so model timestamps stay exact and only delivery is late. While idle, model
-time follows the wall clock, so a request's arrival is its wall arrival.
+Model time maps to wall time as ``wall = t0 + model x time_scale``. While there is work,
+steps run back to back in model time (each starts where the previous one ended) and
+the driver sleeps until each step's end in wall time. When the loop falls behind (timer
+granularity, a busy CPU), it skips sleeping until it has caught up, so model timestamps
+stay exact and only delivery is late. While idle, model time follows the wall clock, so
+a request's arrival is its wall arrival.
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ class EngineDriver:
         self._loop = asyncio.get_running_loop()
         self._t0 = self._loop.time()
         self._model_now = 0.0
+        self._step_end: float | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def now(self) -> float:
-        """Current model time: the wall clock, never earlier than the last step's end."""
+        """Current model time.
+
+        Idle, it follows the wall clock. During a step it is the wall clock clamped to
+        the step's model interval, so an arrival is never later than the step end at
+        which it can first be scheduled, even when delivery runs late.
+        """
         wall = (self._loop.time() - self._t0) / self.time_scale
+        if self._step_end is not None:
+            return min(max(wall, self._model_now), self._step_end)
         return max(self._model_now, wall)
 
     def start(self) -> None:
@@ -93,23 +101,26 @@ class EngineDriver:
     async def _loop_steps(self) -> None:
         loop = self._loop
         model = self.model
+        start: float | None = None
         while True:
-            if not model.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            start = self.now()
+            if start is None:
+                if not model.has_work:
+                    self._wake.clear()
+                    await self._wake.wait()
+                start = self.now()
             duration = model.start_step(start)
             if duration is None:
-                # Nothing fits yet (cannot happen with validated requests): wait for news.
+                # Nothing can run (no work, or none that fits): wait for a submission.
                 self._wake.clear()
                 await self._wake.wait()
+                start = None
                 continue
             end = start + duration
+            self._model_now, self._step_end = start, end
             delay = self._t0 + end * self.time_scale - loop.time()
             # Sleeping 0 still yields, so HTTP handlers run between back-to-back steps.
             await asyncio.sleep(delay if delay > 0 else 0)
-            self._model_now = end
+            self._model_now, self._step_end = end, None
             result = model.finish_step(end)
             self._publish(result.events)
             sinks = self._sinks
@@ -119,3 +130,5 @@ class EngineDriver:
                     sink[0].put_nowait((sink[1], out))
                 if self._on_output is not None:
                     self._on_output(out)
+            # Back to back while there is work: the next step starts where this one ended.
+            start = end if model.has_work else None
