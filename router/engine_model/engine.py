@@ -217,6 +217,7 @@ class EngineModel:
         if self._inflight is not None:
             raise RuntimeError("start_step called twice without finish_step")
         p = self.params
+        bs = p.block_size
         budget = p.max_num_batched_tokens
         scheduled: list[tuple[_Sequence, int]] = []
         preempted_now = False
@@ -225,9 +226,9 @@ class EngineModel:
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.tokens) - seq.computed, budget)
-            need = self._blocks_for(seq.computed + n) - len(seq.blocks)
+            need = -(-(seq.computed + n) // bs) - len(seq.blocks)
             victim = None
-            while victim is not seq and not self.cache.can_allocate(need):
+            while need > 0 and victim is not seq and not self.cache.can_allocate(need):
                 victim = running[-1]
                 self._preempt(victim)
                 preempted_now = True
@@ -258,12 +259,14 @@ class EngineModel:
         if self._inflight is None:
             raise RuntimeError("finish_step called without start_step")
         scheduled, self._inflight = self._inflight, None
+        bs = self.params.block_size
         outputs: list[RequestOutput] = []
         for seq, n in scheduled:
             if seq.aborted:
                 continue
             seq.computed += n
-            self._register_full_blocks(seq)
+            if seq.computed // bs > seq.registered:
+                self._register_full_blocks(seq)
             if seq.computed < len(seq.tokens):
                 continue  # a prefill chunk that did not reach the end
             token = seq.output[seq.generated]
@@ -375,8 +378,6 @@ class EngineModel:
         bs = self.params.block_size
         full = seq.computed // bs
         start = seq.registered
-        if full <= start:
-            return
         self._ensure_hashes(seq, full)
         spec = seq.spec
         extra: list[list[str] | None] | None = None
