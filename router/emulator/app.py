@@ -63,12 +63,24 @@ class EmulatorState:
     tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
     created: int = field(default_factory=lambda: int(time.time()))
     serial: itertools.count[int] = field(default_factory=itertools.count)
+    models: ServedModels = field(init=False)
 
-    @property
-    def models(self) -> ServedModels:
+    def __post_init__(self) -> None:
         cfg = self.config
-        loras = {name: i + 1 for i, name in enumerate(cfg.lora_modules)}
-        return ServedModels(cfg.model, loras, cfg.params.max_model_len)
+        self.models = ServedModels(cfg.model, {n: i + 1 for i, n in enumerate(cfg.lora_modules)})
+
+    def parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
+        """Validate a generation body, including that each prompt fits the engine."""
+        req = parse_generation(
+            body, chat, self.models, self.tokenizer, self.config.default_max_tokens
+        )
+        model = self.drivers[0].model
+        for ids in req.prompts:
+            try:
+                model.validate(len(ids), req.max_tokens)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "messages" if chat else "prompt") from None
+        return req
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -225,8 +237,7 @@ def build_app(state: EmulatorState) -> Starlette:
 
     async def generate(request: Request, chat: bool) -> Response:
         base_id = request_id(request)
-        body = parse_body(await request.body())
-        req = parse_generation(body, chat, state.models, tokenizer, cfg.default_max_tokens)
+        req = state.parse(parse_body(await request.body()), chat)
         gen = _Generation(state, req, base_id, chat)
         headers = {"x-request-id": base_id}
         gen.submit()
@@ -250,16 +261,14 @@ def build_app(state: EmulatorState) -> Starlette:
         return await generate(request, chat=True)
 
     async def render_completions(request: Request) -> Response:
-        body = parse_body(await request.body())
-        req = parse_generation(body, False, state.models, tokenizer, cfg.default_max_tokens)
+        req = state.parse(parse_body(await request.body()), chat=False)
         base = request_id(request)
         return _json(
             [render_result(f"cmpl-{base}-{i}", ids, req) for i, ids in enumerate(req.prompts)]
         )
 
     async def render_chat(request: Request) -> Response:
-        body = parse_body(await request.body())
-        req = parse_generation(body, True, state.models, tokenizer, cfg.default_max_tokens)
+        req = state.parse(parse_body(await request.body()), chat=True)
         return _json(render_result(f"chatcmpl-{request_id(request)}", req.prompts[0], req))
 
     async def tokenize(request: Request) -> Response:

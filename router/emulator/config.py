@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from dataclasses import dataclass, field
 from typing import Literal
@@ -59,7 +58,3 @@ class EmulatorConfig:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.model in self.lora_modules or len(set(self.lora_modules)) != len(self.lora_modules):
             raise ValueError("lora_modules must be distinct and differ from the model name")
-
-    def replace(self, **changes: object) -> EmulatorConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -84,10 +84,6 @@ class KVEventPublisher:
             self.close()
             raise
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def start(self) -> None:
         """Start answering replay requests (needs a running event loop)."""
         if self._replay is not None and self._replay_task is None:

@@ -59,7 +59,6 @@ class ServedModels:
 
     base: str
     loras: Mapping[str, int]
-    max_model_len: int
 
     def resolve(self, name: Any) -> tuple[str, str | None, int | None]:
         """(served name, adapter name, adapter id) for a request's ``model`` field."""
@@ -219,16 +218,6 @@ def parse_generation(
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise APIError(400, "`seed` must be an integer", "seed")
-    for ids in prompts:
-        if len(ids) + max_tokens > models.max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {models.max_model_len} tokens. "
-                f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
-                f"{'messages' if chat else 'prompt'}, {max_tokens} in the completion). Please "
-                f"reduce the length of the {'messages' if chat else 'prompt'} or completion.",
-                "messages" if chat else "prompt",
-            )
     return GenerationRequest(
         model=model,
         lora_name=lora_name,

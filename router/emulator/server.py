@@ -86,11 +86,6 @@ class EmulatedEngine:
         self.kv_events_replay_endpoint: str | None = info["kv_events_replay_endpoint"]
         self.kv_events_topic: str | None = info["kv_events_topic"]
 
-    @property
-    def driver(self) -> EngineDriver:
-        """The engine rank's real-time driver (rank 0)."""
-        return self.state.drivers[0]
-
     def startup_line(self) -> str:
         """The one line a kvroute server prints when it is ready."""
         cfg = self.config

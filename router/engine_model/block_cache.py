@@ -54,9 +54,6 @@ class BlockCache:
         """Blocks currently reachable by hash."""
         return len(self._block_of)
 
-    def holds(self, block_hash: int) -> bool:
-        return block_hash in self._block_of
-
     def match(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes`` (at most ``max_blocks``)."""
         found: list[int] = []
