@@ -45,6 +45,8 @@ class EngineDriver:
         self._t0 = self._loop.time()
         self._model_now = 0.0
         self._step_end: float | None = None
+        #: Model time of the first submission since the last step started.
+        self._arrival: float | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -73,8 +75,11 @@ class EngineDriver:
 
     def submit(self, spec: RequestSpec, sink: Sink) -> None:
         """Queue a request; its outputs are put on ``sink`` as ``(index, output)``."""
-        self.model.submit(spec, self.now())
+        now = self.now()
+        self.model.submit(spec, now)
         self._sinks[spec.request_id] = sink
+        if self._arrival is None:
+            self._arrival = now
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -107,7 +112,11 @@ class EngineDriver:
                 if not model.has_work:
                     self._wake.clear()
                     await self._wake.wait()
-                start = self.now()
+                # An idle engine starts at once on an arrival: the wall time this loop
+                # took to wake up must not count (it is magnified by 1 / time_scale).
+                start = self._arrival if self._arrival is not None else self.now()
+                start = max(start, self._model_now)
+            self._arrival = None
             duration = model.start_step(start)
             if duration is None:
                 # Nothing can run (no work, or none that fits): wait for a submission.
