@@ -12,6 +12,8 @@ import logging
 import signal
 import sys
 
+import zmq
+
 from router.emulator.config import DEFAULT_MODEL, ROLES, EmulatorConfig
 from router.emulator.server import start_engine
 from router.engine_model import DEFAULT_PRESET, PRESETS, EngineParams, preset
@@ -171,7 +173,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve(config))
+        runner = asyncio.run
     else:
-        uvloop.run(_serve(config))
+        runner = uvloop.run
+    try:
+        runner(_serve(config))
+    except (OSError, zmq.ZMQError) as exc:
+        # A taken port or an unusable ZMQ endpoint: say which, without a traceback.
+        print(f"kvroute engine: {exc}", file=sys.stderr)
+        return 1
     return 0

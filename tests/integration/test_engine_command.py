@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -44,4 +45,19 @@ def test_invalid_settings_exit_with_status_2() -> None:
         timeout=30,
     )
     assert result.returncode == 2 and "time_scale must be positive" in result.stderr
+    assert result.stdout == ""
+
+
+def test_a_taken_port_exits_with_status_1_and_says_so() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "router", "engine", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert result.returncode == 1 and "kvroute engine:" in result.stderr
     assert result.stdout == ""
