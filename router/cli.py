@@ -17,6 +17,7 @@ from router import __version__
 #: command name -> (module path, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "Run the router (OpenAI-compatible HTTP API)"),
+    "engine": ("router.emulator.cli", "Run an emulated vLLM-compatible engine"),
 }
 
 

@@ -33,28 +33,12 @@ ROLE_MARKERS = {
 END_MARKER = "<|end|>"
 _MARKER_IDS = {m: i + 1 for i, m in enumerate([*ROLE_MARKERS.values(), END_MARKER])}
 
+# fmt: off
 _SYLLABLES = (
-    "ka",
-    "lo",
-    "mi",
-    "ne",
-    "ru",
-    "sa",
-    "ti",
-    "vo",
-    "ze",
-    "pa",
-    "do",
-    "fi",
-    "gu",
-    "he",
-    "jo",
-    "ba",
-    "qi",
-    "wu",
-    "xe",
-    "yo",
+    "ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa",
+    "do", "fi", "gu", "he", "jo", "ba", "qi", "wu", "xe", "yo",
 )
+# fmt: on
 
 
 def _generation_words(count: int = 1_000) -> list[str]:
@@ -71,9 +55,8 @@ def word_id(word: str) -> int:
     marker = _MARKER_IDS.get(word)
     if marker is not None:
         return marker
-    return (
-        FIRST_WORD_ID + xxhash.xxh32_intdigest(word.encode("utf-8", "surrogatepass")) % _WORD_SPAN
-    )
+    digest = xxhash.xxh32_intdigest(word.encode("utf-8", "surrogatepass"))
+    return FIRST_WORD_ID + digest % _WORD_SPAN
 
 
 class _Vocab(dict[str, int]):

@@ -1,0 +1,185 @@
+"""``kvroute engine``: run one emulated vLLM-compatible engine until SIGTERM or SIGINT.
+
+Prints exactly one line to stdout once serving, containing ``listening on http://HOST:PORT``
+(and the KV-event endpoints actually bound); logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import zmq
+
+from router.emulator.config import DEFAULT_MODEL, ROLES, EmulatorConfig
+from router.emulator.server import start_engine
+from router.engine_model import DEFAULT_PRESET, PRESETS, EngineParams, preset
+from router.events.vllm import WIRE_FORMATS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kvroute engine`` (docs/engine-emulator.md describes each)."""
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    net.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    net.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    net.add_argument("--engine-id", default=None, help="engine identity (default: random)")
+    net.add_argument("--role", choices=ROLES, default="both", help="disaggregation role")
+    net.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME",
+        help="LoRA adapter names also served (listed by /v1/models)",
+    )
+    net.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="output length when a request sets no max_tokens (the emulator ignores EOS)",
+    )
+    net.add_argument("--log-level", default="warning", help="log level on stderr")
+
+    cache = parser.add_argument_group("engine model")
+    cache.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=DEFAULT_PRESET,
+        help="starting point for every engine-model setting below",
+    )
+    cache.add_argument("--block-size", type=int, help="tokens per KV block (preset: 16)")
+    cache.add_argument("--cache-blocks", type=int, help="KV-cache capacity in blocks")
+    cache.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output in tokens (default: the preset's, capped by the cache)",
+    )
+    cache.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    cache.add_argument("--max-num-seqs", type=int, help="most sequences in one step")
+    cache.add_argument("--hash-seed", type=int, help="root of the engine's block hashes")
+    timing = parser.add_argument_group("timing (model time)")
+    timing.add_argument("--step-overhead-ms", type=float, help="fixed cost of every step")
+    timing.add_argument(
+        "--prefill-us-per-token", type=float, help="cost per prompt token not served from cache"
+    )
+    timing.add_argument(
+        "--decode-us-per-seq", type=float, help="cost per sequence in a decode step"
+    )
+    timing.add_argument(
+        "--decode-ns-per-context-token",
+        type=float,
+        help="cost per context token read by decoding sequences",
+    )
+    timing.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per model second (0.01 runs 100x faster than real time)",
+    )
+
+    events = parser.add_argument_group("KV events")
+    events.add_argument(
+        "--kv-events-endpoint",
+        help="ZMQ PUB endpoint; binds with '*', '::', ipc:// or inproc://, else connects",
+    )
+    events.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
+    events.add_argument(
+        "--kv-events-topic", help="topic of every message (default: kv@HOST:PORT@MODEL)"
+    )
+    events.add_argument(
+        "--kv-events-format",
+        choices=WIRE_FORMATS,
+        default="v3-map",
+        help="payload shape: v1-array (older vLLM), v2-mixed, v3-map (current vLLM)",
+    )
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def engine_params(args: argparse.Namespace) -> EngineParams:
+    """The engine-model settings from the preset and the flags that override it.
+
+    Without ``--max-model-len`` the preset's is used, capped so that one sequence of
+    that length fits in the cache (vLLM refuses to start otherwise).
+    """
+    base = PRESETS[args.preset]
+    block_size = base.block_size if args.block_size is None else args.block_size
+    blocks = base.num_gpu_blocks if args.cache_blocks is None else args.cache_blocks
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = min(base.max_model_len, blocks * block_size)
+    return preset(
+        args.preset,
+        block_size=args.block_size,
+        num_gpu_blocks=args.cache_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        step_overhead_s=_scaled(args.step_overhead_ms, 1e-3),
+        prefill_token_s=_scaled(args.prefill_us_per_token, 1e-6),
+        decode_seq_s=_scaled(args.decode_us_per_seq, 1e-6),
+        context_token_s=_scaled(args.decode_ns_per_context_token, 1e-9),
+        max_model_len=max_len,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    optional = {"engine_id": args.engine_id} if args.engine_id else {}
+    return EmulatorConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        params=engine_params(args),
+        hash_seed=args.hash_seed,
+        time_scale=args.time_scale,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_format=args.kv_events_format,
+        lora_modules=tuple(args.lora_modules),
+        default_max_tokens=args.default_max_tokens,
+        **optional,
+    )
+
+
+async def _serve(config: EmulatorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = await start_engine(config)
+    try:
+        print(engine.startup_line(), flush=True)
+        await stop.wait()
+    finally:
+        await engine.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvroute engine``."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvroute engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        runner(_serve(config))
+    except (OSError, zmq.ZMQError) as exc:
+        # A taken port or an unusable ZMQ endpoint: say which, without a traceback.
+        print(f"kvroute engine: {exc}", file=sys.stderr)
+        return 1
+    return 0

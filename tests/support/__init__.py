@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites: engine launchers, HTTP and ZMQ clients."""

@@ -1,0 +1,51 @@
+"""Launching emulated engines for tests: in this process, or as a separate process.
+
+Every address is on loopback. A subprocess engine (``EngineProcess``) runs in its own
+process group, which ``stop()`` (call it in a ``finally``) terminates or kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from router.emulator import EmulatedEngine, EmulatorConfig, start_engine
+from router.emulator.process import EngineProcess
+from router.engine_model import EngineParams
+
+__all__ = ["EngineProcess", "engine_config", "poll", "start_test_engine"]
+
+#: Small, fast engines: a 2,000-token prompt fits many times over; 1,000x real time.
+TEST_PARAMS = EngineParams(num_gpu_blocks=1_024, max_model_len=16_384)
+
+
+def engine_config(**changes: Any) -> EmulatorConfig:
+    """An engine config for tests: loopback, a free port, fast clock, fixed hash seed."""
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "params": TEST_PARAMS,
+        "time_scale": 0.001,
+        "hash_seed": 7,
+    }
+    base.update(changes)
+    return EmulatorConfig(**base)
+
+
+async def start_test_engine(**changes: Any) -> EmulatedEngine:
+    """Start an in-process engine in the running event loop (stop it with ``stop()``)."""
+    return await start_engine(engine_config(**changes))
+
+
+async def poll(predicate: Any, timeout: float = 5.0, interval: float = 0.005) -> Any:
+    """Await ``predicate()`` (sync or async) until it is truthy; fail after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)

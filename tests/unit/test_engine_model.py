@@ -1,0 +1,313 @@
+"""The pure engine model on a virtual clock: cache hits, eviction, batching and timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.engine_model import EngineModel, EngineParams, RequestOutput, RequestSpec, preset
+from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+SMALL = EngineParams(block_size=16, num_gpu_blocks=1_000, max_model_len=8_192)
+
+
+def prompt(n: int, start: int = 5_000) -> list[int]:
+    return list(range(start, start + n))
+
+
+class Run:
+    """Drives an engine on a virtual clock and records what it reports."""
+
+    def __init__(self, engine: EngineModel, now: float = 0.0) -> None:
+        self.engine = engine
+        self.now = now
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.events: list[KVEvent] = []
+        self.durations: list[float] = []
+        self.preempted: list[str] = []
+
+    def submit(self, rid: str, tokens: list[int], max_tokens: int = 1, **kw) -> None:
+        self.engine.submit(RequestSpec(rid, tokens, max_tokens, **kw), self.now)
+
+    def step(self) -> bool:
+        duration = self.engine.start_step(self.now)
+        if duration is None:
+            return False
+        self.durations.append(duration)
+        self.now += duration
+        result = self.engine.finish_step(self.now)
+        for out in result.outputs:
+            self.outputs.setdefault(out.request_id, []).append(out)
+        self.events.extend(result.events)
+        self.preempted.extend(result.preempted)
+        return True
+
+    def until_idle(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise AssertionError("engine did not go idle")
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for out in self.outputs[rid] for t in out.new_token_ids]
+
+    def cached(self, rid: str) -> int:
+        return self.outputs[rid][0].num_cached_tokens
+
+
+def test_repeated_prompt_hits_everything_but_the_last_token() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(2_000))
+    run.until_idle()
+    run.submit("b", prompt(2_000))
+    run.until_idle()
+    assert (run.cached("a"), run.cached("b")) == (0, 1_984)
+
+
+def test_prompt_of_whole_blocks_never_reuses_its_last_block() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(32))
+    run.until_idle()
+    run.submit("b", prompt(32))
+    run.until_idle()
+    assert run.cached("b") == 16
+
+
+def test_a_shared_prefix_hits_up_to_the_first_differing_block() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(100))
+    run.until_idle()
+    run.submit("b", prompt(40) + prompt(60, start=90_000))
+    run.until_idle()
+    assert run.cached("b") == 32
+
+
+def test_cache_salt_and_lora_isolate_prefixes() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("plain", prompt(100))
+    run.until_idle()
+    run.submit("salted", prompt(100), cache_salt="tenant-a")
+    run.submit("adapter", prompt(100), lora_name="sql", lora_id=1)
+    run.until_idle()
+    run.submit("salted-again", prompt(100), cache_salt="tenant-a")
+    run.until_idle()
+    assert (run.cached("salted"), run.cached("adapter"), run.cached("salted-again")) == (0, 0, 96)
+
+
+def test_block_hashes_are_opaque_per_engine_seed() -> None:
+    def first_hashes(seed: int) -> list[int]:
+        run = Run(EngineModel(SMALL, hash_seed=seed))
+        run.submit("a", prompt(64))
+        run.until_idle()
+        stored = [e for e in run.events if isinstance(e, BlockStored)]
+        return stored[0].block_hashes
+
+    assert first_hashes(1) == first_hashes(1)
+    assert first_hashes(1) != first_hashes(2)
+
+
+def test_stored_events_chain_and_carry_tokens_and_salt_on_the_first_block() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(40), max_tokens=30, cache_salt="s")
+    run.until_idle()
+    stored = [e for e in run.events if isinstance(e, BlockStored)]
+    first, rest = stored[0], stored[1:]
+    assert first.parent_block_hash is None and first.token_ids == prompt(32)
+    assert first.extra_keys == [["s"], None] and first.medium == "GPU"
+    assert first.block_size == 16
+    # Generated tokens fill and cache further blocks, each chained to the previous one.
+    parent = first.block_hashes[-1]
+    for event in rest:
+        assert event.parent_block_hash == parent
+        parent = event.block_hashes[-1]
+    assert sum(len(e.block_hashes) for e in stored) == (40 + 30 - 1) // 16
+
+
+def test_generated_tokens_are_cached_for_the_next_turn() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("turn1", prompt(50), max_tokens=40)
+    run.until_idle()
+    follow_up = prompt(50) + run.tokens("turn1") + prompt(20, start=70_000)
+    run.submit("turn2", follow_up)
+    run.until_idle()
+    # Everything computed in turn 1 (prompt + answer minus its last token), whole blocks.
+    assert run.cached("turn2") == (50 + 40 - 1) // 16 * 16
+
+
+def test_outputs_are_a_function_of_the_prompt() -> None:
+    a = Run(EngineModel(SMALL, hash_seed=1))
+    b = Run(EngineModel(SMALL, hash_seed=2))
+    for run in (a, b):
+        run.submit("x", prompt(30), max_tokens=12)
+        run.submit("y", prompt(30), max_tokens=12, sample_seed=1)
+        run.until_idle()
+    assert a.tokens("x") == b.tokens("x") and len(a.tokens("x")) == 12
+    assert a.tokens("x") != a.tokens("y")
+
+
+def test_lru_evicts_only_unreferenced_blocks_and_reports_them() -> None:
+    params = EngineParams(block_size=4, num_gpu_blocks=8, max_model_len=32)
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("old", prompt(9, start=100))  # 3 blocks, 2 of them full and cached
+    run.until_idle()
+    old_hashes = [h for e in run.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    run.submit("long", prompt(20, start=200), max_tokens=4)  # needs 6 of the 8 blocks
+    run.step()
+    assert not any(isinstance(e, BlockRemoved) for e in run.events)
+    run.submit("new", prompt(9, start=300))  # 3 more: the old request's blocks must go
+    run.until_idle()
+    removed = [h for e in run.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    # The released tail goes first; blocks held by the running request are never taken.
+    assert removed and set(removed) <= set(old_hashes)
+    assert len(run.tokens("long")) == 4 and not run.preempted
+
+
+def test_a_released_sequence_is_evicted_tail_first() -> None:
+    params = EngineParams(block_size=4, num_gpu_blocks=4, max_model_len=16)
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("a", prompt(13, start=100))  # 4 blocks, 3 cached
+    run.until_idle()
+    stored = [h for e in run.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    run.submit("b", prompt(5, start=900))  # needs 2 blocks: the fresh-never block is gone
+    run.until_idle()
+    removed = [h for e in run.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed == [stored[2]]  # the partial last block was unhashed, then the tail
+
+
+def test_admission_waits_for_free_blocks() -> None:
+    params = EngineParams(block_size=4, num_gpu_blocks=6, max_model_len=24)
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("a", prompt(16, start=100), max_tokens=4)
+    run.submit("b", prompt(16, start=200), max_tokens=4)
+    run.step()
+    stats = run.engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    run.until_idle()
+    assert len(run.tokens("a")) == len(run.tokens("b")) == 4
+
+
+def test_decode_out_of_blocks_preempts_the_newest_by_recompute() -> None:
+    params = EngineParams(block_size=4, num_gpu_blocks=8, max_model_len=32)
+    reference = Run(EngineModel(params, hash_seed=1))
+    for rid in ("a", "b"):
+        reference.submit(rid, prompt(12, start=100 if rid == "a" else 500), max_tokens=12)
+        reference.until_idle()
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("a", prompt(12, start=100), max_tokens=12)
+    run.submit("b", prompt(12, start=500), max_tokens=12)
+    run.until_idle()
+    assert run.preempted and run.preempted[0] == "b"
+    assert run.engine.stats().num_preemptions == len(run.preempted)
+    # Recompute is invisible in the output: same tokens as when run alone.
+    assert run.tokens("a") == reference.tokens("a")
+    assert run.tokens("b") == reference.tokens("b")
+
+
+def test_chunked_prefill_spends_at_most_the_token_budget_per_step() -> None:
+    params = SMALL.replace(max_num_batched_tokens=512, step_overhead_s=0.01, prefill_token_s=1e-4)
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("a", prompt(1_200))
+    run.until_idle()
+    assert run.durations == pytest.approx([0.01 + 512e-4, 0.01 + 512e-4, 0.01 + 176e-4])
+    assert run.outputs["a"][0].ttft == pytest.approx(sum(run.durations))
+
+
+def test_running_decodes_share_the_budget_with_a_new_prefill() -> None:
+    params = SMALL.replace(
+        max_num_batched_tokens=100,
+        step_overhead_s=0.0,
+        prefill_token_s=1e-3,
+        decode_seq_s=1.0,
+        context_token_s=0.0,
+    )
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("a", prompt(10), max_tokens=10)
+    run.step()
+    run.submit("b", prompt(500, start=50_000))
+    run.step()
+    # The running decode goes first (1 token); b's first chunk gets the other 99.
+    assert run.durations[-1] == pytest.approx(1.0 + 99e-3)
+    run.until_idle()
+    assert len(run.tokens("a")) == 10 and len(run.tokens("b")) == 1
+
+
+def test_max_num_seqs_caps_the_batch() -> None:
+    params = SMALL.replace(max_num_seqs=2)
+    run = Run(EngineModel(params, hash_seed=1))
+    for i in range(3):
+        run.submit(str(i), prompt(10, start=1_000 * (i + 1)), max_tokens=5)
+    run.step()
+    stats = run.engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 1)
+
+
+def test_decode_step_time_grows_with_batch_size_and_context() -> None:
+    params = SMALL.replace(
+        step_overhead_s=0.005, prefill_token_s=0.0, decode_seq_s=1e-4, context_token_s=1e-6
+    )
+
+    def decode_step(batch: int) -> float:
+        run = Run(EngineModel(params, hash_seed=1))
+        for i in range(batch):
+            run.submit(str(i), prompt(100, start=1_000 * (i + 1)), max_tokens=3)
+        run.step()  # prefill of all
+        run.step()  # first decode step
+        return run.durations[-1]
+
+    assert decode_step(1) == pytest.approx(0.005 + 1e-4 + 100e-6)
+    assert decode_step(8) == pytest.approx(0.005 + 8 * (1e-4 + 100e-6))
+
+
+def test_abort_frees_blocks_and_drops_the_inflight_result() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(100), max_tokens=50)
+    run.step()
+    assert run.engine.start_step(run.now) is not None
+    assert run.engine.abort("a", run.now)
+    result = run.engine.finish_step(run.now + 0.01)
+    assert result.outputs == []
+    stats = run.engine.stats()
+    assert (stats.num_running, stats.kv_cache_usage) == (0, 0.0)
+    assert not run.engine.abort("a", run.now)
+
+
+def test_reset_is_refused_while_busy_and_clears_when_idle() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(100), max_tokens=5)
+    run.step()
+    assert not run.engine.reset_prefix_cache(run.now)
+    run.until_idle()
+    assert run.engine.reset_prefix_cache(run.now)
+    assert run.engine.take_events() == [AllBlocksCleared()]
+    run.submit("b", prompt(100))
+    run.until_idle()
+    assert run.cached("b") == 0
+
+
+def test_counters_follow_vllm_definitions() -> None:
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("a", prompt(2_000), max_tokens=3)
+    run.until_idle()
+    run.submit("b", prompt(2_000), max_tokens=2)
+    run.until_idle()
+    s = run.engine.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (4_000, 1_984)
+    assert (s.prompt_tokens, s.generation_tokens) == (4_000, 5)
+
+
+def test_requests_that_cannot_fit_are_rejected_up_front() -> None:
+    engine = EngineModel(SMALL, hash_seed=1)
+    with pytest.raises(ValueError, match="maximum context length is 8192"):
+        engine.submit(RequestSpec("a", prompt(8_000), 500), 0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.submit(RequestSpec("a", prompt(10), 0), 0.0)
+
+
+def test_presets_and_overrides() -> None:
+    mocker = preset("dynamo-mocker")
+    assert (mocker.block_size, mocker.num_gpu_blocks) == (64, 16_384)
+    assert (mocker.max_num_batched_tokens, mocker.max_num_seqs) == (8_192, 256)
+    assert preset("h100-8b", max_num_seqs=4, block_size=None).max_num_seqs == 4
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("nope")
+    with pytest.raises(ValueError, match="does not fit"):
+        EngineParams(num_gpu_blocks=10, max_model_len=1_000)
