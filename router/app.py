@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from router.api.http import HttpApi
+from router.api.http import HttpApi, openai_errors
 from router.config import Config
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
@@ -127,7 +127,9 @@ class RouterApp:
     # ------------------------------------------------------------------ lifecycle
 
     def web_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.config.limits.max_body_bytes, middlewares=[openai_errors]
+        )
         app.add_routes(HttpApi(self).routes())
         return app
 

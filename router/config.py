@@ -50,7 +50,11 @@ class PolicyConfig(_Section):
         1.0, ge=0, description="Cost per block of prefill already queued on the engine."
     )
     decode_weight: float = Field(
-        1.0, ge=0, description="Cost per KV block held by the engine's decoding requests."
+        0.1,
+        ge=0,
+        description="Cost per KV block held by the engine's decoding requests. Small: a "
+        "decoding sequence shares every step with a newcomer instead of queueing ahead of "
+        "it, so it delays a first token far less than a block of queued prefill.",
     )
     waiting_weight: float = Field(
         0.0,

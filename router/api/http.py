@@ -72,6 +72,32 @@ class _Outcome:
         self.outcome, self.status = outcome, status
 
 
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer every failure in OpenAI's error form: unknown paths and methods included.
+
+    An exception nobody expected is logged with its traceback and answered 503 (this
+    router could not serve the request; another replica may), never 500.
+    """
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        status = exc.status if exc.status in (400, 401, 403, 404, 405, 413, 429) else 400
+        if status == 405:
+            err = ApiError(404, f"{request.method} {request.path} is not supported")
+        else:
+            err = ApiError(status, exc.reason or "request rejected")
+        return error_response(err, request.headers.get("x-request-id"))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        err = ApiError(503, "the router failed to serve this request", code="router_error")
+        return error_response(err, request.headers.get("x-request-id"))
+
+
 class HttpApi:
     """Handlers bound to one running router."""
 

@@ -20,8 +20,11 @@ running sequence is preempted by recompute: its blocks are released (they stay c
 until evicted, so it usually gets them back as prefix hits), and it returns to the
 front of the waiting queue with the tokens it already generated.
 
-Blocks are registered in the prefix cache when a step completes them, for generated
-tokens as well as prompt tokens, so a follow-up turn that repeats an answer hits it.
+Blocks are registered in the prefix cache (and announced with ``BlockStored``) when a
+step that fills them is scheduled, as vLLM's ``allocate_slots`` does: a request admitted
+later in the same scheduling pass already hits them, because within one forward pass
+every layer writes its KV before attention reads it. Generated tokens fill and register
+blocks too, so a follow-up turn that repeats an answer hits it.
 """
 
 from __future__ import annotations
@@ -237,6 +240,7 @@ class EngineModel:
             if need > 0:
                 seq.blocks.extend(self.cache.allocate(need))
             scheduled.append((seq, n))
+            self._register_full_blocks(seq, seq.computed + n)
             budget -= n
             i += 1
         # Like vLLM, a step that had to preempt admits nobody new.
@@ -248,6 +252,7 @@ class EngineModel:
             self._waiting.popleft()
             running.append(seq)
             scheduled.append((seq, n))
+            self._register_full_blocks(seq, seq.computed + n)
             budget -= n
         if not scheduled:
             return None
@@ -259,14 +264,11 @@ class EngineModel:
         if self._inflight is None:
             raise RuntimeError("finish_step called without start_step")
         scheduled, self._inflight = self._inflight, None
-        bs = self.params.block_size
         outputs: list[RequestOutput] = []
         for seq, n in scheduled:
             if seq.aborted:
                 continue
             seq.computed += n
-            if seq.computed // bs > seq.registered:
-                self._register_full_blocks(seq)
             if seq.computed < len(seq.tokens):
                 continue  # a prefill chunk that did not reach the end
             token = seq.output[seq.generated]
@@ -374,10 +376,13 @@ class EngineModel:
         self._preemptions += 1
         self._preempted.append(seq.spec.request_id)
 
-    def _register_full_blocks(self, seq: _Sequence) -> None:
+    def _register_full_blocks(self, seq: _Sequence, upto_tokens: int) -> None:
+        """Register the blocks that ``upto_tokens`` computed tokens fill."""
         bs = self.params.block_size
-        full = seq.computed // bs
+        full = upto_tokens // bs
         start = seq.registered
+        if full <= start:
+            return
         self._ensure_hashes(seq, full)
         spec = seq.spec
         extra: list[list[str] | None] | None = None

@@ -11,6 +11,11 @@ Per candidate, in KV blocks (lower wins)::
 ``cached_tokens`` is the match depth (offloaded blocks weighted by ``offload_weight``)
 capped by the engine's never-the-last-token rule.
 
+Decode load weighs little by default (``decode_weight`` 0.1 per block): a decoding
+sequence shares each engine step with a newcomer rather than queueing ahead of it, so
+in the engine's timing model one decoding block delays a first token by about 1/75 of
+a prefill block; the term still spreads decode memory and inter-token latency.
+
 The request's own uncached work counts twice by default (``prefill_weight`` 2 against
 ``queue_weight`` 1): the request waits for it, and so does everything queued behind
 it on that engine. With equal weights (Dynamo's cost) the second request of a

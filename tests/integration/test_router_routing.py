@@ -1,0 +1,85 @@
+"""kvroute serve in front of four emulated engines: cache affinity against round robin."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest_asyncio
+from support.clients import post
+from support.engines import poll, start_test_engine
+from support.routers import start_router
+
+from router.bench.loadgen import run_load, shared_prefix_workload, summarize
+from router.emulator import EmulatedEngine
+
+
+@pytest_asyncio.fixture(scope="module")
+async def fleet(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [
+        await start_test_engine(
+            engine_id=f"fleet{i}",
+            kv_events_endpoint=f"ipc://{ipc_dir}/fleet{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        )
+        for i in range(4)
+    ]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+async def fresh(http: aiohttp.ClientSession, engines: list[EmulatedEngine]) -> None:
+    for engine in engines:
+        status, _ = await post(http, f"{engine.url}/reset_prefix_cache", {})
+        assert status == 200
+
+
+async def test_shared_prefix_groups_stay_together_and_beat_round_robin(
+    fleet: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    """8 groups sharing a 2,000-token prefix, concurrency 8 (issue 5's acceptance)."""
+    workload = shared_prefix_workload(8, 5, 2000, 40, 8, seed=3, shuffle=False)
+    ratios = {}
+    for policy in ("kv_cost", "round_robin"):
+        await fresh(http, fleet)
+        app = await start_router([e.url for e in fleet], policy={"name": policy})
+        try:
+            await poll(lambda app=app: app.subscriber and app.subscriber.stats.replays["ok"] == 4)
+            results = await run_load(app.url, workload, concurrency=8)
+        finally:
+            await app.stop()
+        summary = summarize(results)
+        assert summary.errors == 0
+        ratios[policy] = summary.hit_rate
+        if policy == "kv_cost":
+            by_group: dict[str, Counter[str]] = {}
+            for r in results:
+                by_group.setdefault(r.spec.group, Counter())[r.engine] += 1
+            for group, engines in by_group.items():
+                assert max(engines.values()) / sum(engines.values()) >= 0.9, (group, engines)
+            assert len(summary.per_engine) == 4, summary.per_engine
+    assert ratios["kv_cost"] >= 3 * ratios["round_robin"], ratios
+
+
+async def test_routing_follows_the_engines_kv_events(
+    fleet: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    await fresh(http, fleet)
+    app = await start_router([e.url for e in fleet])
+    try:
+        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 4)
+        prompt = " ".join(f"doc{i}" for i in range(640))
+        status, body = await post(http, f"{app.url}/v1/completions",
+                                  {"prompt": prompt, "max_tokens": 2})
+        assert status == 200
+        # The engine's BlockStored events reach the index as firm entries.
+        await poll(lambda: app.ingestor.counters.blocks_stored >= 640 // 16)
+        status, again = await post(http, f"{app.url}/v1/completions",
+                                   {"prompt": prompt + " tail", "max_tokens": 2})
+        assert status == 200
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
+    finally:
+        await app.stop()
