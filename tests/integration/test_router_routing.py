@@ -72,13 +72,15 @@ async def test_routing_follows_the_engines_kv_events(
     try:
         await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 4)
         prompt = " ".join(f"doc{i}" for i in range(640))
-        status, body = await post(http, f"{app.url}/v1/completions",
-                                  {"prompt": prompt, "max_tokens": 2})
+        status, body = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prompt, "max_tokens": 2}
+        )
         assert status == 200
         # The engine's BlockStored events reach the index as firm entries.
         await poll(lambda: app.ingestor.counters.blocks_stored >= 640 // 16)
-        status, again = await post(http, f"{app.url}/v1/completions",
-                                   {"prompt": prompt + " tail", "max_tokens": 2})
+        status, again = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prompt + " tail", "max_tokens": 2}
+        )
         assert status == 200
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
     finally:

@@ -9,8 +9,12 @@ from router.config import load_config
 
 #: Fast timers so health changes show within a fraction of a second.
 FAST: dict[str, Any] = {
-    "health": {"interval_s": 0.05, "timeout_s": 0.5, "backoff_initial_s": 0.2,
-               "backoff_max_s": 1.0},
+    "health": {
+        "interval_s": 0.05,
+        "timeout_s": 0.5,
+        "backoff_initial_s": 0.2,
+        "backoff_max_s": 1.0,
+    },
     "scrape": {"interval_s": 0.1},
     "events": {"replay_timeout_s": 0.5},
 }

@@ -1,0 +1,344 @@
+"""kvroute serve's HTTP API: relay, headers, errors, retries, health, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from support.clients import get, metrics, post, stream
+from support.engines import poll, start_test_engine
+from support.routers import start_router
+
+from router.app import RouterApp
+from router.emulator import EmulatedEngine
+from router.engines.registry import EngineState
+
+MODEL = "kvroute-emulated"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pair() -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [await start_test_engine(engine_id=f"pair{i}") for i in range(2)]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+@pytest_asyncio.fixture
+async def router(pair: list[EmulatedEngine]) -> AsyncIterator[RouterApp]:
+    app = await start_router([e.url for e in pair])
+    yield app
+    await app.stop()
+
+
+# ---------------------------------------------------------------------------- relay
+
+
+async def test_completion_carries_routing_headers_and_keeps_the_request_id(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    body = {"model": MODEL, "prompt": "hello there " * 40, "max_tokens": 3}
+    async with http.post(
+        f"{router.url}/v1/completions", json=body, headers={"x-request-id": "req-42"}
+    ) as resp:
+        assert resp.status == 200
+        payload = await resp.json()
+        assert resp.headers["x-request-id"] == "req-42"
+        assert resp.headers["x-kvroute-engine"] in {e.endpoint for e in router.registry}
+        assert resp.headers["x-kvroute-reason"].startswith("kv_cost:")
+    assert payload["usage"]["prompt_tokens"] == 80
+    assert payload["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_request_id_is_created_when_missing(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(
+        f"{router.url}/v1/completions", json={"prompt": "a b c", "max_tokens": 1}
+    ) as resp:
+        assert resp.status == 200
+        assert len(resp.headers["x-request-id"]) == 32
+
+
+async def test_streaming_relays_every_chunk_and_the_usage_chunk(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "stream me " * 30,
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = await stream(http, f"{router.url}/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == 60
+    text_chunks = [e for e in events[:-2] if e["choices"]]
+    assert len(text_chunks) == 12
+    status, plain = await post(
+        http, f"{router.url}/v1/completions", {**body, "stream": False, "stream_options": None}
+    )
+    assert status == 200
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == plain["choices"][0]["text"]
+
+
+async def test_chat_completions_are_routed(router: RouterApp, http: aiohttp.ClientSession) -> None:
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "system", "content": "be brief " * 20},
+            {"role": "user", "content": "hi"},
+        ],
+    }
+    status, payload = await post(http, f"{router.url}/v1/chat/completions", body)
+    assert status == 200
+    assert payload["object"] == "chat.completion"
+    events = await stream(http, f"{router.url}/v1/chat/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+
+
+async def test_models_health_ready_and_openapi(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    status, models = await get(http, f"{router.url}/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    assert (await get(http, f"{router.url}/health"))[0] == 200
+    status, ready = await get(http, f"{router.url}/ready")
+    assert status == 200 and ready["healthy_engines"] == 2
+    status, doc = await get(http, f"{router.url}/openapi.json")
+    assert status == 200
+    schema = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
+    ref = schema["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    assert "prompt" in doc["components"]["schemas"][ref]["required"]
+
+
+async def test_metrics_expose_the_documented_names(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    await post(http, f"{router.url}/v1/completions", {"prompt": "x y z", "max_tokens": 1})
+    samples = await metrics(http, router.url)
+    for name in (
+        "kvroute_requests_total",
+        "kvroute_decisions_total",
+        "kvroute_routing_seconds_bucket",
+        "kvroute_prefix_match_ratio_bucket",
+        "kvroute_request_seconds_bucket",
+        "kvroute_engine_healthy",
+        "kvroute_engine_inflight_requests",
+        "kvroute_build_info",
+        "kvroute_inflight_requests",
+    ):
+        assert name in samples, name
+    ok = [s for s in samples["kvroute_requests_total"] if s.labels["outcome"] == "ok"]
+    assert sum(s.value for s in ok) >= 1
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (json.dumps({"max_tokens": 2}).encode(), "prompt"),
+        (json.dumps({"prompt": ""}).encode(), "prompt"),
+        (json.dumps({"prompt": [1, -5]}).encode(), "prompt"),
+        (json.dumps({"prompt": [1, 2**40]}).encode(), "prompt"),
+        (json.dumps({"prompt": 7}).encode(), "prompt"),
+        (json.dumps({"prompt": "a", "max_tokens": "many"}).encode(), "max_tokens"),
+        (json.dumps({"prompt": "a", "stream": "yes"}).encode(), "stream"),
+        (json.dumps({"prompt": "a", "n": 0}).encode(), "n"),
+    ],
+)
+async def test_bad_completion_requests_get_400(
+    router: RouterApp, http: aiohttp.ClientSession, body: bytes, param: str | None
+) -> None:
+    status, payload = await post(http, f"{router.url}/v1/completions", body)
+    assert status == 400
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert payload["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": "hi"},
+    ],
+)
+async def test_bad_chat_requests_get_400(
+    router: RouterApp, http: aiohttp.ClientSession, body: dict[str, object]
+) -> None:
+    status, payload = await post(http, f"{router.url}/v1/chat/completions", body)
+    assert status == 400 and payload["error"]["param"] == "messages"
+
+
+async def test_an_unknown_model_gets_404_listing_the_served_ones(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    status, payload = await post(
+        http, f"{router.url}/v1/completions", {"model": "gpt-9", "prompt": "hi"}
+    )
+    assert status == 404
+    assert payload["error"]["code"] == "model_not_found" and MODEL in payload["error"]["message"]
+
+
+async def test_unknown_paths_and_methods_answer_in_openai_form(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    for method, path in (("GET", "/v2/nothing"), ("GET", "/v1/completions")):
+        async with http.request(method, f"{router.url}{path}") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_an_oversized_body_gets_413(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in pair], limits={"max_body_bytes": 1024})
+    try:
+        status, payload = await post(http, f"{app.url}/v1/completions", {"prompt": "word " * 1000})
+        assert status == 413 and payload["error"]["type"] == "request_too_large"
+    finally:
+        await app.stop()
+
+
+async def test_the_engines_own_client_errors_pass_through(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    too_long = "w " * 20_000  # beyond the test engines' max_model_len of 16,384
+    status, payload = await post(
+        http, f"{router.url}/v1/completions", {"prompt": too_long, "max_tokens": 1}
+    )
+    assert status == 400 and "error" in payload
+    assert router.core.loads.in_flight == 0
+
+
+async def test_too_many_in_flight_gets_429_with_retry_after(
+    http: aiohttp.ClientSession,
+) -> None:
+    slow = await start_test_engine(engine_id="slow", time_scale=1.0)
+    app = await start_router([slow.url], limits={"max_inflight": 1})
+    try:
+        body = {"prompt": "hold on " * 10, "max_tokens": 200, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as first:
+            assert first.status == 200
+            await first.content.readany()
+            async with http.post(
+                f"{app.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}
+            ) as second:
+                assert second.status == 429
+                assert second.headers["Retry-After"] == "1"
+                assert (await second.json())["error"]["type"] == "rate_limit_error"
+    finally:
+        await app.stop()
+        await slow.stop()
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+async def test_a_dead_engine_is_retried_around_then_ejected(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    dead = f"http://127.0.0.1:{closed_port()}"
+    app = await start_router(
+        [{"url": dead, "models": [MODEL]}, pair[0].url],
+        policy={"name": "round_robin"},
+        health={"interval_s": 30.0},
+    )
+    try:
+        for i in range(6):
+            status, _ = await post(
+                http, f"{app.url}/v1/completions", {"prompt": f"try {i}", "max_tokens": 1}
+            )
+            assert status == 200
+        engine = app.registry.get(dead.removeprefix("http://"))
+        assert engine is not None and engine.state is EngineState.EJECTED
+        samples = await metrics(http, app.url)
+        assert sum(s.value for s in samples["kvroute_retries_total"]) >= 1
+    finally:
+        await app.stop()
+
+
+async def test_no_reachable_engine_gives_502_then_503(http: aiohttp.ClientSession) -> None:
+    dead = f"http://127.0.0.1:{closed_port()}"
+    app = await start_router(
+        [{"url": dead, "models": [MODEL]}], health={"interval_s": 30.0, "eject_after_failures": 1}
+    )
+    try:
+        status, payload = await post(
+            http, f"{app.url}/v1/completions", {"model": MODEL, "prompt": "hi"}
+        )
+        assert status == 502 and payload["error"]["type"] == "bad_gateway"
+        status, payload = await post(
+            http, f"{app.url}/v1/completions", {"model": MODEL, "prompt": "hi"}
+        )
+        assert status == 503 and payload["error"]["type"] == "service_unavailable"
+        assert (await get(http, f"{app.url}/ready"))[0] == 503
+    finally:
+        await app.stop()
+
+
+async def test_an_engine_that_goes_away_is_ejected_and_readmitted_when_back(
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await start_test_engine(engine_id="flaky")
+    port = engine.port
+    app = await start_router([engine.url])
+    try:
+        record = app.registry.get(f"127.0.0.1:{port}")
+        assert record is not None
+        await engine.stop()
+        await poll(lambda: record.state is EngineState.EJECTED)
+        assert (await get(http, f"{app.url}/ready"))[0] == 503
+        engine = await start_test_engine(engine_id="flaky", port=port)
+        await poll(lambda: record.state is EngineState.HEALTHY, timeout=10)
+        status, _ = await post(
+            http, f"{app.url}/v1/completions", {"prompt": "back", "max_tokens": 1}
+        )
+        assert status == 200
+    finally:
+        await app.stop()
+        await engine.stop()
+
+
+async def test_a_client_that_leaves_cancels_the_engine_request(
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await start_test_engine(engine_id="slowpoke", time_scale=1.0)
+    app = await start_router([engine.url])
+    try:
+        body = {"prompt": "long answer " * 10, "max_tokens": 5000, "stream": True}
+        resp = await http.post(f"{app.url}/v1/completions", json=body)
+        assert resp.status == 200
+        await resp.content.readany()
+        assert engine.state.drivers[0].model.stats().num_running == 1
+        resp.close()  # the client goes away mid-stream
+        await poll(lambda: engine.state.drivers[0].model.stats().num_running == 0)
+        await poll(lambda: app.core.loads.in_flight == 0)
+        samples = await metrics(http, app.url)
+        cancelled = [
+            s for s in samples["kvroute_requests_total"] if s.labels["outcome"] == "cancelled"
+        ]
+        assert cancelled and cancelled[0].value == 1
+    finally:
+        await app.stop()
+        await engine.stop()
