@@ -72,7 +72,7 @@ async def test_routing_follows_the_engines_kv_events(
     try:
         await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 4)
         prompt = " ".join(f"doc{i}" for i in range(640))
-        status, body = await post(
+        status, _ = await post(
             http, f"{app.url}/v1/completions", {"prompt": prompt, "max_tokens": 2}
         )
         assert status == 200

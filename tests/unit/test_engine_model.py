@@ -317,7 +317,7 @@ def test_a_prompt_admitted_in_the_same_step_hits_blocks_scheduled_before_it() ->
     """vLLM caches blocks when a step that fills them is scheduled, not when it ends."""
     run = Run(EngineModel(SMALL, hash_seed=1))
     run.submit("first", prompt(2_000))
-    run.submit("second", prompt(2_000) + [9])
+    run.submit("second", [*prompt(2_000), 9])
     run.until_idle()
     assert run.cached("first") == 0
     assert run.cached("second") == 2_000  # all 125 blocks "first" filled in that step
