@@ -186,6 +186,12 @@ class ProxyConfig(_Section):
     retries: int = Field(
         1, ge=0, le=3, description="Retries on another engine before the first byte is relayed."
     )
+    keepalive_s: float = Field(
+        4.0,
+        gt=0,
+        description="Idle connections to engines older than this are closed, not reused "
+        "(keep it under the engines' own keep-alive: uvicorn, and so vLLM, use 5 s).",
+    )
 
 
 class LimitsConfig(_Section):

@@ -1,21 +1,21 @@
-"""Forwarding to engines: one pooled aiohttp client, deadlines, and error mapping.
+"""Forwarding to engines: the upstream client, deadlines, and error mapping.
 
-Deadlines are enforced by a per-request :class:`Watchdog` rather than
-``asyncio.wait_for`` around every read (which costs a task per call on Python 3.10
-and 3.11): each received chunk only stamps the time, and one timer per request checks
-the stamp. Until the first byte the limit is ``first_byte_timeout_s`` (queueing and
-prefill), afterwards ``idle_timeout_s`` between chunks. An expired watchdog closes the
-upstream response, which unblocks the read and tells the engine to abort.
+Requests go out through :mod:`router.http1` (a lean HTTP/1.1 client; see there for
+why). Deadlines cost no timer per request: each exchange gets a :class:`Deadline`
+(a stamp and a limit) and one :class:`Deadlines` task per router aborts exchanges whose
+stamp is older than their limit. Until the first byte the limit is
+``first_byte_timeout_s`` (queueing and prefill); a stream then switches to
+``idle_timeout_s`` and stamps each chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 
-import aiohttp
-
 from router.config import ProxyConfig
+from router.http1 import Client, ConnectError, HTTPError, Response
 
 
 class UpstreamError(Exception):
@@ -33,102 +33,130 @@ class UpstreamError(Exception):
         return 504 if self.kind == "timeout" else 502
 
 
-class Watchdog:
-    """Closes a response when it goes quiet for longer than its current limit."""
+class Deadline:
+    """A limit on silence for one exchange."""
 
-    def __init__(self, limit: float) -> None:
-        self._loop = asyncio.get_running_loop()
+    __slots__ = ("expired", "last", "limit", "target")
+
+    def __init__(self, limit: float, now: float) -> None:
         self.limit = limit
-        self.last = self._loop.time()
+        self.last = now
         self.expired = False
-        self._response: aiohttp.ClientResponse | None = None
-        self._task: asyncio.Task[object] | None = None
-        self._handle = self._loop.call_later(limit, self._check)
+        self.target: Response | None = None
 
-    def guard(self, response: aiohttp.ClientResponse) -> None:
-        """From now on, expiry closes ``response``."""
-        self._response = response
 
-    def guard_task(self, task: asyncio.Task[object]) -> None:
-        """Until a response exists, expiry cancels the task waiting for it."""
-        self._task = task
+class Deadlines:
+    """One task that aborts exchanges silent for longer than their deadline's limit."""
 
-    def touch(self, limit: float | None = None) -> None:
-        self.last = self._loop.time()
+    def __init__(self, resolution: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._active: set[Deadline] = set()
+        self._resolution = resolution
+        self._task = asyncio.ensure_future(self._sweep())
+
+    def start(self, limit: float) -> Deadline:
+        deadline = Deadline(limit, self._loop.time())
+        self._active.add(deadline)
+        return deadline
+
+    def touch(self, deadline: Deadline, limit: float | None = None) -> None:
+        deadline.last = self._loop.time()
         if limit is not None:
-            self.limit = limit
+            deadline.limit = limit
 
-    def _check(self) -> None:
-        remaining = self.last + self.limit - self._loop.time()
-        if remaining > 0:
-            self._handle = self._loop.call_later(remaining, self._check)
-            return
-        self.expired = True
-        if self._response is not None:
-            self._response.close()
-        elif self._task is not None:
-            self._task.cancel()
+    def stop(self, deadline: Deadline) -> None:
+        self._active.discard(deadline)
 
-    def stop(self) -> None:
-        self._handle.cancel()
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self._resolution)
+            now = self._loop.time()
+            for d in [d for d in self._active if now - d.last > d.limit]:
+                d.expired = True
+                self._active.discard(d)
+                if d.target is not None:
+                    d.target.abort()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def _upstream_error(exc: HTTPError, deadline: Deadline, url: str) -> UpstreamError:
+    if deadline.expired or exc.timeout:
+        return UpstreamError("timeout", f"{url}: no answer in time")
+    if isinstance(exc, ConnectError):
+        return UpstreamError("connect", str(exc))
+    return UpstreamError("protocol", f"{url}: {exc}")
 
 
 class Upstream:
-    """The pooled HTTP client every request to an engine goes through."""
+    """The client every request to an engine goes through."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        self.client = Client(config.connect_timeout_s, config.keepalive_s)
+        shortest = min(config.first_byte_timeout_s, config.idle_timeout_s)
+        self.deadlines = Deadlines(resolution=min(max(shortest / 20, 0.01), 0.5))
 
     async def open(
-        self, url: str, body: bytes, headers: Mapping[str, str], watchdog: Watchdog
-    ) -> aiohttp.ClientResponse:
-        """POST ``body`` and return the response once its headers arrived.
+        self, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[Response, Deadline]:
+        """POST ``body``; return the response (headers arrived) and its running deadline.
 
-        Raises :class:`UpstreamError` on connection failures, on the watchdog expiring,
-        and on 5xx or 429 answers (their body is read and the response released).
+        The caller reads the body, then calls ``finish``. Raises :class:`UpstreamError`
+        on connection failures, timeouts, and on 5xx or 429 answers.
         """
-        task = asyncio.ensure_future(self.session.post(url, data=body, headers=headers))
-        watchdog.guard_task(task)  # type: ignore[arg-type]
+        deadline = self.deadlines.start(self.config.first_byte_timeout_s)
         try:
-            response = await task
-        except asyncio.CancelledError:
-            if watchdog.expired:
-                raise UpstreamError("timeout", f"no answer from {url} in time") from None
+            response = await self.client.request("POST", url, body, headers, deadline)
+        except HTTPError as exc:
+            self.deadlines.stop(deadline)
+            raise _upstream_error(exc, deadline, url) from None
+        except BaseException:
+            self.deadlines.stop(deadline)
+            if deadline.target is not None:
+                deadline.target.abort()
             raise
-        except (aiohttp.ClientConnectionError, OSError) as exc:
-            raise UpstreamError("connect", f"cannot reach {url}: {exc}") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("protocol", f"bad answer from {url}: {exc}") from None
-        watchdog.guard(response)
         if response.status >= 500 or response.status == 429:
             try:
                 detail = (await response.read())[:200].decode("utf-8", "replace")
-            except (aiohttp.ClientError, OSError):
+            except HTTPError:
                 detail = ""
             finally:
-                response.release()
+                self.finish(response, deadline)
             raise UpstreamError(
                 "status", f"{url} answered {response.status}: {detail}", status=response.status
             )
-        return response
+        return response, deadline
+
+    def finish(self, response: Response, deadline: Deadline) -> None:
+        """Done with an exchange: reuse its connection if complete, else drop it."""
+        self.deadlines.stop(deadline)
+        response.close()
+
+    async def read(self, response: Response, deadline: Deadline, url: str) -> bytes:
+        """The rest of a body, as an UpstreamError if it breaks or times out."""
+        try:
+            return await response.read()
+        except HTTPError as exc:
+            raise _upstream_error(exc, deadline, url) from None
 
     async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
         """A small GET (probes, scrapes, discovery); raises UpstreamError on failure."""
+        deadline = self.deadlines.start(timeout)
+        response: Response | None = None
         try:
-            async with self.session.get(
-                url, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as response:
-                return response.status, await response.read()
-        except asyncio.TimeoutError:
-            raise UpstreamError("timeout", f"{url} timed out") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError("connect", f"{url}: {exc}") from None
+            response = await self.client.request("GET", url, watcher=deadline)
+            return response.status, await response.read()
+        except HTTPError as exc:
+            raise _upstream_error(exc, deadline, url) from None
+        finally:
+            self.deadlines.stop(deadline)
+            if response is not None:
+                response.close()
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.deadlines.close()
+        self.client.close()

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -33,8 +34,9 @@ from router.api.openai import (
 )
 from router.engines.load import Ticket
 from router.hashing import block_keys, seed_for
+from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
-from router.proxy import UpstreamError, Watchdog
+from router.proxy import Deadline, UpstreamError
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -43,6 +45,7 @@ log = logging.getLogger("kvroute.http")
 
 _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -153,10 +156,16 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         outcome = _Outcome()
         app = self.app
         try:
+            if not _REQUEST_ID.fullmatch(request_id):
+                bad = request_id
+                request_id = os.urandom(16).hex()
+                raise ApiError(
+                    400, f"x-request-id must be 1-128 printable ASCII characters, got {bad[:40]!r}"
+                )
             if app.draining:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
             if app.core.loads.in_flight >= app.config.limits.max_inflight:
@@ -284,54 +293,53 @@ class HttpApi:
             "x-kvroute-engine": decision.engine.label,
             "x-kvroute-reason": decision.summary(),
         }
-        watchdog = Watchdog(app.config.proxy.first_byte_timeout_s)
-        upstream: aiohttp.ClientResponse | None = None
+        url = engine.url + path
         try:
-            try:
-                upstream = await app.upstream.open(engine.url + path, body, headers, watchdog)
-            except UpstreamError:
-                app.registry.record_failure(engine)
-                raise
+            upstream, deadline = await app.upstream.open(url, body, headers)
+        except UpstreamError:
+            app.core.loads.end(ticket)
+            app.registry.record_failure(engine)
+            raise
+        except BaseException:
+            app.core.loads.end(ticket)
+            raise
+        try:
             if upstream.status >= 400:  # the engine refused the request itself: pass it on
-                data = await self._read_all(upstream, watchdog, engine)
+                data = await self._read_all(upstream, deadline, engine, url)
                 app.registry.record_success(engine)
                 outcome.set("client_error", upstream.status)
-                ctype = upstream.headers.get("Content-Type", _JSON)
+                ctype = upstream.headers.get("content-type", _JSON)
                 return web.Response(
                     body=data, status=upstream.status, headers={**ours, "Content-Type": ctype}
                 )
             if not parsed.stream:
-                data = await self._read_all(upstream, watchdog, engine)
+                data = await self._read_all(upstream, deadline, engine, url)
                 app.registry.record_success(engine)
                 outcome.set("ok", upstream.status)
                 return web.Response(
                     body=data, status=upstream.status, headers={**ours, "Content-Type": _JSON}
                 )
             return await self._relay(
-                request, upstream, watchdog, engine, ticket, ours, started, outcome
+                request, upstream, deadline, engine, ticket, ours, started, outcome
             )
         finally:
-            watchdog.stop()
-            if upstream is not None:
-                upstream.close()
+            app.upstream.finish(upstream, deadline)
             app.core.loads.end(ticket)
 
     async def _read_all(
-        self, upstream: aiohttp.ClientResponse, watchdog: Watchdog, engine: Any
+        self, upstream: Response, deadline: Deadline, engine: Any, url: str
     ) -> bytes:
         try:
-            return await upstream.read()
-        except (aiohttp.ClientError, OSError) as exc:
+            return await self.app.upstream.read(upstream, deadline, url)
+        except UpstreamError:
             self.app.registry.record_failure(engine)
-            if watchdog.expired:
-                raise UpstreamError("timeout", "the engine went quiet mid-answer") from None
-            raise UpstreamError("protocol", f"the answer broke off: {exc}") from None
+            raise
 
     async def _relay(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        watchdog: Watchdog,
+        upstream: Response,
+        deadline: Deadline,
         engine: Any,
         ticket: Ticket,
         ours: dict[str, str],
@@ -340,12 +348,12 @@ class HttpApi:
     ) -> web.StreamResponse:
         """Stream the engine's SSE answer through, chunk by chunk."""
         app = self.app
-        content = upstream.content
+        deadlines = app.upstream.deadlines
         try:
-            first = await content.readany()
-        except (aiohttp.ClientError, OSError) as exc:
+            first = await upstream.readany()
+        except HTTPError as exc:
             app.registry.record_failure(engine)
-            if watchdog.expired:
+            if deadline.expired:
                 raise UpstreamError("timeout", "no first token in time") from None
             raise UpstreamError(
                 "protocol", f"the stream broke before its first byte: {exc}"
@@ -353,7 +361,7 @@ class HttpApi:
         if not first:
             app.registry.record_failure(engine)
             raise UpstreamError("protocol", "the engine closed the stream without a byte")
-        watchdog.touch(app.config.proxy.idle_timeout_s)
+        deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
         app.core.loads.prefilled(ticket)
         app.metrics.ttft_seconds.observe(time.perf_counter() - started)
         out = web.StreamResponse(status=upstream.status, headers={**ours, **_SSE_HEADERS})
@@ -361,26 +369,24 @@ class HttpApi:
         await out.write(first)
         try:
             while True:
-                chunk = await content.readany()
+                chunk = await upstream.readany()
                 if not chunk:
                     break
-                watchdog.touch()
+                deadlines.touch(deadline)
                 await out.write(chunk)
-        except (aiohttp.ClientError, OSError) as exc:
-            if isinstance(exc, (ConnectionResetError, aiohttp.ClientConnectionResetError)) and (
-                request.transport is None or request.transport.is_closing()
-            ):
-                raise asyncio.CancelledError from None  # the client left
+        except HTTPError as exc:
             app.registry.record_failure(engine)
             err = (
                 ApiError(504, "the engine went quiet mid-stream")
-                if watchdog.expired
+                if deadline.expired
                 else ApiError(502, f"the engine's stream broke: {exc}")
             )
             outcome.set("stream_error", err.status)
             await out.write(err.sse())
             await out.write_eof()
             return out
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            raise asyncio.CancelledError from None  # the client left while we wrote
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
         await out.write_eof()

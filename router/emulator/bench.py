@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.emulator.process import EngineProcess
 from router.engine_model import EngineModel, RequestSpec, preset
+from router.process import EngineProcess
 
 # The project's shared/ folder sits beside the repository.
 TRACE = (

@@ -102,6 +102,8 @@ class EngineMonitor:
         if isinstance(info, dict):
             self._apply_server_info(engine, info)
         engine.discovered = True
+        engine.refresh()
+        self.registry.changed()
         await self.on_discovered(engine)
         return True
 

@@ -55,14 +55,17 @@ class Engine:
     admitted_at: float = 0.0
     discovered: bool = False
     """Whether /v1/models and /server_info have been read."""
+    endpoint: str = ""
+    keys: list[EngineKey] = field(default_factory=list)
+    """One routing target per DP rank (kept in step with ``dp_size`` by ``refresh``)."""
 
-    @property
-    def endpoint(self) -> str:
-        return endpoint_of(self.url)
+    def __post_init__(self) -> None:
+        self.endpoint = endpoint_of(self.url)
+        self.refresh()
 
-    @property
-    def keys(self) -> list[EngineKey]:
-        return [EngineKey(self.endpoint, rank) for rank in range(self.dp_size)]
+    def refresh(self) -> None:
+        """Recompute derived fields after ``dp_size`` changed."""
+        self.keys = [EngineKey(self.endpoint, rank) for rank in range(self.dp_size)]
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:
@@ -83,8 +86,14 @@ class Registry:
         self.health = health
         self.clock = clock
         self._engines: dict[str, Engine] = {}
+        self._candidates: dict[tuple[str, tuple[str, ...]], list[EngineKey]] = {}
         self.listeners: list[Callable[[Engine, EngineState], None]] = []
         """Called with (engine, previous state) whenever an engine changes state."""
+
+    def changed(self) -> None:
+        """Forget cached candidate lists (call after changing an engine's models, role
+        or DP size; state changes and additions call it themselves)."""
+        self._candidates.clear()
 
     def __iter__(self) -> Iterable[Engine]:  # type: ignore[override]
         return iter(list(self._engines.values()))
@@ -94,9 +103,11 @@ class Registry:
 
     def add(self, engine: Engine) -> Engine:
         self._engines[engine.endpoint] = engine
+        self.changed()
         return engine
 
     def remove(self, endpoint: str) -> Engine | None:
+        self.changed()
         return self._engines.pop(endpoint, None)
 
     def get(self, endpoint: str) -> Engine | None:
@@ -117,7 +128,11 @@ class Registry:
     ) -> list[EngineKey]:
         """Routing targets that serve ``model`` in one of ``roles`` and are healthy."""
         skip = set(exclude)
-        return [
+        if not skip:
+            cached = self._candidates.get((model, roles))
+            if cached is not None:
+                return cached
+        found = [
             key
             for e in self._engines.values()
             if e.state is EngineState.HEALTHY
@@ -126,6 +141,9 @@ class Registry:
             and e.endpoint not in skip
             for key in e.keys
         ]
+        if not skip:
+            self._candidates[(model, roles)] = found
+        return found
 
     def healthy_count(self) -> int:
         return sum(1 for e in self._engines.values() if e.state is EngineState.HEALTHY)
@@ -137,6 +155,7 @@ class Registry:
         if previous is state:
             return
         engine.state = state
+        self.changed()
         for listener in self.listeners:
             listener(engine, previous)
 

@@ -10,8 +10,8 @@ import asyncio
 from typing import Any
 
 from router.emulator import EmulatedEngine, EmulatorConfig, start_engine
-from router.emulator.process import EngineProcess
 from router.engine_model import EngineParams
+from router.process import EngineProcess
 
 __all__ = ["EngineProcess", "engine_config", "poll", "start_test_engine"]
 

@@ -1,7 +1,9 @@
-"""Run ``kvroute engine`` as a child process and find its address.
+"""Run a kvroute server (``kvroute engine``, ``kvroute serve``, ...) as a child process.
 
-Used by the demo and by tests. The child runs in its own process group (its own
-session), so ``stop()`` ends it and anything it started, and never the caller.
+Used by the demo, the benchmarks and tests. The child runs in its own process group
+(its own session), so ``stop()`` ends it and anything it started, and never the caller.
+Every kvroute server prints one line containing ``listening on http://HOST:PORT`` once
+it is ready; that line gives the address.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from collections.abc import Sequence
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-class EngineProcess:
-    """``kvroute engine`` in a child process with its own process group."""
+class ServerProcess:
+    """``kvroute COMMAND ARGS`` in a child process with its own process group."""
 
-    def __init__(self, args: Sequence[str], timeout: float = 20.0) -> None:
-        """Start ``kvroute engine ARGS`` on 127.0.0.1 and wait for its start-up line."""
-        self.args = [sys.executable, "-m", "router", "engine", "--host", "127.0.0.1", *args]
+    def __init__(self, command: str, args: Sequence[str], timeout: float = 20.0) -> None:
+        """Start ``kvroute COMMAND ARGS`` on 127.0.0.1 and wait for its start-up line."""
+        self.args = [sys.executable, "-m", "router", command, "--host", "127.0.0.1", *args]
         # A file, not a pipe: nobody reads stderr while the engine runs, and a full pipe
         # would block it.
         self.stderr = tempfile.TemporaryFile(mode="w+")
@@ -60,11 +62,11 @@ class EngineProcess:
                         return line.strip()
                     self.proc.wait(timeout=5)
                     self.stderr.seek(0)
-                    raise RuntimeError(f"engine exited before listening: {self.stderr.read()}")
-        raise TimeoutError(f"engine did not print its address within {timeout} s")
+                    raise RuntimeError(f"server exited before listening: {self.stderr.read()}")
+        raise TimeoutError(f"server did not print its address within {timeout} s")
 
     def terminate(self) -> int:
-        """SIGTERM the engine and wait for its exit code."""
+        """SIGTERM the server and wait for its exit code."""
         os.killpg(self.proc.pid, signal.SIGTERM)
         return self.proc.wait(timeout=10)
 
@@ -82,3 +84,10 @@ class EngineProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.stderr.close()
+
+
+class EngineProcess(ServerProcess):
+    """``kvroute engine ARGS`` in its own process group."""
+
+    def __init__(self, args: Sequence[str], timeout: float = 20.0) -> None:
+        super().__init__("engine", args, timeout)
