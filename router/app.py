@@ -17,7 +17,7 @@ from router.config import Config
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
-from router.engines.registry import Engine, Registry
+from router.engines.registry import Engine, EngineState, Registry
 from router.events.ingest import EventIngestor
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.index import KVIndex, MemoryIndex
@@ -48,6 +48,7 @@ class RouterApp:
         self.registry = Registry(config.health)
         for engine_cfg in config.engines:
             self.registry.add(Engine.from_config(engine_cfg))
+        self.registry.listeners.append(self._on_state_change)
         policy = make_policy(config.policy)
         self.core = RoutingCore(
             self.index, policy, config.policy, self.loads, has_events=self._has_events
@@ -77,6 +78,13 @@ class RouterApp:
         if self.subscriber is None:
             return False
         return self.subscriber.stream_state(key) is not None
+
+    def _on_state_change(self, engine: Engine, previous: EngineState) -> None:
+        if previous is EngineState.EJECTED and engine.state is EngineState.HEALTHY:
+            # It was unreachable: it may have restarted with an empty cache.
+            if self.subscriber is not None:
+                for key in engine.keys:
+                    self.subscriber.resync(key)
 
     def _block_size_mismatch(self, key: EngineKey, expected: int, got: int) -> None:
         log.error(

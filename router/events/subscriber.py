@@ -13,8 +13,17 @@ published before its subscription took effect) and after a gap, it asks the engi
 replay socket for the missing batches over a DEALER, buffering live batches meanwhile.
 If the replay cannot cover the gap (the engine keeps only its last batches), or the
 sequence goes backwards (the engine restarted), the engine's entries are cleared and
-rebuilt from the events that follow. Garbage frames are counted and dropped; nothing
-here lets an exception end the subscriber.
+rebuilt from the events that follow.
+
+A restarted engine numbers its batches from 0 again, and the first ones may be lost
+to the slow joiner before the SUB reconnects, so sequence numbers alone may never
+reveal the restart. Each stream therefore remembers a digest of the last batch it
+applied; when the SUB reconnects (ZMQ's socket monitor says so) or the engine is
+re-admitted after an ejection, the stream *resyncs*: it replays from its last sequence
+number and checks that the engine still holds that very batch. If it does, only newer
+batches apply; if not, the engine restarted: clear, and rebuild from sequence 0.
+Garbage frames are counted and dropped; nothing here lets an exception end the
+subscriber.
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from router.events.ingest import EventIngestor, StreamState
 from router.events.vllm import (
@@ -87,6 +98,8 @@ class _Stream:
         self.pending: deque[tuple[int, bytes]] = deque()
         self.overflowed = False
         self.skip_through: int | None = None
+        self.last_digest: int | None = None
+        self.resync_wanted = False
         self.task: asyncio.Task[None] | None = None
 
     # -------------------------------------------------------------- live messages
@@ -108,15 +121,7 @@ class _Stream:
                 self._start_replay(0, seq, payload)
                 return
         elif seq <= last:
-            self.sub.stats.restarts += 1
-            log.warning(
-                "%s: sequence went back from %d to %d; engine restarted, rebuilding",
-                self.state.engine.label,
-                last,
-                seq,
-            )
-            await self.sub.ingestor.clear(self.state)
-            self.state.last_seq = None
+            await self._restarted(f"sequence went back from {last} to {seq}")
             if seq > 0 and self.source.replay_endpoint:
                 self._start_replay(0, seq, payload)
                 return
@@ -136,6 +141,7 @@ class _Stream:
 
     async def apply(self, seq: int, payload: bytes) -> None:
         self.state.last_seq = seq
+        self.last_digest = xxhash.xxh3_64_intdigest(payload)
         try:
             batch = decode_batch(payload)
         except EventDecodeError as exc:
@@ -153,18 +159,40 @@ class _Stream:
         if self.source.replay_endpoint and not self.replaying:
             self._start_replay(start, None, None)
 
-    def _start_replay(self, start: int, seq: int | None, payload: bytes | None) -> None:
+    def resync(self) -> None:
+        """Check the engine is the one whose batches we applied, and catch up."""
+        if not self.source.replay_endpoint:
+            return
+        if self.replaying:
+            self.resync_wanted = True
+            return
+        last = self.state.last_seq
+        self._start_replay(0 if last is None else last, None, None, verify=last is not None)
+
+    def _start_replay(
+        self, start: int, seq: int | None, payload: bytes | None, verify: bool = False
+    ) -> None:
         self.replaying = True
         self.overflowed = False
         self.pending.clear()
         if seq is not None and payload is not None:
             self.pending.append((seq, payload))
-        self.task = asyncio.ensure_future(self._replay(start))
+        self.task = asyncio.ensure_future(self._replay(start, verify))
 
-    async def _replay(self, start: int) -> None:
+    async def _restarted(self, why: str) -> None:
+        self.sub.stats.restarts += 1
+        log.warning("%s: %s; engine restarted, rebuilding", self.state.engine.label, why)
+        await self.sub.ingestor.clear(self.state)
+        self.state.last_seq = None
+        self.last_digest = None
+
+    async def _replay(self, start: int, verify: bool = False) -> None:
         try:
             while True:
-                await self._fetch_and_apply(start)
+                if await self._fetch_and_apply(start, verify):
+                    start, verify = 0, False  # the engine restarted: rebuild from its start
+                    continue
+                verify = False
                 if self.overflowed:
                     log.warning(
                         "%s: live buffer overflowed during replay; rebuilding",
@@ -180,7 +208,11 @@ class _Stream:
                     self.pending.clear()
                     restart = await self._drain(pending)
                 if restart is None:
-                    break
+                    if not self.resync_wanted:
+                        break
+                    self.resync_wanted = False
+                    last = self.state.last_seq
+                    restart, verify = (0, False) if last is None else (last, True)
                 start = restart
         except asyncio.CancelledError:
             raise
@@ -204,7 +236,9 @@ class _Stream:
             await self.apply(seq, payload)
         return None
 
-    async def _fetch_and_apply(self, start: int) -> None:
+    async def _fetch_and_apply(self, start: int, verify: bool = False) -> bool:
+        """Replay from ``start`` and apply what is new; True if verification showed the
+        engine restarted (its batch ``start`` is gone or differs from the one applied)."""
         endpoint = self.source.replay_endpoint
         assert endpoint is not None
         sock = self.sub.ctx.socket(zmq.DEALER)
@@ -222,14 +256,17 @@ class _Stream:
                         # The gap stays unexplained: start over from live events.
                         await self.sub.ingestor.clear(self.state)
                         self.state.last_seq = None
-                    return
+                    return False
                 frames = await sock.recv_multipart()
                 if len(frames) != 3 or frames[0] != b"":
                     self.sub.stats.garbage += 1
                     continue
                 if frames[1] == END_SEQ:
                     self.sub.stats.replays["ok"] += 1
-                    return
+                    if verify and first:
+                        await self._restarted(f"it no longer holds batch {start}")
+                        return True
+                    return False
                 try:
                     seq = decode_seq(frames[1])
                 except EventDecodeError:
@@ -237,6 +274,11 @@ class _Stream:
                     continue
                 if first:
                     first = False
+                    if verify and seq == start:
+                        if xxhash.xxh3_64_intdigest(frames[2]) != self.last_digest:
+                            await self._restarted(f"its batch {seq} is not the one applied")
+                            return True
+                        continue
                     if seq > start:
                         self.sub.stats.replays["uncovered"] += 1
                         log.warning(
@@ -253,6 +295,7 @@ class _Stream:
                 await self.apply(seq, frames[2])
         finally:
             sock.close(0)
+        return False
 
 
 class KVEventSubscriber:
@@ -272,7 +315,7 @@ class KVEventSubscriber:
         self.receive_hwm = receive_hwm
         self.stats = SubscriberStats()
         self._streams: dict[EngineKey, _Stream] = {}
-        self._readers: dict[EngineKey, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._readers: dict[EngineKey, tuple[zmq.asyncio.Socket, list[asyncio.Task[None]]]] = {}
         self._bind: tuple[zmq.asyncio.Socket, asyncio.Task[None]] | None = None
         self._topic_streams: dict[tuple[str, int | None], _Stream] = {}
         self.bound_endpoint: str | None = None
@@ -297,10 +340,16 @@ class KVEventSubscriber:
         stream = _Stream(source, self)
         sock = self._socket()
         sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        # Watch before connecting, or the first connection's event may be missed and a
+        # reconnect mistaken for it.
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         sock.connect(source.endpoint)
         self._streams[source.engine] = stream
-        task = asyncio.ensure_future(self._read(sock, lambda topic, rank: stream))
-        self._readers[source.engine] = (sock, task)
+        tasks = [
+            asyncio.ensure_future(self._read(sock, lambda topic, rank: stream)),
+            asyncio.ensure_future(self._watch_reconnects(monitor, stream)),
+        ]
+        self._readers[source.engine] = (sock, tasks)
         stream.request_replay(0)
 
     async def remove_source(self, engine: EngineKey, clear: bool = False) -> None:
@@ -308,9 +357,11 @@ class KVEventSubscriber:
         reader = self._readers.pop(engine, None)
         stream = self._streams.pop(engine, None)
         if reader is not None:
-            sock, task = reader
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            sock, tasks = reader
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            sock.disable_monitor()
             sock.close(0)
         if stream is not None:
             if stream.task is not None:
@@ -321,6 +372,26 @@ class KVEventSubscriber:
         for key, s in list(self._topic_streams.items()):
             if s.state.engine == engine:
                 del self._topic_streams[key]
+
+    def resync(self, engine: EngineKey) -> None:
+        """Verify an engine's stream against its replay buffer (after a possible restart)."""
+        stream = self._streams.get(engine)
+        if stream is not None:
+            stream.resync()
+
+    async def _watch_reconnects(self, monitor: zmq.asyncio.Socket, stream: _Stream) -> None:
+        """Resync a stream each time its SUB socket reconnects (not on the first connect)."""
+        monitor.setsockopt(zmq.LINGER, 0)
+        connects = 0
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    connects += 1
+                    if connects > 1:
+                        stream.resync()
+        finally:
+            monitor.close(0)
 
     # -------------------------------------------------------------- bind mode
 

@@ -209,6 +209,47 @@ async def test_an_engine_restart_clears_what_it_held(ctx, subscriber, index, tmp
     await pub.close()
 
 
+async def test_a_reconnect_to_the_same_engine_keeps_its_entries(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    toks, more = tokens(1500, 2), tokens(1600, 1)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.publish([stored([11, 12], toks)])
+    await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 2))
+    # The publisher's socket goes away and comes back at the same endpoint (a network
+    # blip, not a restart: same replay buffer, same sequence).
+    endpoint = pub.pub_endpoint
+    pub.pub.close(0)
+    pub.pub = ctx.socket(zmq.PUB)
+    pub.pub.setsockopt(zmq.LINGER, 0)
+    pub.pub.bind(endpoint)
+    await pub.publish([stored([13], more)], send=False)  # missed while reconnecting
+    await until(lambda: asyncio.sleep(0, depth(index, more, engine) == 1))
+    assert depth(index, toks, engine) == 2
+    assert subscriber.stats.restarts == 0
+
+
+async def test_a_restart_whose_first_batches_were_missed_is_found_on_reconnect(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    old, new = tokens(1700, 2), tokens(1800, 2)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.publish([stored([21, 22], old)])
+    await until(lambda: asyncio.sleep(0, depth(index, old, engine) == 2))
+    endpoint = pub.pub_endpoint
+    pub.pub.close(0)
+    pub.restart()
+    await pub.publish([stored([31, 32], new)], send=False)  # lost to the slow joiner
+    pub.pub = ctx.socket(zmq.PUB)
+    pub.pub.setsockopt(zmq.LINGER, 0)
+    pub.pub.bind(endpoint)
+    await until(lambda: asyncio.sleep(0, depth(index, new, engine) == 2))
+    assert depth(index, old, engine) == 0
+    assert subscriber.stats.restarts == 1
+
+
 async def test_garbage_frames_are_counted_and_the_stream_goes_on(
     ctx, subscriber, index, tmp_path
 ) -> None:
