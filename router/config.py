@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -118,7 +119,9 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 for all).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log verbosity; debug logs every decision's full reason."
+    )
 
 
 class EventEndpoints(_Section):
@@ -133,7 +136,9 @@ class EngineConfig(_Section):
     """One engine (inference server) the router may send requests to."""
 
     url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000.")
-    role: Literal["both", "prefill", "decode"] = "both"
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="What the engine does in disaggregated serving."
+    )
     models: list[str] = Field(
         default_factory=list, description="Models served; empty means ask its /v1/models."
     )
@@ -171,8 +176,8 @@ class HealthConfig(_Section):
 class ScrapeConfig(_Section):
     """Background reads of the engines' /metrics (never on the request path)."""
 
-    interval_s: float = Field(1.0, gt=0)
-    timeout_s: float = Field(1.0, gt=0)
+    interval_s: float = Field(1.0, gt=0, description="Seconds between /metrics scrapes.")
+    timeout_s: float = Field(1.0, gt=0, description="A scrape slower than this is skipped.")
 
 
 class ProxyConfig(_Section):
@@ -227,7 +232,9 @@ class Config(_Section):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
-    engines: list[EngineConfig] = Field(default_factory=list)
+    engines: list[EngineConfig] = Field(
+        default_factory=list, description="Static engines (`--engine URL` adds to these)."
+    )
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
@@ -307,3 +314,51 @@ def load_config(
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc)) from None
+
+
+def _type_name(annotation: Any) -> str:
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return " or ".join(f"`{a}`" for a in args)
+    if args and get_origin(annotation) in (Union, UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("typing.", "").replace("router.config.", "")
+
+
+def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, description) of every configuration key, depth first."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(describe(annotation, f"{path}."))
+            continue
+        if field.default_factory is not None:
+            default = "[]" if field.default_factory is list else "(see below)"
+        elif field.is_required():
+            default = "required"
+        else:
+            default = repr(field.default)
+        rows.append((path, _type_name(annotation), default, field.description or ""))
+        inner = f"{path}[]." if get_origin(annotation) is list else f"{path}."
+        for arg in get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                rows.extend(describe(arg, inner))
+    return rows
+
+
+def markdown_reference() -> str:
+    """The configuration reference table docs/configuration.md embeds."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for path, kind, default, text in describe():
+        cell = kind.replace("|", "\\|")
+        lines.append(f"| `{path}` | {cell} | `{default}` | {text} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_reference())

@@ -9,7 +9,11 @@ a shared machine hits both paths alike:
 * throughput: the same requests with 32 in flight, router vs direct;
 * the router process's CPU seconds (from /proc) per 1,000 requests it relayed.
 
-Prints a table and writes ``bench-results/router.json``.
+Two placements: ``shared`` lets all three processes (load generator, engine, router)
+share every core, as they must on a small machine; ``pinned`` puts the load generator
+and the engine on CPU 0 and the router on CPU 1, so both paths give the engine the same
+single core and the router a core of its own, as in a deployment. Prints a table and
+writes ``bench-results/router.json``.
 """
 
 from __future__ import annotations
@@ -93,37 +97,58 @@ async def measure(
     return out
 
 
+def _place(placement: str, engine_pid: int, router_pid: int) -> None:
+    if placement == "pinned":
+        os.sched_setaffinity(0, {0})
+        os.sched_setaffinity(engine_pid, {0})
+        os.sched_setaffinity(router_pid, {1})
+    else:
+        every = set(range(os.cpu_count() or 1))
+        for pid in (0, engine_pid, router_pid):
+            os.sched_setaffinity(pid, every)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--serial", type=int, default=400, help="requests per latency round")
     parser.add_argument("--parallel", type=int, default=2000, help="requests per throughput round")
+    parser.add_argument("--placement", choices=["shared", "pinned", "both"], default="both")
     parser.add_argument("--output", default="bench-results/router.json")
     args = parser.parse_args(argv)
+    placements = ["shared", "pinned"] if args.placement == "both" else [args.placement]
+    if "pinned" in placements and (os.cpu_count() or 1) < 2:
+        placements.remove("pinned")
     engine = EngineProcess(["--port", "0", "--time-scale", "0.0001"])
     router = None
+    results: dict[str, Any] = {}
     try:
         router = ServerProcess(
             "serve", ["--port", "0", "--engine", engine.url, "--log-level", "warning"]
         )
-        results = asyncio.run(
-            measure(
-                engine.url, router.url, router.proc.pid, args.rounds, args.serial, args.parallel
+        for placement in placements:
+            _place(placement, engine.proc.pid, router.proc.pid)
+            results[placement] = asyncio.run(
+                measure(
+                    engine.url, router.url, router.proc.pid, args.rounds, args.serial, args.parallel
+                )
             )
-        )
     finally:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if router is not None:
             router.stop()
         engine.stop()
-    d, r = results["direct"], results["router"]
-    print(f"{'':<10}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}")
-    print(f"{'direct':<10}{d['p50_ms']:>9.2f}{d['p99_ms']:>9.2f}{d['rps']:>9.0f}")
-    print(f"{'router':<10}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['rps']:>9.0f}")
-    print(
-        f"router adds p50 {results['added_p50_ms']:.2f} ms, p99 {results['added_p99_ms']:.2f} ms; "
-        f"keeps {results['throughput_ratio']:.0%} of direct throughput; "
-        f"{results['router_cpu_s_per_1000']:.2f} CPU-s per 1,000 requests"
-    )
+    print(f"{'placement':<10}{'path':<8}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}")
+    for placement, res in results.items():
+        for path in ("direct", "router"):
+            r = res[path]
+            print(f"{placement:<10}{path:<8}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['rps']:>9.0f}")
+    for placement, res in results.items():
+        print(
+            f"{placement}: router adds p50 {res['added_p50_ms']:.2f} ms, "
+            f"p99 {res['added_p99_ms']:.2f} ms; keeps {res['throughput_ratio']:.0%} of direct "
+            f"throughput; {res['router_cpu_s_per_1000']:.2f} CPU-s per 1,000 requests"
+        )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

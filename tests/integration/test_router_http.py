@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 from support.clients import get, metrics, post, stream
+from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -341,3 +343,15 @@ async def test_a_client_that_leaves_cancels_the_engine_request(
     finally:
         await app.stop()
         await engine.stop()
+
+
+async def test_every_exposed_metric_is_documented(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    await post(http, f"{router.url}/v1/completions", {"prompt": "doc me", "max_tokens": 1})
+    async with http.get(f"{router.url}/metrics") as resp:
+        text = await resp.text()
+    exposed = {
+        f.name for f in text_string_to_metric_families(text) if f.name.startswith("kvroute_")
+    }
+    assert exposed and exposed <= documented_metrics(), exposed - documented_metrics()
