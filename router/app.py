@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -24,8 +25,8 @@ from router.index import KVIndex, MemoryIndex
 from router.index.base import IndexStats
 from router.metrics import RouterMetrics, StateSources
 from router.policy import make_policy
-from router.proxy import Upstream
-from router.tokenization.words import WordTokenizer
+from router.proxy import Upstream, UpstreamError
+from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey
 
 log = logging.getLogger("kvroute")
@@ -42,7 +43,7 @@ class RouterApp:
 
     def __init__(self, config: Config, index: KVIndex | None = None) -> None:
         self.config = config
-        self.tokenizer = WordTokenizer()
+        self.tokenizers = Tokenizers(config, self._post_to_pool)
         self.index = index or build_index(config)
         self.loads = LoadTracker(config.block_size)
         self.registry = Registry(config.health)
@@ -64,6 +65,8 @@ class RouterApp:
                 index_stats=lambda: self._index_stats,
             )
         )
+        self.metrics.state.sources.tokenizers = self.tokenizers
+        self._turn = 0
         self.draining = False
         self.started_at = time.time()
         self.upstream: Upstream | None = None
@@ -86,18 +89,72 @@ class RouterApp:
                 for key in engine.keys:
                     self.subscriber.resync(key)
 
+    def _spawn(self, coro: Any) -> None:
+        """Run a background job owned by the app (cancelled by ``stop``)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    def block_size_for(self, model: str) -> int:
+        """The KV block size of a (base) model's pool."""
+        return self.config.model_settings(model)[1]
+
     def _block_size_mismatch(self, key: EngineKey, expected: int, got: int) -> None:
-        log.error(
-            "engine %s publishes KV events with block size %d, the router uses %d; "
-            "its events are ignored",
-            key.label,
-            got,
-            expected,
-        )
+        engine = self.registry.engine_of(key)
+        if engine is not None and engine.state is not EngineState.REFUSED:
+            engine.block_size = got
+            self._spawn(self._check_block_size(engine))
+
+    async def _check_block_size(self, engine: Engine) -> bool:
+        """Refuse an engine whose block size differs from its pool's; True if it fits."""
+        if engine.block_size is None:
+            return True
+        for model in self.registry.base_models(engine):
+            pool = self.block_size_for(model)
+            if engine.block_size != pool:
+                reason = (
+                    f"engine {engine.url} uses KV block size {engine.block_size} but the "
+                    f"pool of model {model!r} uses {pool}; set --block-size (or "
+                    f"models[].block_size) to match, or fix the engine"
+                )
+                log.error("refusing %s", reason)
+                self.registry.refuse(engine, reason)
+                if self.subscriber is not None:
+                    for key in engine.keys:
+                        await self.subscriber.remove_source(key, clear=True)
+                return False
+        return True
+
+    async def _post_to_pool(self, model: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST to a healthy engine serving ``model`` (rotating), for tokenization."""
+        engines = [e for e in self.registry if model in e.models and e.state is EngineState.HEALTHY]
+        if not engines or self.upstream is None:
+            raise TokenizerUnavailable(f"no healthy engine serves {model!r}")
+        self._turn += 1
+        engine = engines[self._turn % len(engines)]
+        try:
+            return await self.upstream.call(
+                "POST", engine.url + path, body, self.config.health.timeout_s * 2
+            )
+        except UpstreamError as exc:
+            raise TokenizerUnavailable(str(exc)) from None
+
+    async def _on_discovered(self, engine: Engine) -> None:
+        if not await self._check_block_size(engine):
+            return
+        await self._subscribe(engine)
+        for model in self.registry.base_models(engine):
+            await self.tokenizers.resolve(model)
+
+    async def _on_block_size(self, engine: Engine) -> None:
+        await self._check_block_size(engine)
 
     async def _subscribe(self, engine: Engine) -> None:
         """Follow an engine's KV events once discovery says where they are."""
         if self.subscriber is None or engine.events is None:
+            return
+        bases = self.registry.base_models(engine)
+        if not bases:
             return
         for key in engine.keys:
             if self.subscriber.stream_state(key) is not None:
@@ -105,11 +162,11 @@ class RouterApp:
             await self.subscriber.add_source(
                 EventSource(
                     engine=key,
-                    namespace=next(iter(sorted(engine.models)), ""),
+                    namespace=bases[0],
                     endpoint=engine.events.endpoint,
                     replay_endpoint=engine.events.replay_endpoint,
                     topic=engine.events.topic,
-                    block_size=self.config.block_size,
+                    block_size=self.block_size_for(bases[0]),
                 )
             )
             log.info("following KV events of %s at %s", key.label, engine.events.endpoint)
@@ -122,7 +179,9 @@ class RouterApp:
         engine = self.registry.get(endpoint)
         if engine is None:
             return None
-        return EventSource(EngineKey(endpoint, rank or 0), model, block_size=self.config.block_size)
+        return EventSource(
+            EngineKey(endpoint, rank or 0), model, block_size=self.block_size_for(model)
+        )
 
     async def _refresh_index_stats(self) -> None:
         while True:
@@ -155,7 +214,12 @@ class RouterApp:
                 )
                 log.info("KV events: bound %s for engines that connect", bound)
         self.monitor = EngineMonitor(
-            self.config, self.registry, self.upstream, self.loads, self._subscribe
+            self.config,
+            self.registry,
+            self.upstream,
+            self.loads,
+            self._on_discovered,
+            self._on_block_size,
         )
         await self.monitor.start()
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))

@@ -15,7 +15,14 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "KVROUTE_"
 
@@ -171,6 +178,9 @@ class HealthConfig(_Section):
     )
     backoff_initial_s: float = Field(1.0, gt=0, description="First ejection's length.")
     backoff_max_s: float = Field(30.0, gt=0, description="Longest ejection (doubles up to it).")
+    models_refresh_s: float = Field(
+        30.0, gt=0, description="Seconds between re-reads of /v1/models (LoRA adapters change)."
+    )
 
 
 class ScrapeConfig(_Section):
@@ -225,6 +235,63 @@ class EventsConfig(_Section):
     )
 
 
+class TokenizerConfig(_Section):
+    """How the router turns a model's prompts into token ids (docs/configuration.md)."""
+
+    mode: Literal["auto", "words", "hf", "engine", "approximate"] = Field(
+        "auto",
+        description="`auto`: probe an engine's /tokenize once; the emulator's words "
+        "tokenizer if it answers like one, else ask the engine (`engine`), else "
+        "`approximate`. `hf`: a local tokenizer.json (+ tokenizer_config.json for chat).",
+    )
+    path: str | None = Field(None, description="tokenizer.json, for `hf`.")
+    config_path: str | None = Field(
+        None, description="tokenizer_config.json (chat template, special tokens), for `hf`."
+    )
+    chat_template: str | None = Field(
+        None, description="A chat template file that overrides the one in config_path."
+    )
+    chars_per_token: int = Field(
+        4, ge=1, le=64, description="Characters per pseudo-token in `approximate` mode."
+    )
+    cache_size: int = Field(
+        2048, ge=0, description="Recent prompts whose `engine` tokenization is remembered."
+    )
+
+    @model_validator(mode="after")
+    def _hf_needs_files(self) -> TokenizerConfig:
+        if self.mode == "hf" and not self.path:
+            raise ValueError("mode hf needs path (a tokenizer.json)")
+        return self
+
+
+class ModelConfig(_Section):
+    """Settings of one model's pool (engines serving it, and its LoRA adapters)."""
+
+    name: str = Field(min_length=1, description="Model name as requests and engines give it.")
+    tokenizer: TokenizerConfig | None = Field(
+        None, description="This model's tokenizer (default: the top-level `tokenizer`)."
+    )
+    block_size: int | None = Field(
+        None, gt=0, description="This pool's KV block size (default: the top-level one)."
+    )
+
+
+class TokenizerGuardConfig(_Section):
+    """Detects a router tokenizer that disagrees with the engine's."""
+
+    window: int = Field(
+        50, ge=5, description="Responses compared (router prompt tokens vs engine usage)."
+    )
+    max_mismatch_ratio: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="More disagreeing responses than this share in the window "
+        "switch the model's pool to approximate mode until restart or reload.",
+    )
+
+
 class Config(_Section):
     """Everything ``kvroute serve`` reads."""
 
@@ -240,6 +307,20 @@ class Config(_Section):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    tokenizer: TokenizerConfig = Field(
+        default_factory=TokenizerConfig, description="Default tokenizer of every model."
+    )
+    models: list[ModelConfig] = Field(
+        default_factory=list, description="Per-model settings (tokenizer, block size)."
+    )
+    tokenizer_guard: TokenizerGuardConfig = Field(default_factory=TokenizerGuardConfig)
+
+    def model_settings(self, model: str) -> tuple[TokenizerConfig, int]:
+        """The tokenizer settings and block size of a model's pool."""
+        for m in self.models:
+            if m.name == model:
+                return m.tokenizer or self.tokenizer, m.block_size or self.block_size
+        return self.tokenizer, self.block_size
 
 
 class ConfigError(ValueError):

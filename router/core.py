@@ -79,18 +79,17 @@ class RoutingCore:
         decision = self.policy.choose(request, candidates, matches, self.loads.view)
         key = (decision.policy, decision.reason)
         self.counters.decisions[key] = self.counters.decisions.get(key, 0) + 1
-        await self.record(decision.engine, request.keys)
+        await self.record(decision.engine, request.keys, request.approximate)
         return decision
 
-    async def record(self, engine: EngineKey, keys: Sequence[int]) -> None:
+    async def record(
+        self, engine: EngineKey, keys: Sequence[int], approximate: bool = False
+    ) -> None:
         """Note that ``engine`` is about to hold ``keys`` (expiring until confirmed)."""
         if not keys or not self.policy.uses_index:
             return
-        ttl = (
-            self.config.provisional_ttl_s
-            if self.has_events(engine)
-            else self.config.approximate_ttl_s
-        )
+        confirmable = not approximate and self.has_events(engine)
+        ttl = self.config.provisional_ttl_s if confirmable else self.config.approximate_ttl_s
         try:
             await self.index.add(engine, keys, ttl=ttl)
         except IndexUnavailable as exc:

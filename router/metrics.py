@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from router.events.ingest import IngestCounters
     from router.events.subscriber import SubscriberStats
     from router.index.base import IndexStats
+    from router.tokenization import Tokenizers
 
 # ``*_created`` series double the output and nobody alerts on them.
 disable_created_metrics()
@@ -72,6 +73,7 @@ class StateSources:
     ingest: IngestCounters | None = None
     subscriber: SubscriberStats | None = None
     index_stats: Callable[[], IndexStats | None] | None = None
+    tokenizers: Tokenizers | None = None
 
 
 class StateCollector(Collector):
@@ -106,6 +108,23 @@ class StateCollector(Collector):
             )
         if src.registry is not None and src.core is not None:
             yield from self._engines(src.registry, src.core)
+        if src.tokenizers is not None:
+            mismatches = CounterMetricFamily(
+                "kvroute_tokenizer_mismatches",
+                "Answers whose prompt-token count differed from the router's",
+                labels=["model"],
+            )
+            for model, n in sorted(src.tokenizers.mismatches().items()):
+                mismatches.add_metric([model], n)
+            yield mismatches
+            modes = GaugeMetricFamily(
+                "kvroute_tokenizer_mode",
+                "1 for the tokenizer mode each model's pool uses",
+                labels=["model", "mode"],
+            )
+            for model, mode in sorted(src.tokenizers.modes().items()):
+                modes.add_metric([model, mode], 1)
+            yield modes
         if src.index_stats is not None:
             stats = src.index_stats()
             if stats is not None:
@@ -167,6 +186,11 @@ class StateCollector(Collector):
         healthy = GaugeMetricFamily(
             "kvroute_engine_healthy", "1 if the engine takes requests", labels=["engine"]
         )
+        refused = GaugeMetricFamily(
+            "kvroute_engine_refused",
+            "1 if the engine is refused (e.g. its block size differs from its pool's)",
+            labels=["engine"],
+        )
         inflight = GaugeMetricFamily(
             "kvroute_engine_inflight_requests",
             "Requests this router has in flight there",
@@ -183,12 +207,14 @@ class StateCollector(Collector):
         view = core.loads.view
         for engine in registry:
             healthy.add_metric([engine.endpoint], 1.0 if engine.state.value == "healthy" else 0.0)
+            refused.add_metric([engine.endpoint], 1.0 if engine.state.value == "refused" else 0.0)
             ejections.add_metric([engine.endpoint], engine.ejections)
             for key in engine.keys:
                 load = view.get(key)
                 inflight.add_metric([key.label], load.requests if load else 0)
                 prefill.add_metric([key.label], load.prefill_tokens if load else 0)
         yield healthy
+        yield refused
         yield inflight
         yield prefill
         yield ejections

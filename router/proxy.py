@@ -145,10 +145,15 @@ class Upstream:
 
     async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
         """A small GET (probes, scrapes, discovery); raises UpstreamError on failure."""
+        return await self.call("GET", url, b"", timeout)
+
+    async def call(self, method: str, url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+        """A small whole exchange (status, body); raises UpstreamError on failure."""
         deadline = self.deadlines.start(timeout)
         response: Response | None = None
+        headers = {"Content-Type": "application/json"} if body else None
         try:
-            response = await self.client.request("GET", url, watcher=deadline)
+            response = await self.client.request(method, url, body, headers, deadline)
             return response.status, await response.read()
         except HTTPError as exc:
             raise _upstream_error(exc, deadline, url) from None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -10,8 +11,18 @@ import pytest
 import pytest_asyncio
 from support.clients import post
 from support.engines import start_test_engine
+from support.hf_tokenizer import train_tiny_tokenizer
 
 from router.emulator import EmulatedEngine
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Tests run on uvloop, like every kvroute process in production."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -44,3 +55,9 @@ async def engine(shared_engine: EmulatedEngine, http: aiohttp.ClientSession) -> 
     status, _ = await post(http, f"{shared_engine.url}/reset_prefix_cache", {})
     assert status == 200
     return shared_engine
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BPE tokenizer.json trained for the session (no downloads)."""
+    return train_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")

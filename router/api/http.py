@@ -31,12 +31,14 @@ from router.api.openai import (
     parse_chat,
     parse_completion,
     resolve_model,
+    tokenize,
 )
 from router.engines.load import Ticket
 from router.hashing import block_keys, seed_for
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
+from router.tokenization import TokenizerUnavailable
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -106,7 +108,6 @@ class HttpApi:
 
     def __init__(self, app: RouterApp) -> None:
         self.app = app
-        self.tokenizer = app.tokenizer
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -177,24 +178,10 @@ class HttpApi:
                     413, f"request body is larger than {app.config.limits.max_body_bytes} bytes"
                 ) from None
             payload = decode_body(body)
-            parse = parse_chat if route == "chat" else parse_completion
-            parsed = parse(payload, self.tokenizer)
+            parsed = (parse_chat if route == "chat" else parse_completion)(payload)
             model = resolve_model(parsed.model, app.registry.models())
-            tokens = parsed.routing_prompt
-            bs = app.config.block_size
-            max_tokens = (
-                parsed.max_tokens
-                if parsed.max_tokens is not None
-                else app.config.limits.default_max_tokens
-            )
-            route_request = RouteRequest(
-                request_id,
-                block_keys(tokens, bs, seed_for(model, parsed.cache_salt)),
-                len(tokens),
-                bs,
-                max_tokens * parsed.n,
-                session=request.headers.get("x-session-id") or parsed.user,
-            )
+            parsed.model = model
+            route_request = await self._route_request(request, request_id, model, parsed)
             response = await self._forward(
                 request, route, model, parsed, route_request, body, started, outcome
             )
@@ -209,6 +196,51 @@ class HttpApi:
         finally:
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    async def _route_request(
+        self, request: web.Request, request_id: str, model: str, parsed: ParsedRequest
+    ) -> RouteRequest:
+        """Tokenize with the model's pool tokenizer and compute the prompt's block keys."""
+        app = self.app
+        base = app.registry.base_of(model)
+        tokenizer = app.tokenizers.for_model(base)
+        bs = app.block_size_for(base)
+        approximate = not tokenizer.exact
+        try:
+            parsed.prompts = await tokenize(parsed, tokenizer)
+            tokens = parsed.routing_prompt
+            keys = block_keys(tokens, bs, seed_for(model, parsed.cache_salt))
+            prompt_tokens = len(tokens)
+        except TokenizerUnavailable as exc:
+            # Route on load alone rather than fail: nothing about the prefix is known.
+            log.warning("request %s: tokenizer unavailable (%s)", request_id, exc)
+            approximate, keys = True, []
+            prompt_tokens = len(body_text(parsed)) // 4
+            parsed.prompts = [[0] * prompt_tokens]
+        max_tokens = (
+            parsed.max_tokens
+            if parsed.max_tokens is not None
+            else app.config.limits.default_max_tokens
+        )
+        return RouteRequest(
+            request_id,
+            keys,
+            prompt_tokens,
+            bs,
+            max_tokens * parsed.n,
+            session=request.headers.get("x-session-id") or parsed.user,
+            approximate=approximate,
+        )
+
+    def _check_tokenizer(self, parsed: ParsedRequest, answer: bytes) -> None:
+        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer)."""
+        try:
+            usage = _decode_usage(answer).usage
+        except msgspec.DecodeError:
+            return
+        if usage is not None and usage.prompt_tokens is not None and parsed.model:
+            base = self.app.registry.base_of(parsed.model)
+            self.app.tokenizers.observe(base, parsed.prompt_tokens, usage.prompt_tokens)
 
     async def _forward(
         self,
@@ -316,11 +348,12 @@ class HttpApi:
                 data = await self._read_all(upstream, deadline, engine, url)
                 app.registry.record_success(engine)
                 outcome.set("ok", upstream.status)
+                self._check_tokenizer(parsed, data)
                 return web.Response(
                     body=data, status=upstream.status, headers={**ours, "Content-Type": _JSON}
                 )
             return await self._relay(
-                request, upstream, deadline, engine, ticket, ours, started, outcome
+                request, parsed, upstream, deadline, engine, ticket, ours, started, outcome
             )
         finally:
             app.upstream.finish(upstream, deadline)
@@ -338,6 +371,7 @@ class HttpApi:
     async def _relay(
         self,
         request: web.Request,
+        parsed: ParsedRequest,
         upstream: Response,
         deadline: Deadline,
         engine: Any,
@@ -367,6 +401,7 @@ class HttpApi:
         out = web.StreamResponse(status=upstream.status, headers={**ours, **_SSE_HEADERS})
         await out.prepare(request)
         await out.write(first)
+        tail = first
         try:
             while True:
                 chunk = await upstream.readany()
@@ -374,6 +409,7 @@ class HttpApi:
                     break
                 deadlines.touch(deadline)
                 await out.write(chunk)
+                tail = chunk
         except HTTPError as exc:
             app.registry.record_failure(engine)
             err = (
@@ -390,7 +426,29 @@ class HttpApi:
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
         await out.write_eof()
+        if parsed.include_usage:
+            usage_at = tail.rfind(b'data: {"id"')
+            if usage_at != -1 and b'"usage"' in tail[usage_at:]:
+                self._check_tokenizer(parsed, tail[usage_at + 6 :].split(b"\n\n", 1)[0])
         return out
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_WithUsage).decode
+
+
+def body_text(parsed: ParsedRequest) -> str:
+    """The request's prompt text, for estimates when it could not be tokenized."""
+    if parsed.messages is not None:
+        return " ".join(str(m.get("content") or "") for m in parsed.messages)
+    return " ".join(p if isinstance(p, str) else " " * len(p) * 4 for p in parsed.texts or [])
 
 
 def _server_outcome(status: int) -> str:

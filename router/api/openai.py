@@ -9,14 +9,14 @@ and are not used per request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.api.errors import ApiError, bad_request
-from router.tokenization.words import WordTokenizer
+from router.tokenization.base import PromptTokenizer, TokenizeError
 
 _decode = msgspec.json.Decoder().decode
 _MAX_TOKEN_ID = 2**32
@@ -27,14 +27,20 @@ class ParsedRequest:
     """The routing-relevant facts of one completion or chat request."""
 
     model: str | None
-    prompts: list[list[int]]
-    """Token ids of every prompt (a batch of completions, or one rendered chat)."""
     stream: bool
     max_tokens: int | None
     n: int
     cache_salt: str | None
     user: str | None
     include_usage: bool
+    texts: list[str | list[int]] | None = None
+    """A completion's prompts: texts or token-id lists."""
+    messages: list[dict[str, Any]] | None = None
+    """A chat's messages."""
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] | None = None
+    prompts: list[list[int]] = field(default_factory=list)
+    """Token ids of every prompt, once tokenized."""
 
     @property
     def routing_prompt(self) -> list[int]:
@@ -42,8 +48,25 @@ class ParsedRequest:
         return max(self.prompts, key=len)
 
     @property
-    def total_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts) * self.n
+    def prompt_tokens(self) -> int:
+        """Prompt tokens as the engine counts them in ``usage`` (once per prompt)."""
+        return sum(len(p) for p in self.prompts)
+
+
+async def tokenize(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[list[int]]:
+    """Token ids of the request's prompts (TokenizeError becomes a 400)."""
+    try:
+        if parsed.messages is not None:
+            return [
+                await tokenizer.chat(
+                    parsed.messages, parsed.add_generation_prompt, parsed.template_kwargs
+                )
+            ]
+        assert parsed.texts is not None
+        return [p if isinstance(p, list) else await tokenizer.prompt(p) for p in parsed.texts]
+    except TokenizeError as exc:
+        param = "messages" if parsed.messages is not None else "prompt"
+        raise bad_request(str(exc), param) from None
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -81,12 +104,12 @@ def _token_ids(ids: list[Any]) -> list[int]:
     return ids
 
 
-def _prompts(value: Any, tokenizer: WordTokenizer) -> list[list[int]]:
+def _prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, str):
-        return [tokenizer.encode(value)]
+        return [value]
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
-            return [tokenizer.encode(p) for p in value]
+            return list(value)
         if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
             return [_token_ids(value)]
         if all(isinstance(p, list) for p in value):
@@ -98,9 +121,7 @@ def _prompts(value: Any, tokenizer: WordTokenizer) -> list[list[int]]:
     )
 
 
-def _common(
-    payload: dict[str, Any],
-) -> tuple[str | None, bool, int | None, int, str | None, str | None, bool]:
+def _common(payload: dict[str, Any]) -> ParsedRequest:
     model = _opt_str(payload, "model")
     stream = payload.get("stream", False)
     if stream is None:
@@ -115,7 +136,7 @@ def _common(
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
-    return (
+    return ParsedRequest(
         model,
         stream,
         max_tokens,
@@ -126,31 +147,32 @@ def _common(
     )
 
 
-def parse_completion(payload: dict[str, Any], tokenizer: WordTokenizer) -> ParsedRequest:
+def parse_completion(payload: dict[str, Any]) -> ParsedRequest:
     if "prompt" not in payload:
         raise bad_request("'prompt' is required", "prompt")
-    prompts = _prompts(payload["prompt"], tokenizer)
-    if any(not p for p in prompts):
+    texts = _prompts(payload["prompt"])
+    if any(not p for p in texts):
         raise bad_request("'prompt' must not be empty", "prompt")
-    model, stream, max_tokens, n, salt, user, usage = _common(payload)
-    return ParsedRequest(model, prompts, stream, max_tokens, n, salt, user, usage)
+    parsed = _common(payload)
+    parsed.texts = texts
+    return parsed
 
 
-def parse_chat(payload: dict[str, Any], tokenizer: WordTokenizer) -> ParsedRequest:
+def parse_chat(payload: dict[str, Any]) -> ParsedRequest:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad_request("each message must be an object with a 'role'", "messages")
-    add_generation_prompt = payload.get("add_generation_prompt", True)
-    try:
-        text = tokenizer.apply_chat_template(messages, bool(add_generation_prompt))
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
-    tokens = tokenizer.encode(text)
-    model, stream, max_tokens, n, salt, user, usage = _common(payload)
-    return ParsedRequest(model, [tokens], stream, max_tokens, n, salt, user, usage)
+    kwargs = payload.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    parsed = _common(payload)
+    parsed.messages = messages
+    parsed.add_generation_prompt = bool(payload.get("add_generation_prompt", True))
+    parsed.template_kwargs = kwargs
+    return parsed
 
 
 def resolve_model(requested: str | None, served: Sequence[str]) -> str:

@@ -47,12 +47,14 @@ class EngineMonitor:
         upstream: Upstream,
         loads: LoadTracker,
         on_discovered: Callable[[Engine], Awaitable[None]],
+        on_block_size: Callable[[Engine], Awaitable[None]],
     ) -> None:
         self.config = config
         self.registry = registry
         self.upstream = upstream
         self.loads = loads
         self.on_discovered = on_discovered
+        self.on_block_size = on_block_size
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -60,6 +62,9 @@ class EngineMonitor:
         self._tasks = [
             asyncio.ensure_future(self._every(self.config.health.interval_s, self.probe_all)),
             asyncio.ensure_future(self._every(self.config.scrape.interval_s, self.scrape_all)),
+            asyncio.ensure_future(
+                self._every(self.config.health.models_refresh_s, self.refresh_models)
+            ),
         ]
 
     async def stop(self) -> None:
@@ -88,12 +93,8 @@ class EngineMonitor:
         except UpstreamError as exc:
             log.warning("engine %s not reachable yet: %s", engine.url, exc)
             return False
-        if status == 200 and not engine.models:
-            try:
-                data = _decode(body).get("data", [])
-                engine.models = {m["id"] for m in data if isinstance(m, dict) and "id" in m}
-            except (msgspec.DecodeError, AttributeError, TypeError):
-                log.warning("engine %s answered /v1/models with something else", engine.url)
+        if status == 200 and not engine.models_configured:
+            self._apply_models(engine, body)
         try:
             status, body = await self.upstream.get(engine.url + "/server_info", timeout)
             info = _decode(body) if status == 200 else {}
@@ -106,6 +107,43 @@ class EngineMonitor:
         self.registry.changed()
         await self.on_discovered(engine)
         return True
+
+    def _apply_models(self, engine: Engine, body: bytes) -> None:
+        try:
+            cards = [c for c in _decode(body).get("data", []) if isinstance(c, dict) and "id" in c]
+        except (msgspec.DecodeError, AttributeError, TypeError):
+            log.warning("engine %s answered /v1/models with something else", engine.url)
+            return
+        models = {str(c["id"]) for c in cards}
+        parents = {str(c["id"]): str(c["parent"]) for c in cards if c.get("parent")}
+        if models != engine.models or parents != engine.parents:
+            added, gone = models - engine.models, engine.models - models
+            if engine.discovered and (added or gone):
+                log.info(
+                    "engine %s now serves %s (added %s, gone %s)",
+                    engine.url,
+                    sorted(models),
+                    sorted(added),
+                    sorted(gone),
+                )
+            engine.models, engine.parents = models, parents
+            self.registry.changed()
+
+    async def refresh_models(self) -> None:
+        """Re-read /v1/models of discovered engines: LoRA adapters come and go."""
+        for engine in self.registry:
+            if engine.models_configured or not engine.discovered:
+                continue
+            if engine.state is not EngineState.HEALTHY:
+                continue
+            try:
+                status, body = await self.upstream.get(
+                    engine.url + "/v1/models", self.config.health.timeout_s
+                )
+            except UpstreamError:
+                continue
+            if status == 200:
+                self._apply_models(engine, body)
 
     def _apply_server_info(self, engine: Engine, info: dict[str, object]) -> None:
         block_size = info.get("block_size")
@@ -146,6 +184,8 @@ class EngineMonitor:
             return
         if not engine.discovered:
             await self.discover(engine)
+        if engine.state is EngineState.REFUSED:
+            return
         if self.registry.probe_succeeded(engine):
             log.info("engine %s re-admitted", engine.url)
 
@@ -170,5 +210,6 @@ class EngineMonitor:
             sample = scrape.ranks.get(key.rank)
             if sample is not None:
                 self.loads.report(key, now, sample.waiting, sample.running, sample.kv_usage)
-        if scrape.block_size is not None and engine.block_size is None:
+        if scrape.block_size is not None and engine.block_size != scrape.block_size:
             engine.block_size = scrape.block_size
+            await self.on_block_size(engine)

@@ -27,6 +27,8 @@ class EngineState(str, Enum):
     EJECTED = "ejected"
     DRAINING = "draining"
     """No new requests; in-flight ones finish (admin drain, shutdown)."""
+    REFUSED = "refused"
+    """Never routed to: it cannot serve its pool as configured (e.g. another block size)."""
 
 
 def endpoint_of(url: str) -> str:
@@ -42,6 +44,10 @@ class Engine:
     url: str
     role: str = "both"
     models: set[str] = field(default_factory=set)
+    parents: dict[str, str] = field(default_factory=dict)
+    """LoRA adapter -> the base model it extends (from /v1/models ``parent``)."""
+    models_configured: bool = False
+    """Models come from configuration; discovery does not change them."""
     dp_size: int = 1
     events: EventEndpoints | None = None
     """Where its KV events come from, once known."""
@@ -53,6 +59,7 @@ class Engine:
     ejections: int = 0
     ejected_until: float = 0.0
     admitted_at: float = 0.0
+    refused_reason: str = ""
     discovered: bool = False
     """Whether /v1/models and /server_info have been read."""
     endpoint: str = ""
@@ -73,6 +80,7 @@ class Engine:
             url=cfg.url,
             role=cfg.role,
             models=set(cfg.models),
+            models_configured=bool(cfg.models),
             dp_size=cfg.dp_size,
             events=cfg.kv_events if isinstance(cfg.kv_events, EventEndpoints) else None,
             wants_events=cfg.kv_events != "none",
@@ -122,6 +130,17 @@ class Registry:
 
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self._engines.values())
+
+    def base_of(self, model: str) -> str:
+        """The base model of a LoRA adapter (the model itself when it is no adapter)."""
+        for engine in self._engines.values():
+            parent = engine.parents.get(model)
+            if parent:
+                return parent
+        return model
+
+    def base_models(self, engine: Engine) -> list[str]:
+        return sorted(m for m in engine.models if m not in engine.parents)
 
     def candidates(
         self, model: str, roles: tuple[str, ...] = ("both",), exclude: Iterable[str] = ()
@@ -189,6 +208,11 @@ class Registry:
             self._set_state(engine, EngineState.HEALTHY)
             return True
         return False
+
+    def refuse(self, engine: Engine, reason: str) -> None:
+        """Stop routing to an engine that cannot serve its pool as configured."""
+        engine.refused_reason = reason
+        self._set_state(engine, EngineState.REFUSED)
 
     def drain(self, engine: Engine) -> None:
         self._set_state(engine, EngineState.DRAINING)

@@ -103,10 +103,11 @@ class EventIngestor:
                 await self.clear(state)
                 self.counters.events["AllBlocksCleared"] += 1
 
-    async def clear(self, state: StreamState) -> None:
-        """Forget everything the engine held (cleared cache, restart, lost history)."""
+    async def clear(self, state: StreamState, everything: bool = False) -> None:
+        """Forget what the engine's events said it held (cleared cache, restart, lost
+        history); with ``everything``, its routing-decision records too (it left)."""
         state.forget_blocks()
-        await self.index.clear(state.engine)
+        await self.index.clear(state.engine, expiring=everything)
 
     async def _stored(self, state: StreamState, event: BlockStored) -> None:
         skipped = self.counters.skipped

@@ -368,7 +368,7 @@ class KVEventSubscriber:
                 stream.task.cancel()
                 await asyncio.gather(stream.task, return_exceptions=True)
             if clear:
-                await self.ingestor.clear(stream.state)
+                await self.ingestor.clear(stream.state, everything=True)
         for key, s in list(self._topic_streams.items()):
             if s.state.engine == engine:
                 del self._topic_streams[key]

@@ -208,19 +208,27 @@ class MemoryIndex(KVIndex):
             if key in held and not ((gpu.get(key, 0) | off.get(key, 0)) & bit):
                 held.discard(key)
 
-    async def clear(self, engine: EngineKey) -> None:
-        self.clear_now(engine)
+    async def clear(self, engine: EngineKey, expiring: bool = True) -> None:
+        self.clear_now(engine, expiring)
 
-    def clear_now(self, engine: EngineKey) -> None:
-        """Synchronous :meth:`clear`; the engine's id is freed for reuse."""
-        idx = self._ids.pop(engine, None)
+    def clear_now(self, engine: EngineKey, expiring: bool = True) -> None:
+        """Synchronous :meth:`clear`; with ``expiring``, the engine's id is freed for reuse."""
+        idx = self._ids.get(engine)
         if idx is None:
             return
         bit = 1 << idx
+        held = self._held[idx]
+        exp = self._exp
         for table in self._tiers:
-            for key in self._held[idx]:
+            for key in held:
+                pending = exp.get(key)
+                if table is self._tiers[Tier.GPU] and pending and idx in pending:
+                    continue  # still held by an expiring record
                 _clear_bit(table, key, bit)
         self._held[idx] = set()
+        if not expiring:
+            return
+        del self._ids[engine]
         exp = self._exp
         gpu = self._tiers[Tier.GPU]
         kept = []

@@ -36,6 +36,8 @@ class RouteRequest:
     max_tokens: int = 0
     session: str | None = None
     """Affinity key for the ``session`` policy (header or ``user`` field)."""
+    approximate: bool = False
+    """Keys come from an approximate tokenizer: no KV event will ever confirm them."""
 
 
 class Score(msgspec.Struct, gc=False):

@@ -33,11 +33,12 @@ async def test_an_engine_restart_clears_its_entries_and_rebuilds_from_new_events
         "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
     engine = await start_test_engine(**settings)
-    app = await start_router([engine.url])
+    # Short-lived decision records, so what the old engine's events said is all that lasts.
+    app = await start_router([engine.url], policy={"provisional_ttl_s": 0.3})
     key = EngineKey(f"127.0.0.1:{http_port}")
 
     def depth(prompt: str) -> int:
-        keys = block_keys(app.tokenizer.encode(prompt), 16, seed_for(MODEL))
+        keys = block_keys(app.tokenizers.words.encode(prompt), 16, seed_for(MODEL))
         match = app.index.lookup_now(keys, [key]).get(key)  # type: ignore[attr-defined]
         return match.blocks if match else 0
 
@@ -61,7 +62,10 @@ async def test_an_engine_restart_clears_its_entries_and_rebuilds_from_new_events
         ] == 200
         await poll(lambda: app.subscriber.stats.restarts == 1, timeout=10)
         await poll(lambda: depth(new) == 20)
-        assert depth(old) == 0  # the restarted engine's cache is empty: so is its record
+        # The restarted engine's cache is empty, and so, once the router's own decision
+        # records expire, is the index's picture of it.
+        await poll(lambda: depth(old) == 0)
+        assert depth(new) == 20
     finally:
         await app.stop()
         await engine.stop()

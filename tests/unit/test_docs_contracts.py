@@ -20,3 +20,9 @@ def test_the_metrics_page_lists_families_only_once() -> None:
     rows = re.findall(r"^\| `(kvroute_[a-z0-9_]+)`", text, flags=re.M)
     assert len(rows) == len(set(rows))
     assert len(rows) >= 20
+
+
+async def test_the_suite_runs_on_uvloop_like_production() -> None:
+    import asyncio
+
+    assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")

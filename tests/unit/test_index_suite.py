@@ -151,6 +151,25 @@ async def test_remove_and_clear_drop_expiring_records(index: KVIndex) -> None:
     assert await index.lookup(KEYS, [A, B]) == {A: Match(2)}
 
 
+async def test_clearing_firm_records_keeps_expiring_ones(index: KVIndex) -> None:
+    await index.add(A, KEYS[:2])
+    await index.add(A, KEYS[2:4], ttl=60)
+    await index.add(A, KEYS[:4], tier=Tier.OFFLOADED)
+    await index.clear(A, expiring=False)
+    # the firm prefix is gone, so the expiring blocks after it no longer form a match
+    assert await index.lookup(KEYS, [A]) == {}
+    assert await index.lookup(KEYS[2:], [A]) == {A: Match(2)}
+
+
+async def test_clearing_firm_records_keeps_an_expiring_record_of_the_same_block(
+    index: KVIndex,
+) -> None:
+    await index.add(A, KEYS[:3], ttl=60)
+    await index.add(A, KEYS[:3])
+    await index.clear(A, expiring=False)
+    assert await index.lookup(KEYS, [A]) == {A: Match(3)}
+
+
 async def test_firm_and_expiring_holders_combine_across_engines(index: KVIndex) -> None:
     await index.add(A, KEYS[:2])
     await index.add(B, KEYS[:5], ttl=10)

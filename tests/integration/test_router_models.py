@@ -1,0 +1,234 @@
+"""Real-engine awareness: tokenizer modes, the mismatch guard, model pools and LoRA
+adapters, and block-size refusal, against emulated engines on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from support.clients import metrics, post
+from support.engines import TEST_PARAMS, poll, start_test_engine
+from support.hf_tokenizer import FIXTURE
+from support.routers import start_router
+
+from router.emulator import EmulatedEngine
+from router.engines.registry import EngineState
+
+MODEL = "kvroute-emulated"
+
+
+def endpoint(engine: EmulatedEngine) -> str:
+    return f"127.0.0.1:{engine.port}"
+
+
+@pytest_asyncio.fixture(scope="module")
+async def evented(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [
+        await start_test_engine(
+            engine_id=f"ev{i}",
+            kv_events_endpoint=f"ipc://{ipc_dir}/models-ev{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        )
+        for i in range(2)
+    ]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+async def test_auto_mode_finds_the_emulators_tokenizer(
+    evented: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in evented])
+    try:
+        assert app.tokenizers.modes() == {MODEL: "words"}
+    finally:
+        await app.stop()
+
+
+async def test_engine_mode_keys_match_the_engines_events(
+    evented: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    for e in evented:
+        await post(http, f"{e.url}/reset_prefix_cache", {})
+    app = await start_router([e.url for e in evented], tokenizer={"mode": "engine"})
+    try:
+        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
+        prefix = " ".join(f"ctx{i}" for i in range(800))
+        first = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prefix + " q1", "max_tokens": 1}
+        )
+        assert first[0] == 200
+        await poll(lambda: app.ingestor.counters.blocks_stored >= 50)
+        async with http.post(
+            f"{app.url}/v1/completions", json={"prompt": prefix + " q2", "max_tokens": 1}
+        ) as resp:
+            body = await resp.json()
+            assert "prefix_hit match=50" in resp.headers["x-kvroute-reason"]
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 800
+        assert app.tokenizers.modes() == {MODEL: "engine"}
+    finally:
+        await app.stop()
+
+
+async def test_a_tokenizer_that_disagrees_with_the_engines_falls_back_to_approximate(
+    evented: list[EmulatedEngine], http: aiohttp.ClientSession, tokenizer_json: Path
+) -> None:
+    app = await start_router(
+        [e.url for e in evented],
+        tokenizer={"mode": "hf", "path": str(tokenizer_json), "config_path": str(FIXTURE)},
+    )
+    try:
+        assert app.tokenizers.modes() == {MODEL: "hf"}
+        for i in range(12):
+            status, _ = await post(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": f"the prompt is cached {i}", "max_tokens": 1},
+            )
+            assert status == 200  # requests never fail because of the tokenizer
+        assert app.tokenizers.modes() == {MODEL: "approximate"}
+        samples = await metrics(http, app.url)
+        (mismatch,) = samples["kvroute_tokenizer_mismatches_total"]
+        assert mismatch.labels["model"] == MODEL and mismatch.value >= 10
+        modes = {s.labels["mode"] for s in samples["kvroute_tokenizer_mode"]}
+        assert modes == {"approximate"}
+    finally:
+        await app.stop()
+
+
+async def test_approximate_pools_still_keep_shared_prefixes_together(
+    evented: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in evented], tokenizer={"mode": "approximate"})
+    try:
+        prefix = " ".join(f"shared{i}" for i in range(300))
+        engines = set()
+        for i in range(6):
+            async with http.post(
+                f"{app.url}/v1/completions",
+                json={"prompt": f"{prefix} question {i}", "max_tokens": 1},
+            ) as r:
+                assert r.status == 200
+                engines.add(r.headers["x-kvroute-engine"])
+        assert len(engines) == 1
+    finally:
+        await app.stop()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def zoo() -> AsyncIterator[dict[str, EmulatedEngine]]:
+    """Two models; each with its own adapter on one of its engines."""
+    engines = {
+        "alpha-0": await start_test_engine(
+            engine_id="a0", model="alpha", lora_modules=("alpha-sql",)
+        ),
+        "alpha-1": await start_test_engine(engine_id="a1", model="alpha"),
+        "beta-0": await start_test_engine(
+            engine_id="b0", model="beta", lora_modules=("beta-chat",)
+        ),
+    }
+    yield engines
+    for engine in engines.values():
+        await engine.stop()
+
+
+async def test_models_and_adapters_route_only_to_engines_that_serve_them(
+    zoo: dict[str, EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in zoo.values()])
+    by_endpoint = {endpoint(e): name for name, e in zoo.items()}
+    try:
+        async with http.get(f"{app.url}/v1/models") as resp:
+            served = [m["id"] for m in (await resp.json())["data"]]
+        assert served == ["alpha", "alpha-sql", "beta", "beta-chat"]
+        expect = {
+            "alpha": {"alpha-0", "alpha-1"},
+            "alpha-sql": {"alpha-0"},
+            "beta": {"beta-0"},
+            "beta-chat": {"beta-0"},
+        }
+        for model, allowed in expect.items():
+            seen = set()
+            for i in range(6):
+                async with http.post(
+                    f"{app.url}/v1/completions",
+                    json={"model": model, "prompt": f"hi {i}", "max_tokens": 1},
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["model"] == model
+                    seen.add(by_endpoint[r.headers["x-kvroute-engine"]])
+            assert seen <= allowed, (model, seen)
+        status, body = await post(
+            http, f"{app.url}/v1/completions", {"model": "gamma", "prompt": "hi"}
+        )
+        assert status == 404
+        assert "alpha, alpha-sql, beta, beta-chat" in body["error"]["message"]
+        assert app.registry.base_of("alpha-sql") == "alpha"
+    finally:
+        await app.stop()
+
+
+async def test_an_adapters_blocks_are_keyed_apart_from_the_base_models(
+    zoo: dict[str, EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    engine = zoo["alpha-0"]
+    await post(http, f"{engine.url}/reset_prefix_cache", {})
+    app = await start_router([engine.url])
+    try:
+        prompt = " ".join(f"w{i}" for i in range(64))
+        for model in ("alpha", "alpha-sql", "alpha-sql"):
+            status, body = await post(
+                http,
+                f"{app.url}/v1/completions",
+                {"model": model, "prompt": prompt, "max_tokens": 1},
+            )
+            assert status == 200
+        # the adapter's second request hits its own first one, never the base model's
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    finally:
+        await app.stop()
+
+
+async def test_an_engine_with_another_block_size_is_refused_by_name(
+    http: aiohttp.ClientSession,
+) -> None:
+    good = await start_test_engine(engine_id="bs16")
+    odd = await start_test_engine(engine_id="bs32", params=TEST_PARAMS.replace(block_size=32))
+    app = await start_router([good.url, odd.url])
+    try:
+        record = app.registry.get(endpoint(odd))
+        assert record is not None and record.state is EngineState.REFUSED
+        assert "block size 32" in record.refused_reason and "uses 16" in record.refused_reason
+        for i in range(6):
+            async with http.post(
+                f"{app.url}/v1/completions", json={"prompt": f"x {i}", "max_tokens": 1}
+            ) as r:
+                assert r.status == 200 and r.headers["x-kvroute-engine"] == endpoint(good)
+        samples = await metrics(http, app.url)
+        refused = {s.labels["engine"]: s.value for s in samples["kvroute_engine_refused"]}
+        assert refused == {endpoint(good): 0.0, endpoint(odd): 1.0}
+    finally:
+        await app.stop()
+        await good.stop()
+        await odd.stop()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_batch_prompts_go_to_one_engine_and_count_in_its_load(
+    evented: list[EmulatedEngine], http: aiohttp.ClientSession, n: int
+) -> None:
+    app = await start_router([e.url for e in evented])
+    try:
+        prompts = ["short one", " ".join(f"long{i}" for i in range(200)), "mid " * 20]
+        status, body = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prompts, "max_tokens": 2, "n": n}
+        )
+        assert status == 200 and len(body["choices"]) == 3 * n
+        assert body["usage"]["prompt_tokens"] == 2 + 200 + 20
+        assert app.tokenizers.mismatches() == {MODEL: 0}
+    finally:
+        await app.stop()
