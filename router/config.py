@@ -142,6 +142,12 @@ class EventEndpoints(_Section):
 class EngineConfig(_Section):
     """One engine (inference server) the router may send requests to."""
 
+    bootstrap_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="SGLang prefill engines: the bootstrap port (default: /server_info).",
+    )
     url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000.")
     role: Literal["both", "prefill", "decode"] = Field(
         "both", description="What the engine does in disaggregated serving."
@@ -235,6 +241,77 @@ class EventsConfig(_Section):
     )
 
 
+class DisaggregationConfig(_Section):
+    """Prefill/decode disaggregation: when to split, and how (docs/disaggregation.md)."""
+
+    handoff: Literal["nixl", "sglang"] = Field(
+        "nixl", description="KV-transfer dialect of the prefill/decode pools."
+    )
+    min_uncached_tokens: int = Field(
+        512,
+        ge=0,
+        description="Serve on the decode engine alone when fewer prompt tokens "
+        "than this are missing from its cache: a transfer does not pay for short prompts.",
+    )
+    decode_hit_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Serve on the decode engine alone when it already holds "
+        "at least this share of the prompt (multi-turn chats keep their prefix there).",
+    )
+    kv_bytes_per_token: int = Field(
+        131_072,
+        gt=0,
+        description="KV-cache bytes per token (Llama-3.1-8B in bf16: 32 layers "
+        "x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes).",
+    )
+    transfer_bandwidth_gb_s: float = Field(
+        12.5,
+        gt=0,
+        description="Prefill-to-decode link bandwidth in GB/s (100 Gb/s RDMA).",
+    )
+    prefill_s_per_token: float = Field(
+        50e-6,
+        gt=0,
+        description="Estimated prefill time per uncached token on a decode "
+        "engine (the work a split moves off it).",
+    )
+    handoff_overhead_s: float = Field(
+        0.003,
+        ge=0,
+        description="Fixed cost of a split: the extra leg and the handoff.",
+    )
+    fallback_to_decode: bool = Field(
+        True,
+        description="When prefill fails on two prefill engines, serve on the decode "
+        "engine alone (false: answer 502/504).",
+    )
+    rewrite_loopback_host: bool = Field(
+        False,
+        description="NIXL: when a prefill engine reports a loopback remote_host "
+        "although it is not on loopback, replace it with the engine's own host (remote_port "
+        "is never changed). Off: only warn.",
+    )
+    decode_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Decode engine choice: cost per KV block held by its "
+        "decoding requests (decode pools balance memory-bound work).",
+    )
+    decode_queue_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Decode engine choice: cost per block of prefill queued there.",
+    )
+    decode_prefix_weight: float = Field(
+        0.5,
+        ge=0,
+        description="Decode engine choice: cost per block of the prompt it does "
+        "not hold (what it would have to pull or prefill).",
+    )
+
+
 class TokenizerConfig(_Section):
     """How the router turns a model's prompts into token ids (docs/configuration.md)."""
 
@@ -314,6 +391,7 @@ class Config(_Section):
         default_factory=list, description="Per-model settings (tokenizer, block size)."
     )
     tokenizer_guard: TokenizerGuardConfig = Field(default_factory=TokenizerGuardConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
     def model_settings(self, model: str) -> tuple[TokenizerConfig, int]:
         """The tokenizer settings and block size of a model's pool."""

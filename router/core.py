@@ -59,10 +59,10 @@ class RoutingCore:
         self.counters = CoreCounters()
 
     async def lookup(
-        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+        self, keys: Sequence[int], candidates: Sequence[EngineKey], policy: Policy | None = None
     ) -> Mapping[EngineKey, Match]:
         """Match depths, or none at all if the index cannot answer (route on load)."""
-        if not keys or not self.policy.uses_index:
+        if not keys or not (policy or self.policy).uses_index:
             return {}
         try:
             return await self.index.lookup(keys, candidates)
@@ -71,22 +71,33 @@ class RoutingCore:
             log.debug("index lookup failed, routing on load alone: %s", exc)
             return {}
 
-    async def route(self, request: RouteRequest, candidates: Sequence[EngineKey]) -> Decision:
-        """Pick an engine for ``request`` among ``candidates`` and record the choice."""
+    async def route(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        policy: Policy | None = None,
+    ) -> Decision:
+        """Pick an engine for ``request`` among ``candidates`` and record the choice.
+
+        ``policy`` overrides the router's policy for this choice (decode engines of a
+        disaggregated pool are chosen by their own cost).
+        """
         if not candidates:
             raise NoCandidates("no engine can take this request")
-        matches = await self.lookup(request.keys, candidates)
-        decision = self.policy.choose(request, candidates, matches, self.loads.view)
+        policy = policy or self.policy
+        matches = await self.lookup(request.keys, candidates, policy)
+        decision = policy.choose(request, candidates, matches, self.loads.view)
         key = (decision.policy, decision.reason)
         self.counters.decisions[key] = self.counters.decisions.get(key, 0) + 1
-        await self.record(decision.engine, request.keys, request.approximate)
+        if policy.uses_index:
+            await self.record(decision.engine, request.keys, request.approximate)
         return decision
 
     async def record(
         self, engine: EngineKey, keys: Sequence[int], approximate: bool = False
     ) -> None:
         """Note that ``engine`` is about to hold ``keys`` (expiring until confirmed)."""
-        if not keys or not self.policy.uses_index:
+        if not keys:
             return
         confirmable = not approximate and self.has_events(engine)
         ttl = self.config.provisional_ttl_s if confirmable else self.config.approximate_ttl_s

@@ -262,5 +262,47 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.disagg = Counter(
+            "kvroute_disagg_decisions",
+            "Requests to disaggregated pools by mode (split, local) and reason",
+            ["mode", "reason"],
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "kvroute_handoffs",
+            "KV handoffs by dialect and outcome (pulled, recomputed, no_params, "
+            "prefill_failed, failed)",
+            ["dialect", "outcome"],
+            registry=r,
+        )
+        self.prefill_leg_seconds = Histogram(
+            "kvroute_prefill_leg_seconds",
+            "Duration of prefill legs",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_leg_first_byte_seconds = Histogram(
+            "kvroute_decode_leg_first_byte_seconds",
+            "From sending a decode leg to its first byte (transfer and first token)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "kvroute_kv_transfer_bytes_estimated",
+            "KV bytes split requests moved, estimated from kv_bytes_per_token",
+            registry=r,
+        )
+        self.loopback_hosts = Counter(
+            "kvroute_handoff_loopback_hosts",
+            "Prefill answers whose remote_host was a loopback address from a remote engine",
+            ["engine"],
+            registry=r,
+        )
+        self.abandoned_tokens = Counter(
+            "kvroute_handoff_abandoned_tokens",
+            "Prompt tokens left pinned on a prefill engine (until its hold timeout) because "
+            "the client left before the decode leg pulled them",
+            registry=r,
+        )
         self.state = StateCollector(sources or StateSources())
         r.register(self.state)

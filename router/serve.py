@@ -34,6 +34,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an engine serving prefill and decode (repeatable), e.g. http://10.0.0.5:8000",
     )
     parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill engine of a disaggregated pool (repeatable)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode engine of a disaggregated pool (repeatable)",
+    )
+    parser.add_argument(
+        "--handoff",
+        choices=["nixl", "sglang"],
+        help="KV-transfer dialect between prefill and decode engines (default nixl)",
+    )
+    parser.add_argument(
         "--policy",
         choices=[*POLICY_NAMES, "default"],
         help="routing policy (default kv_cost)",
@@ -59,9 +78,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["policy"] = {"name": args.policy}
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
+    if args.handoff:
+        overrides["disaggregation"] = {"handoff": args.handoff}
     config = load_config(args.config, overrides)
-    if args.engine:
-        engines = [*config.model_dump()["engines"], *({"url": url} for url in args.engine)]
+    added = [
+        *({"url": url, "role": "both"} for url in args.engine),
+        *({"url": url, "role": "prefill"} for url in args.prefill),
+        *({"url": url, "role": "decode"} for url in args.decode),
+    ]
+    if added:
+        engines = [*config.model_dump()["engines"], *added]
         config = load_config(args.config, {**overrides, "engines": engines})
     return config
 

@@ -33,12 +33,14 @@ from router.api.openai import (
     resolve_model,
     tokenize,
 )
+from router.api.usage import UsageTap
 from router.engines.load import Ticket
 from router.hashing import block_keys, seed_for
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
 from router.tokenization import TokenizerUnavailable
+from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -47,6 +49,7 @@ log = logging.getLogger("kvroute.http")
 
 _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -107,7 +110,10 @@ class HttpApi:
     """Handlers bound to one running router."""
 
     def __init__(self, app: RouterApp) -> None:
+        from router.api.pd import PDForwarder
+
         self.app = app
+        self.pd = PDForwarder(self)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -182,10 +188,20 @@ class HttpApi:
             model = resolve_model(parsed.model, app.registry.models())
             parsed.model = model
             route_request = await self._route_request(request, request_id, model, parsed)
-            response = await self._forward(
+            if app.registry.is_disaggregated(model):
+                return await self.pd.forward(
+                    request,
+                    _PATHS[route],
+                    parsed,
+                    route_request,
+                    payload,
+                    body,
+                    started,
+                    outcome,
+                )
+            return await self._forward(
                 request, route, model, parsed, route_request, body, started, outcome
             )
-            return response
         except ApiError as err:
             outcome.set(
                 "client_error" if err.status < 500 else _server_outcome(err.status), err.status
@@ -254,7 +270,7 @@ class HttpApi:
         outcome: _Outcome,
     ) -> web.StreamResponse:
         app = self.app
-        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        path = _PATHS[route]
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1 + app.config.proxy.retries):
@@ -293,6 +309,18 @@ class HttpApi:
         assert last_error is not None
         raise ApiError(last_error.http_status, f"engine failed: {last_error}")
 
+    def upstream_headers(
+        self, request: web.Request, request_id: str, engine: Any, key: EngineKey
+    ) -> dict[str, str]:
+        """Headers every request to an engine carries."""
+        headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
+        if engine.dp_size > 1:
+            headers["X-data-parallel-rank"] = str(key.rank)
+        auth = request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
     async def _attempt(
         self,
         request: web.Request,
@@ -303,27 +331,32 @@ class HttpApi:
         body: bytes,
         started: float,
         outcome: _Outcome,
+        *,
+        cached_tokens: int | None = None,
+        tap: UsageTap | None = None,
+        extra_headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
-        """One try on one engine. Raises UpstreamError while nothing reached the client."""
+        """One try on one engine. Raises UpstreamError while nothing reached the client.
+
+        ``cached_tokens`` overrides the decision's estimate in the load accounting (a
+        decode leg whose KV is pulled prefills almost nothing); ``tap`` sees and may
+        rewrite the answer's usage.
+        """
         app = self.app
         engine = app.registry.engine_of(decision.engine)
         assert engine is not None
         ticket = app.core.loads.begin(
             decision.engine,
             sum(len(p) for p in parsed.prompts) * parsed.n,
-            decision.cached_tokens,
+            decision.cached_tokens if cached_tokens is None else cached_tokens,
             route_request.max_tokens,
         )
-        headers = {"Content-Type": _JSON, "X-Request-Id": route_request.request_id}
-        if engine.dp_size > 1:
-            headers["X-data-parallel-rank"] = str(decision.engine.rank)
-        auth = request.headers.get("Authorization")
-        if auth:
-            headers["Authorization"] = auth
+        headers = self.upstream_headers(request, route_request.request_id, engine, decision.engine)
         ours = {
             "x-request-id": route_request.request_id,
             "x-kvroute-engine": decision.engine.label,
             "x-kvroute-reason": decision.summary(),
+            **(extra_headers or {}),
         }
         url = engine.url + path
         try:
@@ -349,11 +382,13 @@ class HttpApi:
                 app.registry.record_success(engine)
                 outcome.set("ok", upstream.status)
                 self._check_tokenizer(parsed, data)
+                if tap is not None:
+                    data = tap.answer(data)
                 return web.Response(
                     body=data, status=upstream.status, headers={**ours, "Content-Type": _JSON}
                 )
             return await self._relay(
-                request, parsed, upstream, deadline, engine, ticket, ours, started, outcome
+                request, parsed, upstream, deadline, engine, ticket, ours, started, outcome, tap
             )
         finally:
             app.upstream.finish(upstream, deadline)
@@ -379,6 +414,7 @@ class HttpApi:
         ours: dict[str, str],
         started: float,
         outcome: _Outcome,
+        tap: UsageTap | None = None,
     ) -> web.StreamResponse:
         """Stream the engine's SSE answer through, chunk by chunk."""
         app = self.app
@@ -400,7 +436,7 @@ class HttpApi:
         app.metrics.ttft_seconds.observe(time.perf_counter() - started)
         out = web.StreamResponse(status=upstream.status, headers={**ours, **_SSE_HEADERS})
         await out.prepare(request)
-        await out.write(first)
+        await out.write(tap.chunk(first) if tap is not None else first)
         tail = first
         try:
             while True:
@@ -408,7 +444,7 @@ class HttpApi:
                 if not chunk:
                     break
                 deadlines.touch(deadline)
-                await out.write(chunk)
+                await out.write(tap.chunk(chunk) if tap is not None else chunk)
                 tail = chunk
         except HTTPError as exc:
             app.registry.record_failure(engine)

@@ -149,6 +149,9 @@ class EngineMonitor:
         block_size = info.get("block_size")
         if isinstance(block_size, int):
             engine.block_size = block_size
+        bootstrap = info.get("bootstrap_port")
+        if engine.bootstrap_port is None and isinstance(bootstrap, int) and bootstrap > 0:
+            engine.bootstrap_port = bootstrap
         dp = info.get("dp_size")
         if isinstance(dp, int) and dp >= 1:
             engine.dp_size = dp

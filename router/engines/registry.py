@@ -54,6 +54,8 @@ class Engine:
     wants_events: bool = True
     """False when configured with ``kv_events: none``."""
     block_size: int | None = None
+    bootstrap_port: int | None = None
+    """SGLang prefill engines: where their bootstrap listener is."""
     state: EngineState = EngineState.HEALTHY
     failures: int = 0
     ejections: int = 0
@@ -82,6 +84,7 @@ class Engine:
             models=set(cfg.models),
             models_configured=bool(cfg.models),
             dp_size=cfg.dp_size,
+            bootstrap_port=cfg.bootstrap_port,
             events=cfg.kv_events if isinstance(cfg.kv_events, EventEndpoints) else None,
             wants_events=cfg.kv_events != "none",
         )
@@ -130,6 +133,12 @@ class Registry:
 
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self._engines.values())
+
+    def is_disaggregated(self, model: str) -> bool:
+        """Whether the model's engines are split into prefill and decode pools."""
+        return any(
+            e.role in ("prefill", "decode") and model in e.models for e in self._engines.values()
+        )
 
     def base_of(self, model: str) -> str:
         """The base model of a LoRA adapter (the model itself when it is no adapter)."""

@@ -157,3 +157,33 @@ class KVCostPolicy(Policy):
             if point < 0:
                 return score
         return scores[-1]
+
+
+class DecodeCostPolicy(KVCostPolicy):
+    """The same cost, weighted for choosing a decode engine of a disaggregated pool.
+
+    Decode engines are memory-bound: their decode load weighs fully, and the blocks of
+    the prompt they lack (what they must pull or prefill) weigh less than on a prefill
+    engine, though they still steer multi-turn chats back to the engine holding them.
+    """
+
+    name = "decode_cost"
+
+    @classmethod
+    def for_disaggregation(
+        cls,
+        base: PolicyConfig,
+        decode_weight: float,
+        queue_weight: float,
+        prefix_weight: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> DecodeCostPolicy:
+        cfg = base.model_copy(
+            update={
+                "decode_weight": decode_weight,
+                "queue_weight": queue_weight,
+                "prefill_weight": prefix_weight,
+                "temperature": 0.0,
+            }
+        )
+        return cls(cfg, clock)

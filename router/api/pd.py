@@ -1,0 +1,422 @@
+"""Disaggregated prefill/decode serving: choose the pair, decide the split, hand off.
+
+For a model served by prefill and decode pools, each request:
+
+1. picks a decode engine by its load, with its match depth in view
+   (:class:`~router.policy.kv_cost.DecodeCostPolicy`);
+2. decides whether a split pays (:func:`~router.policy.disagg.decide_split`); if not,
+   the decode engine serves it alone, exactly as in an aggregated pool;
+3. otherwise picks a prefill engine by cache affinity and queue (the router's policy)
+   and drives the handoff in the pool's dialect:
+
+   * **NIXL** (pull): a one-token prefill leg returns ``kv_transfer_params``, then the
+     decode leg carries them verbatim and streams the answer. A prefill answer without
+     params sends the request to the decode engine as a plain request
+     (``prefill_no_params``); a prefill engine that fails or times out is replaced once,
+     then the decode engine serves alone unless ``fallback_to_decode`` is off. A decode
+     leg that silently recomputed (its usage shows almost nothing cached) is counted.
+   * **SGLang** (push): bootstrap fields naming the prefill engine and a random room go
+     to both engines at once; the decode engine's answer is relayed, the prefill's
+     discarded; if either leg fails before the first byte the other is cancelled.
+
+A decode engine that fails before the first byte is replaced by another, with a fresh
+prefill; after the first byte the stream ends with an SSE error event. The client sees
+the prefill leg's ``cached_tokens``. A client that leaves during prefill aborts that
+leg (its connection is closed); one that leaves after it leaves the KV pinned on the
+prefill engine until the engine's hold timeout, which is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import msgspec
+from aiohttp import web
+
+from router.api.errors import ApiError
+from router.api.usage import UsageTap
+from router.handoff import nixl, sglang
+from router.policy.base import Decision, NoCandidates, RouteRequest, request_rng
+from router.policy.disagg import SplitDecision, decide_split
+from router.policy.kv_cost import DecodeCostPolicy
+from router.proxy import UpstreamError
+
+if TYPE_CHECKING:
+    from router.api.http import HttpApi, _Outcome
+    from router.api.openai import ParsedRequest
+
+log = logging.getLogger("kvroute.pd")
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+
+
+class PDForwarder:
+    """Serves requests of models whose engines are split into prefill and decode pools."""
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+        self.app = api.app
+        cfg = self.app.config.disaggregation
+        self.decode_policy = DecodeCostPolicy.for_disaggregation(
+            self.app.config.policy,
+            cfg.decode_weight,
+            cfg.decode_queue_weight,
+            cfg.decode_prefix_weight,
+        )
+
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        payload: dict[str, Any],
+        body: bytes,
+        started: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        app = self.app
+        model = parsed.model
+        assert model is not None
+        failed_decode: set[str] = set()
+        last_error: UpstreamError | None = None
+        for _attempt in range(1 + app.config.proxy.retries):
+            decode_pool = app.registry.candidates(model, ("decode", "both"), exclude=failed_decode)
+            if not decode_pool:
+                break
+            try:
+                decode = await app.core.route(route_request, decode_pool, self.decode_policy)
+            except NoCandidates:
+                break
+            prefill_pool = app.registry.candidates(model, ("prefill",))
+            split = decide_split(
+                route_request.prompt_tokens,
+                decode.cached_tokens,
+                bool(prefill_pool),
+                app.config.disaggregation,
+            )
+            try:
+                if not split.split:
+                    app.metrics.disagg.labels("local", split.reason).inc()
+                    return await self.api._attempt(
+                        request,
+                        path,
+                        parsed,
+                        route_request,
+                        decode,
+                        body,
+                        started,
+                        outcome,
+                        extra_headers={"x-kvroute-mode": f"local:{split.reason}"},
+                    )
+                app.metrics.disagg.labels("split", split.reason).inc()
+                if app.config.disaggregation.handoff == "sglang":
+                    return await self._sglang(
+                        request,
+                        path,
+                        parsed,
+                        route_request,
+                        payload,
+                        decode,
+                        prefill_pool,
+                        split,
+                        started,
+                        outcome,
+                    )
+                return await self._nixl(
+                    request,
+                    path,
+                    parsed,
+                    route_request,
+                    payload,
+                    body,
+                    decode,
+                    split,
+                    started,
+                    outcome,
+                )
+            except UpstreamError as err:
+                last_error = err
+                failed_decode.add(decode.engine.endpoint)
+                app.metrics.retries.labels(err.kind).inc()
+                log.info(
+                    "request %s: decode engine %s failed before the first byte (%s)",
+                    route_request.request_id,
+                    decode.engine.label,
+                    err,
+                )
+        if last_error is not None:
+            raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+        raise ApiError(503, f"no healthy decode engine serves model '{model}'", retry_after=1)
+
+    # ------------------------------------------------------------------ NIXL
+
+    async def _nixl(
+        self,
+        request: web.Request,
+        path: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        payload: dict[str, Any],
+        body: bytes,
+        decode: Decision,
+        split: SplitDecision,
+        started: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        app = self.app
+        cfg = app.config.disaggregation
+        model = parsed.model
+        assert model is not None
+        prefill_bytes = _encode(nixl.prefill_body(payload))
+        tried: set[str] = set()
+        answer: dict[str, Any] | None = None
+        prefill: Decision | None = None
+        for _ in range(2):  # the chosen prefill engine, then one other
+            pool = app.registry.candidates(model, ("prefill",), exclude=tried)
+            if not pool:
+                break
+            prefill = await app.core.route(route_request, pool)
+            try:
+                status, answer = await self._prefill_leg(
+                    request, path, route_request, prefill, prefill_bytes
+                )
+            except UpstreamError as err:
+                tried.add(prefill.engine.endpoint)
+                answer = None
+                app.metrics.retries.labels(err.kind).inc()
+                log.info(
+                    "request %s: prefill engine %s failed (%s)",
+                    route_request.request_id,
+                    prefill.engine.label,
+                    err,
+                )
+                continue
+            if status >= 400:  # the engine refused the request itself: the client's error
+                outcome.set("client_error", status)
+                return web.json_response(
+                    answer, status=status, headers={"x-request-id": route_request.request_id}
+                )
+            break
+        if answer is None:
+            app.metrics.handoffs.labels("nixl", "prefill_failed").inc()
+            if not cfg.fallback_to_decode:
+                raise ApiError(502, "no prefill engine could prefill this request")
+            return await self.api._attempt(
+                request,
+                path,
+                parsed,
+                route_request,
+                decode,
+                body,
+                started,
+                outcome,
+                extra_headers={"x-kvroute-mode": "local:prefill_failed"},
+            )
+        assert prefill is not None
+        params = nixl.returned_params(answer)
+        if params is None:
+            app.metrics.handoffs.labels("nixl", "no_params").inc()
+            return await self.api._attempt(
+                request,
+                path,
+                parsed,
+                route_request,
+                decode,
+                body,
+                started,
+                outcome,
+                extra_headers={"x-kvroute-mode": "local:prefill_no_params"},
+            )
+        prefill_engine = app.registry.engine_of(prefill.engine)
+        host = (urlsplit(prefill_engine.url).hostname or "") if prefill_engine else ""
+        params, loopback = nixl.check_remote_host(params, host, cfg.rewrite_loopback_host)
+        if loopback:
+            app.metrics.loopback_hosts.labels(prefill.engine.label).inc()
+            log.warning(
+                "prefill engine %s reports NIXL remote_host %s, a loopback address a decode "
+                "engine elsewhere cannot reach; set VLLM_NIXL_SIDE_CHANNEL_HOST to the pod IP"
+                "%s",
+                prefill.engine.label,
+                params.get("remote_host"),
+                "" if cfg.rewrite_loopback_host else " (or disaggregation.rewrite_loopback_host)",
+            )
+        prefill_cached = nixl.cached_tokens(answer)
+        prompt_tokens = route_request.prompt_tokens
+        bs = route_request.block_size
+
+        def on_usage(usage: dict[str, Any]) -> None:
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if nixl.recomputed(cached, prompt_tokens, bs):
+                app.metrics.handoffs.labels("nixl", "recomputed").inc()
+                log.warning(
+                    "request %s: decode engine %s recomputed the prefill instead of "
+                    "pulling it from %s",
+                    route_request.request_id,
+                    decode.engine.label,
+                    prefill.engine.label,
+                )
+            else:
+                app.metrics.handoffs.labels("nixl", "pulled").inc()
+
+        tap = UsageTap(on_usage, prefill_cached, drop_usage_event=not parsed.include_usage)
+        decode_payload = nixl.decode_body(payload, params)
+        if parsed.stream and not parsed.include_usage:
+            decode_payload["stream_options"] = {"include_usage": True}  # to see its usage
+        app.metrics.transfer_bytes.inc(split.uncached_tokens * cfg.kv_bytes_per_token)
+        sent = time.perf_counter()
+        try:
+            response = await self.api._attempt(
+                request,
+                path,
+                parsed,
+                route_request,
+                decode,
+                _encode(decode_payload),
+                started,
+                outcome,
+                cached_tokens=max(prompt_tokens - 1, 0),
+                tap=tap,
+                extra_headers={
+                    "x-kvroute-mode": "split",
+                    "x-kvroute-prefill": prefill.engine.label,
+                },
+            )
+        except asyncio.CancelledError:
+            if outcome.status == 499:  # the client left before the decode leg answered
+                app.metrics.abandoned_tokens.inc(prompt_tokens)
+            raise
+        app.metrics.decode_leg_first_byte_seconds.observe(time.perf_counter() - sent)
+        return response
+
+    async def _prefill_leg(
+        self,
+        request: web.Request,
+        path: str,
+        route_request: RouteRequest,
+        prefill: Decision,
+        body: bytes,
+    ) -> tuple[int, dict[str, Any]]:
+        """Run a prefill leg to its answer: (status, decoded JSON)."""
+        app = self.app
+        engine = app.registry.engine_of(prefill.engine)
+        assert engine is not None
+        ticket = app.core.loads.begin(
+            prefill.engine, route_request.prompt_tokens, prefill.cached_tokens, 1
+        )
+        headers = self.api.upstream_headers(
+            request, route_request.request_id, engine, prefill.engine
+        )
+        url = engine.url + path
+        sent = time.perf_counter()
+        try:
+            try:
+                response, deadline = await app.upstream.open(url, body, headers)
+            except UpstreamError:
+                app.registry.record_failure(engine)
+                raise
+            try:
+                data = await self.api._read_all(response, deadline, engine, url)
+            finally:
+                app.upstream.finish(response, deadline)
+        finally:
+            app.core.loads.end(ticket)
+        app.metrics.prefill_leg_seconds.observe(time.perf_counter() - sent)
+        try:
+            answer = _decode(data)
+        except msgspec.DecodeError:
+            app.registry.record_failure(engine)
+            raise UpstreamError("protocol", f"{url} answered a prefill with bad JSON") from None
+        if not isinstance(answer, dict):
+            raise UpstreamError("protocol", f"{url} answered a prefill with a non-object")
+        app.registry.record_success(engine)
+        return response.status, answer
+
+    # ------------------------------------------------------------------ SGLang
+
+    async def _sglang(
+        self,
+        request: web.Request,
+        path: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        payload: dict[str, Any],
+        decode: Decision,
+        prefill_pool: list[Any],
+        split: SplitDecision,
+        started: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        app = self.app
+        prefill = await app.core.route(route_request, prefill_pool)
+        prefill_engine = app.registry.engine_of(prefill.engine)
+        assert prefill_engine is not None
+        port = prefill_engine.bootstrap_port
+        if port is None:
+            raise UpstreamError("protocol", f"{prefill_engine.url} has no bootstrap port")
+        host = urlsplit(prefill_engine.url).hostname or ""
+        room = sglang.new_room(request_rng(route_request.request_id))
+        leg_body = _encode(sglang.with_bootstrap(payload, host, port, room))
+        app.metrics.transfer_bytes.inc(
+            split.uncached_tokens * app.config.disaggregation.kv_bytes_per_token
+        )
+        prefill_task = asyncio.ensure_future(
+            self._prefill_leg(
+                request,
+                path,
+                route_request,
+                prefill,
+                _encode(sglang.with_bootstrap(_prefill_only(payload), host, port, room)),
+            )
+        )
+        decode_task = asyncio.ensure_future(
+            self.api._attempt(
+                request,
+                path,
+                parsed,
+                route_request,
+                decode,
+                leg_body,
+                started,
+                outcome,
+                cached_tokens=max(route_request.prompt_tokens - 1, 0),
+                extra_headers={
+                    "x-kvroute-mode": "split",
+                    "x-kvroute-prefill": prefill.engine.label,
+                },
+            )
+        )
+        try:
+            done, _ = await asyncio.wait(
+                {prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if prefill_task in done and prefill_task.exception() is not None:
+                if not decode_task.done():  # the pair cannot complete: stop the decode leg
+                    decode_task.cancel()
+                    await asyncio.gather(decode_task, return_exceptions=True)
+                    app.metrics.handoffs.labels("sglang", "prefill_failed").inc()
+                    raise prefill_task.exception()  # type: ignore[misc]
+            response = await decode_task
+        except BaseException:
+            for task in (prefill_task, decode_task):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            raise
+        app.metrics.handoffs.labels("sglang", "pulled").inc()
+        if not prefill_task.done():
+            await asyncio.gather(prefill_task, return_exceptions=True)
+        return response
+
+
+def _prefill_only(payload: dict[str, Any]) -> dict[str, Any]:
+    """An SGLang prefill leg needs no stream: its answer is discarded."""
+    body = dict(payload)
+    body["stream"] = False
+    body.pop("stream_options", None)
+    return body

@@ -1,0 +1,76 @@
+"""Reading and rewriting the ``usage`` object of an engine's answer on its way through.
+
+A disaggregated request's decode leg reports its own cached tokens, but the client must
+see what the cache saved at prefill; the router also reads the decode leg's usage to
+detect a handoff the engine silently replaced by a local prefill. A stream carries usage
+in one event near its end, and only that event (the one holding
+``prompt_tokens_details``) is parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+_MARK = b'"prompt_tokens_details"'
+
+
+class UsageTap:
+    """Sees an answer's usage, optionally overriding ``cached_tokens`` or hiding it."""
+
+    def __init__(
+        self,
+        on_usage: Callable[[dict[str, Any]], None] | None = None,
+        cached_tokens: int | None = None,
+        drop_usage_event: bool = False,
+    ) -> None:
+        self.on_usage = on_usage
+        self.cached_tokens = cached_tokens
+        self.drop_usage_event = drop_usage_event
+
+    def _usage(self, obj: dict[str, Any]) -> bool:
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            return False
+        if self.on_usage is not None:
+            self.on_usage(usage)
+        if self.cached_tokens is not None:
+            details = usage.get("prompt_tokens_details")
+            if not isinstance(details, dict):
+                details = usage["prompt_tokens_details"] = {}
+            details["cached_tokens"] = self.cached_tokens
+        return True
+
+    def answer(self, body: bytes) -> bytes:
+        """A whole JSON answer."""
+        try:
+            obj = _decode(body)
+        except msgspec.DecodeError:
+            return body
+        if not isinstance(obj, dict) or not self._usage(obj):
+            return body
+        return _encode(obj)
+
+    def chunk(self, chunk: bytes) -> bytes:
+        """Part of an SSE stream; only an event holding the usage object is touched."""
+        if _MARK not in chunk:
+            return chunk
+        events = chunk.split(b"\n\n")
+        for i, event in enumerate(events):
+            if _MARK not in event or not event.startswith(b"data: "):
+                continue
+            try:
+                obj = _decode(event[6:])
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(obj, dict) or not self._usage(obj):
+                continue
+            if self.drop_usage_event and not obj.get("choices"):
+                events[i] = b""
+            else:
+                events[i] = b"data: " + _encode(obj)
+        return b"\n\n".join(e for e in events if e) + (b"\n\n" if chunk.endswith(b"\n\n") else b"")
