@@ -1,13 +1,12 @@
 """The Redis-backed KV-block index, shared by router replicas and the standalone indexer.
 
-Layout (``docs/redis-schema.md`` has the full schema and the reasons): every key lives
-under the hash tag ``{namespace}``, so one namespace sits in one Redis Cluster slot and
-every script may touch all of it. Per block key, one field of ``{ns}:blocks`` holds a
-bitmap of the engines that hold the block firmly (2 bits per engine id: GPU,
-offloaded) and one field of ``{ns}:expiring`` the expiring holders with their
-deadlines. Per engine, ``{ns}:held:<engine>:<tier>`` maps each firmly held block to the
-engine's own hash for it (what ``clear`` drops and what a new indexer reloads), and
-``{ns}:expiring:<engine>`` scores its expiring records by deadline.
+Layout (``docs/redis-schema.md`` has every key and the reasons): all keys live under
+the hash tag ``{namespace}``, so a namespace sits in one Redis Cluster slot and every
+script may touch all of it. One field of the hash ``{ns}:blocks`` per block key holds
+the block's firm holders (engine id and tier bits, sorted) followed by its expiring
+holders (engine id and deadline). Per engine, ``{ns}:held:<engine>:<tier>`` maps each
+firmly held block to the engine's own hash for it: what ``clear`` drops and what a new
+indexer reloads to apply removals after taking over.
 
 Every operation is one Lua script call, so a lookup costs exactly one round trip and
 stops walking at the first block no candidate holds. Time comes from the caller's

@@ -9,6 +9,7 @@ testcontainers is used when a Docker daemon answers within half a second.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -18,10 +19,11 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import redis
+import redis.asyncio as aioredis
 
 REDIS_URL_ENV = "REDIS_URL"
 
@@ -58,12 +60,12 @@ def wait_until_pingable(url: str, timeout: float = 10.0, **kwargs: object) -> No
 class RedisServer:
     """One ``redis-server`` process on loopback, owned by the test that started it."""
 
-    def __init__(self, *extra_args: str, tls: bool = False) -> None:
+    def __init__(self, *extra_args: str, tls: bool = False, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server is not on the PATH")
         self.dir = Path(tempfile.mkdtemp(prefix="kvroute-redis-"))
-        self.port = free_port()
+        self.port = port or free_port()
         self.tls_files: dict[str, str] = {}
         args = [
             binary,
@@ -224,3 +226,37 @@ def delete_namespace(url: str, namespace: str) -> None:
             client.unlink(*batch[start : start + 1000])
     finally:
         client.close()
+
+
+async def monitored_commands(url: str, action: Callable[[], Awaitable[object]]) -> list[str]:
+    """Commands that clients (not scripts) sent to Redis while ``action`` ran (MONITOR).
+
+    Marker ECHOs from another connection bracket the action, so commands of unrelated
+    clients before or after do not count.
+    """
+    marker = uuid.uuid4().hex
+    watcher = aioredis.Redis.from_url(url)
+    other = aioredis.Redis.from_url(url)
+    seen: list[str] = []
+    try:
+        async with watcher.monitor() as monitor:
+            await other.echo(f"start-{marker}")
+            await action()
+            await other.echo(f"end-{marker}")
+
+            async def collect() -> None:
+                started = False
+                async for info in monitor.listen():
+                    command = info["command"]
+                    if command == f"ECHO start-{marker}":
+                        started = True
+                    elif command == f"ECHO end-{marker}":
+                        return
+                    elif started and info["client_type"] != "lua":
+                        seen.append(command)
+
+            await asyncio.wait_for(collect(), 10)
+    finally:
+        await watcher.aclose()
+        await other.aclose()
+    return seen
