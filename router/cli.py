@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from router import __version__
 
 #: command name -> (module path, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "indexer": ("router.indexer", "Write engines' KV events into the shared Redis index."),
+}
 
 
 def _parser(selected: str | None) -> argparse.ArgumentParser:

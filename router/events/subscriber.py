@@ -79,9 +79,11 @@ TopicResolver = Callable[[str, int | None], EventSource | None]
 class _Stream:
     """Sequence tracking and replay for one engine stream."""
 
-    def __init__(self, source: EventSource, subscriber: KVEventSubscriber) -> None:
+    def __init__(
+        self, source: EventSource, subscriber: KVEventSubscriber, state: StreamState | None = None
+    ) -> None:
         self.source = source
-        self.state = StreamState(source.engine, source.namespace, source.block_size)
+        self.state = state or StreamState(source.engine, source.namespace, source.block_size)
         self.sub = subscriber
         self.replaying = False
         self.pending: deque[tuple[int, bytes]] = deque()
@@ -289,19 +291,24 @@ class KVEventSubscriber:
 
     # -------------------------------------------------------------- connect mode
 
-    async def add_source(self, source: EventSource) -> None:
-        """Connect to an engine's publisher and start following its stream."""
+    async def add_source(self, source: EventSource, state: StreamState | None = None) -> None:
+        """Connect to an engine's publisher and start following its stream.
+
+        ``state`` resumes a stream another writer left (the standalone indexer after a
+        takeover): replay starts after its ``last_seq`` and its hash maps are kept.
+        """
         if source.endpoint is None:
             raise ValueError("connect mode needs the engine's PUB endpoint")
         await self.remove_source(source.engine)
-        stream = _Stream(source, self)
+        stream = _Stream(source, self, state)
         sock = self._socket()
         sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         sock.connect(source.endpoint)
         self._streams[source.engine] = stream
         task = asyncio.ensure_future(self._read(sock, lambda topic, rank: stream))
         self._readers[source.engine] = (sock, task)
-        stream.request_replay(0)
+        last = stream.state.last_seq
+        stream.request_replay(0 if last is None else last + 1)
 
     async def remove_source(self, engine: EngineKey, clear: bool = False) -> None:
         """Stop following an engine; with ``clear``, drop its index entries too."""

@@ -497,15 +497,23 @@ class RedisIndex(KVIndex):
 
     # ------------------------------------------------------------------ leases and positions
 
-    async def lease(self, engine: EngineKey, token: str, ttl_ms: int, mode: str) -> bool:
+    async def lease(
+        self,
+        engine: EngineKey,
+        token: str,
+        ttl_ms: int,
+        mode: str,
+        timeout: float | None = None,
+    ) -> bool:
         """Acquire (``SET NX PX``, or extend if ``token`` holds it), ``renew`` or
         ``release`` the engine stream's writer lease; True when ``token`` holds it after
-        (or released it)."""
+        (or released it). ``timeout`` defaults to ``admin_timeout``."""
         if mode not in ("acquire", "renew", "release"):
             raise ValueError(f"unknown lease mode {mode!r}")
         key = self._keys.engine(engine)[-1]
         reply = await self._call(
-            lambda: self._evalsha(_LEASE, [key], [token, int(ttl_ms), mode]), self.admin_timeout
+            lambda: self._evalsha(_LEASE, [key], [token, int(ttl_ms), mode]),
+            self.admin_timeout if timeout is None else timeout,
         )
         return reply == 1
 
