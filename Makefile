@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench bench-core lint fmt clean
+.PHONY: venv test demo bench bench-core bench-redis lint fmt clean
 
 venv: $(STAMP)
 
@@ -21,10 +21,13 @@ test: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core
+bench: venv bench-core bench-redis
 
 bench-core: venv
 	$(PY) -m router.bench.core
+
+bench-redis: venv
+	$(PY) -m router.bench.redis_index
 
 lint: venv
 	$(VENV)/bin/ruff check router tests

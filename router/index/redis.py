@@ -239,8 +239,11 @@ class _Keys:
         return keys
 
 
-def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
-    """An asyncio client for ``url``; ``?cluster=true`` selects the Redis Cluster client.
+def client_from_url(
+    url: str, node: tuple[str, int] | None = None, **kwargs: Any
+) -> aioredis.Redis | RedisCluster:
+    """An asyncio client for ``url``; ``?cluster=true`` selects the Redis Cluster client,
+    unless ``node`` (host, port) asks for a plain client to that cluster node.
 
     TLS (``rediss://``) and its parameters (``ssl_ca_certs``, ``ssl_certfile``, ...) pass
     through the URL to redis-py. The client never retries on its own: callers bound
@@ -249,7 +252,13 @@ def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
-    rest = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
+    parts = parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"]))
+    if node is not None:
+        cluster = False
+        auth = parts.netloc.rpartition("@")[0]
+        host = f"[{node[0]}]" if ":" in node[0] else node[0]
+        parts = parts._replace(netloc=f"{auth}@{host}:{node[1]}" if auth else f"{host}:{node[1]}")
+    rest = urlunsplit(parts)
     kwargs.setdefault("socket_connect_timeout", 2.0)
     # Callers bound whole calls; a socket timeout would add a task per send.
     kwargs.setdefault("socket_timeout", None)
@@ -304,6 +313,7 @@ class RedisIndex(KVIndex):
         self._clock = clock
         self._keys = _Keys(namespace)
         self._client = client if client is not None else client_from_url(url)
+        self._slot_owner: aioredis.Redis | None = None
         self._up = True
         self._probe: asyncio.Task[None] | None = None
         self._candidates: dict[tuple[EngineKey, ...], _CandidateIds] = {}
@@ -441,6 +451,7 @@ class RedisIndex(KVIndex):
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
+        await self._forget_namespace_node()
         await self._client.aclose()
 
     # ------------------------------------------------------------------ batched writes
@@ -490,10 +501,39 @@ class RedisIndex(KVIndex):
         return await self._call(run, self.admin_timeout if timeout is None else timeout)
 
     async def _pipeline(self, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
+        client = self._client
+        if isinstance(client, RedisCluster):
+            client = await self._namespace_node()
+        pipe = client.pipeline(transaction=False)
         for keys, args in calls:
             pipe.evalsha(_WRITE.sha, len(keys), *keys, *args)
-        return await pipe.execute(raise_on_error=False)
+        try:
+            return await pipe.execute(raise_on_error=False)
+        except BaseException:
+            if client is not self._client:
+                await self._forget_namespace_node()
+            raise
+
+    async def _namespace_node(self) -> aioredis.Redis:
+        # redis-py refuses scripts in cluster pipelines. The namespace lives in one slot,
+        # so a plain pipeline to the node serving it is equivalent; after a failure (the
+        # slot moved, the node died) the node is looked up again.
+        if self._slot_owner is None:
+            cluster = self._client
+            assert isinstance(cluster, RedisCluster)
+            await cluster.initialize()
+            node = cluster.get_node_from_key(self._keys.fixed[0])
+            if node is None:
+                raise ConnectionError("no cluster node serves the namespace's slot")
+            owner = client_from_url(self.url, (node.host, node.port))
+            assert isinstance(owner, aioredis.Redis)
+            self._slot_owner = owner
+        return self._slot_owner
+
+    async def _forget_namespace_node(self) -> None:
+        if self._slot_owner is not None:
+            owner, self._slot_owner = self._slot_owner, None
+            await owner.aclose()
 
     # ------------------------------------------------------------------ leases and positions
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
+from redis.crc import key_slot
 
 from router.index import Match, MemoryIndex
 from router.index.base import IndexUnavailable
@@ -23,7 +25,7 @@ from router.index.redis import (
     WriteResult,
 )
 from router.types import EngineKey, Tier
-from tests.support.redis import RedisServer, monitored_commands, random_namespace
+from tests.support.redis import RedisServer, monitored_commands, random_namespace, redis_cluster
 
 A, B, C = EngineKey("10.0.0.1:8000"), EngineKey("10.0.0.2:8000"), EngineKey("10.0.0.3:8000", 1)
 KEYS = list(range(1001, 1013))
@@ -347,3 +349,36 @@ async def test_one_pipelined_write_applies_many_batches_in_order(index: RedisInd
     ]
     assert await index.write(batches) == [WriteResult.APPLIED] * len(batches)
     assert await index.lookup(KEYS, [A, B]) == {A: Match(8), B: Match(5)}
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+async def test_the_index_works_on_redis_cluster(clock: Clock) -> None:
+    """One namespace lives in one slot; here it is on another node than the one the URL
+    names, so scripts and write pipelines must be routed to it."""
+    namespace = next(
+        ns
+        for ns in (f"cluster-{i}" for i in range(100))
+        if key_slot(f"{{{ns}}}:blocks".encode()) >= 16384 // 3
+    )
+    with redis_cluster(3) as servers:
+        url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
+        idx = RedisIndex(url, namespace, clock=clock, budget_ms=5000)
+        try:
+            await idx.add(A, KEYS)
+            await idx.add(B, KEYS[:4], ttl=10)
+            assert await idx.lease(C, "t", 10_000, "acquire")
+            batches = [
+                WriteBatch(C, [AddOp(KEYS[:6], Tier.GPU, list(range(6)))], Fence("t", 1, 1.0)),
+                WriteBatch(A, [RemoveOp(KEYS[8:9])]),
+            ]
+            assert await idx.write(batches) == [WriteResult.APPLIED] * 2
+            assert await idx.lookup(KEYS, [A, B, C]) == {A: Match(8), B: Match(4), C: Match(6)}
+            assert (await idx.stream_position(C)).seq == 1
+            await idx.clear(A)
+            stats = await idx.stats()
+            assert (stats.blocks, stats.entries, stats.engines) == (6, 10, 1)
+        finally:
+            await idx.close()
