@@ -46,7 +46,6 @@ log = logging.getLogger("kvroute.index.redis")
 T = TypeVar("T")
 
 _NATIVE_LE = sys.byteorder == "little"
-_NO_ID = 0xFFFF
 _CANDIDATE_CACHE = 1024
 
 if sys.version_info >= (3, 11):
@@ -84,7 +83,6 @@ class _Script:
 
     def __init__(self, name: str) -> None:
         lua = resources.files("router.index").joinpath("lua")
-        self.name = name
         self.source = lua.joinpath("lib.lua").read_text() + "\n" + lua.joinpath(name).read_text()
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
@@ -444,7 +442,7 @@ class RedisIndex(KVIndex):
             reply = await self._call(
                 lambda: self._evalsha(_STATS, self._keys.fixed, args), self.admin_timeout
             )
-            if reply[0] == 0:  # else garbage of cleared engines was left: collect more
+            if reply[0] == 0:  # else garbage was left to collect first: call again
                 return IndexStats(blocks=reply[1], entries=reply[2], engines=reply[3])
 
     async def close(self) -> None:

@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 from redis.crc import key_slot
 
-from router.index import Match, MemoryIndex
+from router.config import IndexConfig
+from router.index import Match, MemoryIndex, index_from_config
 from router.index.base import IndexUnavailable
 from router.index.redis import (
     AddOp,
@@ -382,3 +383,11 @@ async def test_the_index_works_on_redis_cluster(clock: Clock) -> None:
             assert (stats.blocks, stats.entries, stats.engines) == (6, 10, 1)
         finally:
             await idx.close()
+
+
+def test_the_index_section_selects_the_backend() -> None:
+    assert isinstance(index_from_config(IndexConfig()), MemoryIndex)
+    redis_config = IndexConfig(backend="redis", url="rediss://h:1/0", namespace="n", budget_ms=3)
+    chosen = index_from_config(redis_config)
+    assert isinstance(chosen, RedisIndex)
+    assert (chosen.url, chosen.namespace, chosen.budget) == ("rediss://h:1/0", "n", 0.003)

@@ -9,6 +9,7 @@
 
 local CHUNK = 1000 -- keys per bulk command (Lua's unpack limit is ~8000 values)
 local REC = 10
+local MAX_ID = 16383 -- engine ids share a uint16 with 2 tier bits
 
 local function key_at(blob, i)
   return string.sub(blob, i * 8 - 7, i * 8)

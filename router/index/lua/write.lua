@@ -48,6 +48,10 @@ local function engine_id(create)
       id = tonumber(free[1])
     else
       id = redis.call('INCR', KEYS[5]) - 1
+      if id > MAX_ID then
+        redis.call('DECR', KEYS[5])
+        error('more than ' .. (MAX_ID + 1) .. ' engines in one namespace')
+      end
     end
     redis.call('HSET', KEYS[3], label, id)
     new_epoch()
