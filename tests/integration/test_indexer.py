@@ -204,12 +204,12 @@ async def test_writes_lost_to_a_redis_outage_are_replayed_after_it(publisher, so
         server.pause()
         try:
             await publisher.publish([stored([2], toks[BS : 2 * BS], parent=1)])
-            await until(lambda: indexer.stats.lost == 1)
+            await until(lambda: indexer.stats.lost >= 1)
             await publisher.publish([stored([3], toks[2 * BS :], parent=2)])
         finally:
             server.resume()
         await until(lambda: _answers(index, toks, 3))
-        assert indexer.stats.resumed == 1
+        assert indexer.stats.resumed >= 1  # continued from Redis's position, not rebuilt
     finally:
         await indexer.stop()
         await index.close()

@@ -221,7 +221,7 @@ def test_a_namespace_with_braces_is_refused() -> None:
 async def test_a_frozen_redis_fails_calls_within_the_budget_then_recovers(
     own_server: RedisServer,
 ) -> None:
-    idx = RedisIndex(own_server.url, "outage", budget_ms=50, retry_interval=0.05)
+    idx = RedisIndex(own_server.url, "outage", budget_ms=200, retry_interval=0.05)
     try:
         await idx.add(A, KEYS)
         own_server.pause()

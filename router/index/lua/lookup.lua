@@ -11,6 +11,7 @@
 -- the first block no remaining candidate holds. Consecutive blocks usually have the
 -- same holders, and Lua interns strings, so a block whose value equals the previous
 -- block's costs one comparison; holders are decoded only where the value changes.
+local byte, sub, floor, unpack_rec = string.byte, string.sub, math.floor, struct.unpack
 local now = tonumber(ARGV[1])
 local blob = ARGV[2]
 local n = #blob / 8
@@ -38,7 +39,7 @@ end
 
 local alive_pos, alive_id, na = {}, {}, 0
 for i = 1, #ids / 2 do
-  local id = string.byte(ids, 2 * i - 1) + 256 * string.byte(ids, 2 * i)
+  local id = byte(ids, 2 * i - 1) + 256 * byte(ids, 2 * i)
   if id ~= NONE then
     na = na + 1
     alive_pos[na] = i
@@ -64,7 +65,7 @@ while start <= n do
   size = math.min(size * 2, 128)
   local fields = {}
   for i = start, stop do
-    fields[i - start + 1] = key_at(blob, i)
+    fields[i - start + 1] = sub(blob, i * 8 - 7, i * 8)
   end
   local values = redis.call('HMGET', KEYS[1], unpack(fields))
   for k = 1, stop - start + 1 do
@@ -75,11 +76,11 @@ while start <= n do
       if v then
         local firm, recs = split(v)
         for o = 1, #firm, 2 do
-          local e = string.byte(firm, o) + 256 * string.byte(firm, o + 1)
-          tiers[math.floor(e / 4)] = e % 4
+          local e = byte(firm, o) + 256 * byte(firm, o + 1)
+          tiers[floor(e / 4)] = e % 4
         end
         for o = 1, #recs, REC do
-          local id, d = struct.unpack('<I2d', recs, o)
+          local id, d = unpack_rec('<I2d', recs, o)
           if d > now then
             tiers[id] = 1 -- an expiring record predicts a GPU hit
           end
