@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench bench-core bench-router lint fmt clean
+.PHONY: venv test demo docs bench bench-core bench-router bench-redis lint fmt clean
 
 venv: $(STAMP)
 
@@ -21,13 +21,19 @@ test: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core bench-router
+bench: venv bench-core bench-router bench-redis
 
 bench-core: venv
 	$(PY) -m router.bench.core
 
 bench-router: venv
 	$(PY) -m router.bench.overhead
+
+bench-redis: venv
+	$(PY) -m router.bench.redis_index
+
+docs: venv
+	$(PY) -m router.config --update docs/configuration.md
 
 lint: venv
 	$(VENV)/bin/ruff check router tests

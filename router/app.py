@@ -222,6 +222,8 @@ class RouterApp:
             self._on_block_size,
         )
         await self.monitor.start()
+        if self.subscriber is not None:
+            await self.subscriber.wait_synced(self.config.events.replay_timeout_s * 2)
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()

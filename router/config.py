@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core.core_schema import ValidationInfo
 
 ENV_PREFIX = "KVROUTE_"
 
@@ -369,6 +370,69 @@ class TokenizerGuardConfig(_Section):
     )
 
 
+class IndexerEngineConfig(_Section):
+    """One engine stream the standalone indexer follows (connect mode: vLLM binds its PUB)."""
+
+    endpoint: str = Field(
+        ..., min_length=1, description="The engine's HTTP `host:port`: its identity in the index."
+    )
+    rank: int = Field(0, ge=0, description="Data-parallel rank (each rank is its own stream).")
+    model: str = Field(
+        ..., min_length=1, description="Model the engine serves; seeds the root block keys."
+    )
+    events: str = Field(
+        ..., min_length=1, description="The engine's KV-event PUB endpoint, `tcp://host:5557`."
+    )
+    replay: str | None = Field(
+        None,
+        description="The engine's replay endpoint, `tcp://host:5558`. Without it a gap or a "
+        "takeover drops the engine's entries and rebuilds them from new events.",
+    )
+    topic: str = Field("", description="Topic to subscribe to (vLLM's default: all).")
+    block_size: int | None = Field(
+        None, gt=0, description="The engine's block size; default: the top-level `block_size`."
+    )
+
+
+class IndexerConfig(_Section):
+    """The standalone indexer (``kvroute indexer``): engine KV events into the Redis index."""
+
+    engines: list[IndexerEngineConfig] = Field(default_factory=list)
+    lease_ms: int = Field(
+        5000,
+        gt=0,
+        description="Writer lease per engine stream: a standby indexer takes a stream over "
+        "at most this long after its writer stops renewing.",
+    )
+    renew_ms: int | None = Field(
+        None, gt=0, description="How often leases are renewed (default: a third of `lease_ms`)."
+    )
+    write_timeout_s: float = Field(
+        5.0, gt=0, description="Bound on one pipelined write of event batches."
+    )
+    replay_timeout_s: float = Field(
+        2.0, gt=0, description="How long to wait for an engine's replay socket to answer."
+    )
+
+    @field_validator("engines")
+    @classmethod
+    def _each_engine_once(cls, engines: list[IndexerEngineConfig]) -> list[IndexerEngineConfig]:
+        seen = set()
+        for engine in engines:
+            if (engine.endpoint, engine.rank) in seen:
+                raise ValueError(f"engine {engine.endpoint} rank {engine.rank} is listed twice")
+            seen.add((engine.endpoint, engine.rank))
+        return engines
+
+    @field_validator("renew_ms")
+    @classmethod
+    def _renew_within_lease(cls, renew_ms: int | None, info: ValidationInfo) -> int | None:
+        lease_ms = info.data.get("lease_ms")
+        if renew_ms is not None and lease_ms is not None and renew_ms >= lease_ms:
+            raise ValueError("must be shorter than lease_ms")
+        return renew_ms
+
+
 class Config(_Section):
     """Everything ``kvroute serve`` reads."""
 
@@ -399,6 +463,8 @@ class Config(_Section):
             if m.name == model:
                 return m.tokenizer or self.tokenizer, m.block_size or self.block_size
         return self.tokenizer, self.block_size
+
+    indexer: IndexerConfig = Field(default_factory=IndexerConfig)
 
 
 class ConfigError(ValueError):
@@ -519,5 +585,18 @@ def markdown_reference() -> str:
     return "\n".join(lines)
 
 
+def update_reference(path: str | Path) -> None:
+    """Rewrite the reference table that ends a markdown file (docs/configuration.md)."""
+    doc = Path(path)
+    text = doc.read_text()
+    start = text.index("| key | type | default | meaning |")
+    doc.write_text(text[:start] + markdown_reference() + "\n")
+
+
 if __name__ == "__main__":
-    print(markdown_reference())
+    import sys
+
+    if sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
+        update_reference(sys.argv[2])
+    else:
+        print(markdown_reference())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -12,6 +12,7 @@ import pytest_asyncio
 from support.clients import post
 from support.engines import start_test_engine
 from support.hf_tokenizer import train_tiny_tokenizer
+from support.redis import delete_namespace, random_namespace, session_redis_url
 
 from router.emulator import EmulatedEngine
 
@@ -61,3 +62,21 @@ async def engine(shared_engine: EmulatedEngine, http: aiohttp.ClientSession) -> 
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BPE tokenizer.json trained for the session (no downloads)."""
     return train_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of the Redis the tests share (a throw-away redis-server, ``REDIS_URL``, or a
+    container); skips the test when none can be had."""
+    with session_redis_url() as url:
+        if url is None:
+            pytest.skip("no Redis: put redis-server on the PATH, set REDIS_URL, or run Docker")
+        yield url
+
+
+@pytest.fixture
+def redis_namespace(redis_url: str) -> Iterator[str]:
+    """A key namespace of this test alone, deleted afterwards."""
+    namespace = random_namespace()
+    yield namespace
+    delete_namespace(redis_url, namespace)

@@ -103,11 +103,10 @@ class EventIngestor:
                 await self.clear(state)
                 self.counters.events["AllBlocksCleared"] += 1
 
-    async def clear(self, state: StreamState, everything: bool = False) -> None:
-        """Forget what the engine's events said it held (cleared cache, restart, lost
-        history); with ``everything``, its routing-decision records too (it left)."""
+    async def clear(self, state: StreamState) -> None:
+        """Forget everything the engine held (cleared cache, restart, lost history)."""
         state.forget_blocks()
-        await self.index.clear(state.engine, expiring=everything)
+        await self.index.clear(state.engine)
 
     async def _stored(self, state: StreamState, event: BlockStored) -> None:
         skipped = self.counters.skipped
@@ -138,9 +137,16 @@ class EventIngestor:
         keys = block_keys(event.token_ids, event.block_size, root)
         tier = Tier.from_medium(event.medium)
         state.hashes[tier].update(zip(event.block_hashes, keys, strict=True))
-        await self.index.add(state.engine, keys, tier)
+        await self._store(state, event.block_hashes, keys, tier)
         self.counters.events["BlockStored"] += 1
         self.counters.blocks_stored += nblocks
+
+    async def _store(
+        self, state: StreamState, hashes: list[int], keys: list[int], tier: Tier
+    ) -> None:
+        """Record stored blocks in the index. A hook: the Redis event writer also keeps
+        the engine's hashes, so that a writer taking the stream over can apply removals."""
+        await self.index.add(state.engine, keys, tier)
 
     async def _removed(self, state: StreamState, event: BlockRemoved) -> None:
         if event.group_idx is not None and event.group_idx in state.ignored_groups:

@@ -90,9 +90,11 @@ TopicResolver = Callable[[str, int | None], EventSource | None]
 class _Stream:
     """Sequence tracking and replay for one engine stream."""
 
-    def __init__(self, source: EventSource, subscriber: KVEventSubscriber) -> None:
+    def __init__(
+        self, source: EventSource, subscriber: KVEventSubscriber, state: StreamState | None = None
+    ) -> None:
         self.source = source
-        self.state = StreamState(source.engine, source.namespace, source.block_size)
+        self.state = state or StreamState(source.engine, source.namespace, source.block_size)
         self.sub = subscriber
         self.replaying = False
         self.pending: deque[tuple[int, bytes]] = deque()
@@ -332,12 +334,16 @@ class KVEventSubscriber:
 
     # -------------------------------------------------------------- connect mode
 
-    async def add_source(self, source: EventSource) -> None:
-        """Connect to an engine's publisher and start following its stream."""
+    async def add_source(self, source: EventSource, state: StreamState | None = None) -> None:
+        """Connect to an engine's publisher and start following its stream.
+
+        ``state`` resumes a stream another writer left (the standalone indexer after a
+        takeover): replay starts after its ``last_seq`` and its hash maps are kept.
+        """
         if source.endpoint is None:
             raise ValueError("connect mode needs the engine's PUB endpoint")
         await self.remove_source(source.engine)
-        stream = _Stream(source, self)
+        stream = _Stream(source, self, state)
         sock = self._socket()
         sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         # Watch before connecting, or the first connection's event may be missed and a
@@ -350,7 +356,8 @@ class KVEventSubscriber:
             asyncio.ensure_future(self._watch_reconnects(monitor, stream)),
         ]
         self._readers[source.engine] = (sock, tasks)
-        stream.request_replay(0)
+        last = stream.state.last_seq
+        stream.request_replay(0 if last is None else last + 1)
 
     async def remove_source(self, engine: EngineKey, clear: bool = False) -> None:
         """Stop following an engine; with ``clear``, drop its index entries too."""
@@ -368,10 +375,23 @@ class KVEventSubscriber:
                 stream.task.cancel()
                 await asyncio.gather(stream.task, return_exceptions=True)
             if clear:
-                await self.ingestor.clear(stream.state, everything=True)
+                await self.ingestor.clear(stream.state)
         for key, s in list(self._topic_streams.items()):
             if s.state.engine == engine:
                 del self._topic_streams[key]
+
+    async def wait_synced(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until no stream is catching up by replay.
+
+        A router that starts routing before its initial replays finished could record a
+        decision that an old event in the replay (an ``AllBlocksCleared``) then erases.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        while any(s.replaying for s in self._streams.values()):
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     def resync(self, engine: EngineKey) -> None:
         """Verify an engine's stream against its replay buffer (after a possible restart)."""

@@ -81,15 +81,10 @@ class KVIndex(ABC):
         """Drop ``engine``'s records of ``keys`` in ``tier`` (every tier when None)."""
 
     @abstractmethod
-    async def clear(self, engine: EngineKey, expiring: bool = True) -> None:
-        """Drop what ``engine`` holds: its firm records, and its expiring ones too unless
-        ``expiring`` is False.
-
-        An engine that cleared its cache or restarted (``AllBlocksCleared``, a sequence
-        reset, a gap no replay covers) loses its firm records only: expiring records
-        describe routing decisions, possibly made after the event was published, and age
-        out on their own. An engine that leaves the fleet loses everything.
-        """
+    async def clear(self, engine: EngineKey) -> None:
+        """Drop everything ``engine`` holds, firm and expiring (AllBlocksCleared, a
+        restart, a gap no replay covers, its removal). Expiring records go too: requests
+        sent to an engine that restarted will never store their blocks there."""
 
     @abstractmethod
     async def stats(self) -> IndexStats:

@@ -9,7 +9,7 @@ small integer ids; cleared engines' ids are reused.
 Expiring holders (provisional and approximate-mode records) are set in the GPU mask
 like firm ones and remembered with their deadline; every read first sweeps out what
 has expired (a heap check when nothing has), so lookups never test deadlines per key.
-Whether a GPU bit is firm is known from the engine's set of firmly held keys.
+Whether a GPU bit is firm is known from the engine's per-tier sets of firmly held keys.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class MemoryIndex(KVIndex):
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
         self._tiers: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        self._held: list[set[int]] = []
-        """Per engine id: keys held firmly in any tier."""
+        self._held: list[tuple[set[int], set[int]]] = []
+        """Per engine id: keys it holds firmly, per tier (GPU, offloaded)."""
         self._exp: dict[int, dict[int, float]] = {}
         """key -> engine id -> deadline of an expiring GPU record."""
         self._exp_heap: list[tuple[float, int, int, Sequence[int]]] = []
@@ -68,7 +68,7 @@ class MemoryIndex(KVIndex):
             else:
                 idx = len(self._names)
                 self._names.append(engine)
-                self._held.append(set())
+                self._held.append((set(), set()))
             self._ids[engine] = idx
         return idx
 
@@ -147,14 +147,14 @@ class MemoryIndex(KVIndex):
         """Synchronous :meth:`add`. Expiring records are always GPU-tier predictions."""
         idx = self._id(engine)
         bit = 1 << idx
-        held = self._held[idx]
         if ttl is None:
             table = self._tiers[tier]
             get = table.get
             for key in keys:
                 table[key] = get(key, 0) | bit
-            held.update(keys)
+            self._held[idx][tier].update(keys)
             return
+        held = self._held[idx][Tier.GPU]
         now = self._clock()
         if self._exp_heap:
             self._sweep(now)
@@ -192,11 +192,12 @@ class MemoryIndex(KVIndex):
             return
         bit = 1 << idx
         gpu, off = self._tiers
-        held = self._held[idx]
+        held_gpu, held_off = self._held[idx]
         exp = self._exp
         for key in keys:
             if tier is not Tier.OFFLOADED:
                 _clear_bit(gpu, key, bit)
+                held_gpu.discard(key)
                 if exp:
                     pending = exp.get(key)
                     if pending and pending.pop(idx, None) is not None:
@@ -205,30 +206,21 @@ class MemoryIndex(KVIndex):
                             del exp[key]
             if tier is not Tier.GPU:
                 _clear_bit(off, key, bit)
-            if key in held and not ((gpu.get(key, 0) | off.get(key, 0)) & bit):
-                held.discard(key)
+                held_off.discard(key)
 
-    async def clear(self, engine: EngineKey, expiring: bool = True) -> None:
-        self.clear_now(engine, expiring)
+    async def clear(self, engine: EngineKey) -> None:
+        self.clear_now(engine)
 
-    def clear_now(self, engine: EngineKey, expiring: bool = True) -> None:
-        """Synchronous :meth:`clear`; with ``expiring``, the engine's id is freed for reuse."""
-        idx = self._ids.get(engine)
+    def clear_now(self, engine: EngineKey) -> None:
+        """Synchronous :meth:`clear`; the engine's id is freed for reuse."""
+        idx = self._ids.pop(engine, None)
         if idx is None:
             return
         bit = 1 << idx
-        held = self._held[idx]
-        exp = self._exp
-        for table in self._tiers:
+        for table, held in zip(self._tiers, self._held[idx], strict=True):
             for key in held:
-                pending = exp.get(key)
-                if table is self._tiers[Tier.GPU] and pending and idx in pending:
-                    continue  # still held by an expiring record
                 _clear_bit(table, key, bit)
-        self._held[idx] = set()
-        if not expiring:
-            return
-        del self._ids[engine]
+        self._held[idx] = (set(), set())
         exp = self._exp
         gpu = self._tiers[Tier.GPU]
         kept = []
@@ -257,7 +249,7 @@ class MemoryIndex(KVIndex):
         gpu = self._tiers[Tier.GPU]
         while heap and heap[0][0] <= now:
             _, _, idx, keys = heapq.heappop(heap)
-            held = self._held[idx]
+            held = self._held[idx][Tier.GPU]
             bit = 1 << idx
             for key in keys:
                 pending = exp.get(key)
@@ -282,6 +274,6 @@ class MemoryIndex(KVIndex):
         blocks = len(gpu) + (len(off.keys() - gpu.keys()) if off else 0)
         return IndexStats(
             blocks=blocks,
-            entries=sum(len(h) for h in self._held) + self._exp_count,
-            engines=sum(1 for h in self._held if h),
+            entries=sum(len(g) + len(o) for g, o in self._held) + self._exp_count,
+            engines=sum(1 for g, o in self._held if g or o),
         )

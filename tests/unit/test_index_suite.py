@@ -1,8 +1,8 @@
 """The KV-block index contract. Every backend runs this suite.
 
 Backends are built by factories in ``INDEX_FACTORIES`` that take a clock, so expiry is
-tested without sleeping. A backend that needs a server (Redis) adds its factory from a
-fixture that starts one.
+tested without sleeping, and the test's fixture request, so a backend that needs a
+server (Redis) gets it from a fixture that starts one.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from router.index import KVIndex, Match, MemoryIndex
+from router.index.redis import RedisIndex
 from router.types import EngineKey, Tier
 
 A, B, C = EngineKey("10.0.0.1:8000"), EngineKey("10.0.0.2:8000"), EngineKey("10.0.0.3:8000")
@@ -26,14 +27,20 @@ class FakeClock:
         return self.now
 
 
-IndexFactory = Callable[[FakeClock], Awaitable[KVIndex]]
+IndexFactory = Callable[[FakeClock, pytest.FixtureRequest], Awaitable[KVIndex]]
 
 
-async def _memory(clock: FakeClock) -> KVIndex:
+async def _memory(clock: FakeClock, request: pytest.FixtureRequest) -> KVIndex:
     return MemoryIndex(clock=clock)
 
 
-INDEX_FACTORIES: dict[str, IndexFactory] = {"memory": _memory}
+async def _redis(clock: FakeClock, request: pytest.FixtureRequest) -> KVIndex:
+    # A generous budget: this suite tests semantics, not latency, on a shared machine.
+    url = request.getfixturevalue("redis_url")
+    return RedisIndex(url, request.getfixturevalue("redis_namespace"), clock=clock, budget_ms=5000)
+
+
+INDEX_FACTORIES: dict[str, IndexFactory] = {"memory": _memory, "redis": _redis}
 
 
 @pytest.fixture
@@ -43,7 +50,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture(params=sorted(INDEX_FACTORIES))
 async def index(request: pytest.FixtureRequest, clock: FakeClock):
-    idx = await INDEX_FACTORIES[request.param](clock)
+    idx = await INDEX_FACTORIES[request.param](clock, request)
     yield idx
     await idx.close()
 
@@ -151,23 +158,19 @@ async def test_remove_and_clear_drop_expiring_records(index: KVIndex) -> None:
     assert await index.lookup(KEYS, [A, B]) == {A: Match(2)}
 
 
-async def test_clearing_firm_records_keeps_expiring_ones(index: KVIndex) -> None:
-    await index.add(A, KEYS[:2])
-    await index.add(A, KEYS[2:4], ttl=60)
-    await index.add(A, KEYS[:4], tier=Tier.OFFLOADED)
-    await index.clear(A, expiring=False)
-    # the firm prefix is gone, so the expiring blocks after it no longer form a match
-    assert await index.lookup(KEYS, [A]) == {}
-    assert await index.lookup(KEYS[2:], [A]) == {A: Match(2)}
-
-
-async def test_clearing_firm_records_keeps_an_expiring_record_of_the_same_block(
-    index: KVIndex,
+async def test_an_offloaded_copy_does_not_keep_an_expired_gpu_record(
+    index: KVIndex, clock: FakeClock
 ) -> None:
-    await index.add(A, KEYS[:3], ttl=60)
-    await index.add(A, KEYS[:3])
-    await index.clear(A, expiring=False)
-    assert await index.lookup(KEYS, [A]) == {A: Match(3)}
+    await index.add(A, KEYS[:2], ttl=1.0)
+    await index.add(A, KEYS[:2], tier=Tier.OFFLOADED)
+    clock.now += 2
+    assert await index.lookup(KEYS, [A]) == {A: Match(2, offloaded=2)}
+
+
+async def test_a_block_in_both_tiers_is_two_records(index: KVIndex) -> None:
+    await index.add(A, KEYS[:2])
+    await index.add(A, KEYS[:2], tier=Tier.OFFLOADED)
+    assert (await index.stats()).entries == 4
 
 
 async def test_firm_and_expiring_holders_combine_across_engines(index: KVIndex) -> None:

@@ -1,0 +1,200 @@
+-- Apply one batch of index writes for one engine, optionally fenced by a lease.
+-- KEYS: 1 blocks, 2 expiring adds by deadline, 3 engines, 4 free ids, 5 next id, 6 gc queue,
+--       7 engine epoch, then the engine's own: 8 GPU holdings, 9 offloaded holdings,
+--       10 expiring buckets, 11 expiring counts, 12 stream position, 13 lease
+-- ARGV: 1 now, 2 key prefix, 3 engine label, 4 lease token ('' = unfenced),
+--       5 stream seq ('' = none: with a token, forget the stream position),
+--       6 batch timestamp, then 5 per op: kind, tier, ttl, packed keys, packed hashes
+--   kinds: A firm add (tier 0/1, hashes optional), E expiring add (ttl seconds),
+--          R remove (tier 0, 1, or * for both), C clear
+-- Returns 1 applied, -1 stale lease token, -2 sequence already applied.
+local now, prefix, label = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local token, seq = ARGV[4], ARGV[5]
+
+if token ~= '' then
+  if redis.call('GET', KEYS[13]) ~= token then
+    return -1
+  end
+  if seq ~= '' then
+    local last = redis.call('HGET', KEYS[12], 'seq')
+    if last and tonumber(seq) <= tonumber(last) then
+      return -2
+    end
+  end
+end
+
+-- Any change of the label -> id map gets a new epoch, so lookups can trust ids that
+-- callers cached under the current one. Server time plus a counter: unique even if the
+-- data (and the counter with it) is lost and the map is rebuilt.
+local function new_epoch()
+  local old = redis.call('GET', KEYS[7])
+  local count = old and tonumber(string.match(old, ':(%d+)$')) or 0
+  local t = redis.call('TIME')
+  redis.call('SET', KEYS[7], t[1] .. '.' .. t[2] .. ':' .. (count + 1))
+end
+
+local id = nil
+local function engine_id(create)
+  if id then
+    return id
+  end
+  local known = redis.call('HGET', KEYS[3], label)
+  if known then
+    id = tonumber(known)
+  elseif create then
+    local free = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[1], 'LIMIT', 0, 1)
+    if free[1] then
+      redis.call('ZREM', KEYS[4], free[1])
+      id = tonumber(free[1])
+    else
+      id = redis.call('INCR', KEYS[5]) - 1
+      if id > MAX_ID then
+        redis.call('DECR', KEYS[5])
+        error('more than ' .. (MAX_ID + 1) .. ' engines in one namespace')
+      end
+    end
+    redis.call('HSET', KEYS[3], label, id)
+    new_epoch()
+  end
+  return id
+end
+
+local function chunks(keys, fn)
+  local n = #keys / 8
+  for start = 1, n, CHUNK do
+    local stop = math.min(n, start + CHUNK - 1)
+    local fields = {}
+    for i = start, stop do
+      fields[i - start + 1] = key_at(keys, i)
+    end
+    fn(fields, start)
+  end
+end
+
+local function count_records(changes)
+  for b, n in pairs(changes) do
+    if n ~= 0 then
+      redis.call('HINCRBY', KEYS[11], b, n)
+    end
+  end
+end
+
+local function firm_add(tier, keys, hashes)
+  local me = engine_id(true)
+  local mask = tier == 0 and 1 or 2
+  chunks(keys, function(fields, first)
+    update_blocks(fields, function(firm, recs)
+      return (firm_update(firm, me, mask, 0)), (rewrite_records(recs, now))
+    end)
+    local owned = {}
+    for j = 1, #fields do
+      push(owned, fields[j], hashes ~= '' and key_at(hashes, first + j - 1) or '')
+    end
+    bulk_pairs('HSET', KEYS[8 + tier], owned)
+  end)
+end
+
+local function expiring_add(ttl, keys)
+  local me = engine_id(true)
+  local deadline = now + ttl
+  local b = bucket(deadline)
+  local changes = { [b] = 0 }
+  local recorded = {}
+  chunks(keys, function(fields)
+    update_blocks(fields, function(firm, recs)
+      if firm_bits(firm, me) ~= 0 then
+        return nil -- never downgrade a firm record
+      end
+      local r, replaced = rewrite_records(recs, now, me, me, deadline)
+      return firm, r, replaced
+    end, function(k, replaced)
+      changes[b] = changes[b] + 1
+      if replaced then
+        local old = bucket(replaced)
+        changes[old] = (changes[old] or 0) - 1
+      end
+      recorded[#recorded + 1] = k
+    end)
+  end)
+  if #recorded == 0 then
+    return
+  end
+  count_records(changes)
+  -- GT: the same keys recorded again keep the later deadline, which covers both.
+  redis.call('ZADD', KEYS[2], 'GT', deadline, table.concat(recorded))
+  redis.call('ZADD', KEYS[10], deadline, b)
+  -- Forget buckets that have expired.
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', ARGV[1])
+  if #expired > 0 then
+    bulk('HDEL', KEYS[11], expired)
+    redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', ARGV[1])
+  end
+end
+
+local function remove(tier, keys)
+  local me = engine_id(false)
+  if not me then
+    return
+  end
+  local mask = (tier == '0' and 1) or (tier == '1' and 2) or 3
+  local gone = mask ~= 2 and {} or nil -- expiring records are GPU-tier predictions
+  chunks(keys, function(fields)
+    drop_holder(now, me, mask, fields, gone)
+    if mask ~= 2 then
+      redis.call('HDEL', KEYS[8], unpack(fields))
+    end
+    if mask ~= 1 then
+      redis.call('HDEL', KEYS[9], unpack(fields))
+    end
+  end)
+  if gone then
+    count_records(gone)
+  end
+end
+
+-- O(1): the engine's id is retired (no label maps to it, so lookups ignore its
+-- entries), its firm holdings are renamed into the garbage queue, collected later in
+-- bounded steps by every write, and its expiring records are left to expire.
+local function clear()
+  local me = engine_id(false)
+  if not me then
+    return
+  end
+  redis.call('HDEL', KEYS[3], label)
+  new_epoch()
+  for tier = 0, 1 do
+    if redis.call('EXISTS', KEYS[8 + tier]) == 1 then
+      redis.call('RENAME', KEYS[8 + tier], prefix .. 'gc:' .. me .. ':' .. tier)
+    end
+  end
+  local last = redis.call('ZRANGE', KEYS[10], -1, -1, 'WITHSCORES')
+  redis.call('DEL', KEYS[10], KEYS[11])
+  redis.call('RPUSH', KEYS[6], me .. ':' .. (last[2] or '0'))
+  id = nil
+end
+
+for i = 7, #ARGV, 5 do
+  local kind = ARGV[i]
+  if kind == 'A' then
+    firm_add(tonumber(ARGV[i + 1]), ARGV[i + 3], ARGV[i + 4])
+  elseif kind == 'E' then
+    expiring_add(tonumber(ARGV[i + 2]), ARGV[i + 3])
+  elseif kind == 'R' then
+    remove(ARGV[i + 1], ARGV[i + 3])
+  elseif kind == 'C' then
+    clear()
+  else
+    return redis.error_reply('unknown op ' .. tostring(kind))
+  end
+end
+
+if token ~= '' then
+  if seq ~= '' then
+    redis.call('HSET', KEYS[12], 'seq', seq, 'ts', ARGV[6])
+  else
+    redis.call('DEL', KEYS[12])
+  end
+end
+sweep_expired(now, ARGV[1], 1024)
+gc_step(now, prefix, 256)
+return 1

@@ -1,0 +1,578 @@
+"""The Redis-backed KV-block index, shared by router replicas and the standalone indexer.
+
+Layout (``docs/redis-schema.md`` has every key and the reasons): all keys live under
+the hash tag ``{namespace}``, so a namespace sits in one Redis Cluster slot and every
+script may touch all of it. One field of the hash ``{ns}:blocks`` per block key holds
+the block's firm holders (engine id and tier bits, sorted) followed by its expiring
+holders (engine id and deadline). Per engine, ``{ns}:held:<engine>:<tier>`` maps each
+firmly held block to the engine's own hash for it: what ``clear`` drops and what a new
+indexer reloads to apply removals after taking over.
+
+Every operation is one Lua script call, so a lookup costs exactly one round trip and
+stops walking at the first block no candidate holds. Time comes from the caller's
+clock (wall clock by default: replicas compare deadlines written by each other), never
+from Redis. Every call is bounded by the budget: a slower or unreachable Redis raises
+:class:`IndexUnavailable`, after which calls fail at once until a background probe
+finds Redis answering again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import sys
+import time
+from array import array
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from importlib import resources
+from typing import Any, NamedTuple, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from router.config import IndexConfig
+from router.index.base import IndexStats, IndexUnavailable, KVIndex, Match
+from router.types import EngineKey, Tier
+
+log = logging.getLogger("kvroute.index.redis")
+
+T = TypeVar("T")
+
+_NATIVE_LE = sys.byteorder == "little"
+_CANDIDATE_CACHE = 1024
+
+if sys.version_info >= (3, 11):
+
+    async def _within(aw: Awaitable[T], timeout: float) -> T:
+        # asyncio.timeout cancels in place; wait_for (3.10) wraps the call in a new task,
+        # which costs tens of microseconds on the lookup path.
+        async with asyncio.timeout(timeout):
+            return await aw
+
+else:
+
+    async def _within(aw: Awaitable[T], timeout: float) -> T:
+        return await asyncio.wait_for(aw, timeout)
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Block keys (or engine hashes) as back-to-back 8-byte little-endian strings."""
+    packed = array("Q", keys)
+    if not _NATIVE_LE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_key(raw: bytes) -> int:
+    """One 8-byte little-endian key as stored in Redis."""
+    return int.from_bytes(raw, "little")
+
+
+# --------------------------------------------------------------------------- scripts
+
+
+class _Script:
+    """A Lua script from ``router/index/lua`` with the shared helpers prepended."""
+
+    def __init__(self, name: str) -> None:
+        lua = resources.files("router.index").joinpath("lua")
+        self.source = lua.joinpath("lib.lua").read_text() + "\n" + lua.joinpath(name).read_text()
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+
+_LOOKUP = _Script("lookup.lua")
+_WRITE = _Script("write.lua")
+_STATS = _Script("stats.lua")
+_LEASE = _Script("lease.lua")
+_SCRIPTS = (_LOOKUP, _WRITE, _STATS, _LEASE)
+
+# --------------------------------------------------------------------------- writes
+
+
+class AddOp(NamedTuple):
+    """Firm holder of ``keys`` in ``tier``; ``hashes`` are the engine's own ids for them
+    (kept so a new indexer can apply removals after taking over)."""
+
+    keys: Sequence[int]
+    tier: Tier = Tier.GPU
+    hashes: Sequence[int] | None = None
+
+
+class ExpireOp(NamedTuple):
+    """Expiring (provisional or approximate) GPU holder of ``keys`` for ``ttl`` seconds."""
+
+    keys: Sequence[int]
+    ttl: float
+
+
+class RemoveOp(NamedTuple):
+    """Drop records of ``keys`` in ``tier`` (every tier when None)."""
+
+    keys: Sequence[int]
+    tier: Tier | None = None
+
+
+class ClearOp(NamedTuple):
+    """Drop everything the engine holds."""
+
+
+WriteOp = AddOp | ExpireOp | RemoveOp | ClearOp
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The lease token and stream position a fenced write carries.
+
+    The script applies the batch only while ``token`` holds the engine's lease and
+    ``seq`` is newer than the last applied one, then records ``seq`` and ``ts``. A
+    fence with ``seq`` None forgets the stream position instead (the stream restarts).
+    """
+
+    token: str
+    seq: int | None
+    ts: float = 0.0
+
+
+@dataclass(slots=True)
+class WriteBatch:
+    """Writes for one engine applied atomically by one script call."""
+
+    engine: EngineKey
+    ops: list[WriteOp]
+    fence: Fence | None = None
+
+
+class WriteResult(IntEnum):
+    """What the write script did with a batch."""
+
+    APPLIED = 1
+    STALE_TOKEN = -1
+    """Another writer holds the engine's lease (or it expired): nothing was written."""
+    OLD_SEQ = -2
+    """The batch's sequence number was already applied: nothing was written."""
+
+
+@dataclass(slots=True)
+class StreamPosition:
+    """What a new writer needs to continue an engine's stream where the last one left."""
+
+    seq: int | None
+    """Last applied sequence number, None when the stream starts afresh."""
+    ts: float | None
+    """Timestamp of that batch (tells the same engine life from a restarted one)."""
+    hashes: tuple[dict[int, int], dict[int, int]]
+    """Engine hash -> block key of firmly held blocks, per tier (GPU, offloaded)."""
+
+
+@dataclass(slots=True)
+class RedisIndexCounters:
+    """What the backend did, for metrics (never reset)."""
+
+    calls: int = 0
+    failures: int = 0
+    """Calls that timed out or could not reach Redis."""
+    fast_failures: int = 0
+    """Calls refused at once because Redis was known to be unreachable."""
+    outages: int = 0
+    """Transitions from reachable to unreachable."""
+
+
+# --------------------------------------------------------------------------- the index
+
+
+class _CandidateIds:
+    """A candidate list as lookups send it: joined labels, and their engine ids (uint16
+    each) as of engine-map epoch ``epoch`` (empty until the script first sends them)."""
+
+    __slots__ = ("epoch", "ids", "labels")
+
+    def __init__(self, labels: str) -> None:
+        self.labels = labels
+        self.epoch = b""
+        self.ids = b""
+
+
+class _Keys:
+    """Key names under the namespace's hash tag."""
+
+    def __init__(self, namespace: str) -> None:
+        if "{" in namespace or "}" in namespace:
+            raise ValueError(f"Redis namespace {namespace!r} must not contain braces")
+        self.prefix = f"{{{namespace}}}:"
+        p = self.prefix
+        self.fixed = (
+            f"{p}blocks",
+            f"{p}expiring-adds",
+            f"{p}engines",
+            f"{p}engine-free",
+            f"{p}engine-next",
+            f"{p}gc",
+            f"{p}engine-epoch",
+        )
+        self.lookup = (self.fixed[0], self.fixed[2], self.fixed[6])
+        self._engine: dict[EngineKey, tuple[str, ...]] = {}
+
+    def engine(self, engine: EngineKey) -> tuple[str, ...]:
+        """Fixed keys plus the engine's own, as write.lua takes them."""
+        keys = self._engine.get(engine)
+        if keys is None:
+            p, label = self.prefix, engine.label
+            keys = (
+                *self.fixed,
+                f"{p}held:{label}:0",
+                f"{p}held:{label}:1",
+                f"{p}expiring:{label}",
+                f"{p}expiring-n:{label}",
+                f"{p}stream:{label}",
+                f"{p}lease:{label}",
+            )
+            self._engine[engine] = keys
+        return keys
+
+
+def client_from_url(
+    url: str, node: tuple[str, int] | None = None, **kwargs: Any
+) -> aioredis.Redis | RedisCluster:
+    """An asyncio client for ``url``; ``?cluster=true`` selects the Redis Cluster client,
+    unless ``node`` (host, port) asks for a plain client to that cluster node.
+
+    TLS (``rediss://``) and its parameters (``ssl_ca_certs``, ``ssl_certfile``, ...) pass
+    through the URL to redis-py. The client never retries on its own: callers bound
+    every call and decide what a failure means.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
+    parts = parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"]))
+    if node is not None:
+        cluster = False
+        auth = parts.netloc.rpartition("@")[0]
+        host = f"[{node[0]}]" if ":" in node[0] else node[0]
+        parts = parts._replace(netloc=f"{auth}@{host}:{node[1]}" if auth else f"{host}:{node[1]}")
+    rest = urlunsplit(parts)
+    kwargs.setdefault("socket_connect_timeout", 2.0)
+    # Callers bound whole calls; a socket timeout would add a task per send.
+    kwargs.setdefault("socket_timeout", None)
+    kwargs.setdefault("socket_keepalive", True)
+    if cluster:
+        return RedisCluster.from_url(rest, **kwargs)
+    return aioredis.Redis.from_url(rest, retry=Retry(NoBackoff(), 0), **kwargs)
+
+
+def _arg_ops(ops: Sequence[WriteOp]) -> list[bytes | str]:
+    args: list[bytes | str] = []
+    for op in ops:
+        if isinstance(op, AddOp):
+            hashes = pack_keys(op.hashes) if op.hashes is not None else b""
+            args += ["A", str(int(op.tier)), "", pack_keys(op.keys), hashes]
+        elif isinstance(op, ExpireOp):
+            args += ["E", "", repr(float(op.ttl)), pack_keys(op.keys), ""]
+        elif isinstance(op, RemoveOp):
+            tier = "*" if op.tier is None else str(int(op.tier))
+            args += ["R", tier, "", pack_keys(op.keys), ""]
+        else:
+            args += ["C", "", "", "", ""]
+    return args
+
+
+class RedisIndex(KVIndex):
+    """A :class:`KVIndex` kept in Redis (or Valkey), read and written by Lua scripts.
+
+    ``clock`` gives the time deadlines are measured on; every process sharing the
+    namespace must use the same one (the default wall clock: keep hosts NTP-synced).
+    ``budget_ms`` bounds every index call; ``admin_timeout`` bounds calls off the
+    request path (stats, leases, write pipelines of the indexer, position loading).
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        namespace: str = "kvroute",
+        *,
+        budget_ms: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        retry_interval: float = 0.5,
+        admin_timeout: float = 5.0,
+        client: aioredis.Redis | RedisCluster | None = None,
+    ) -> None:
+        self.url = url
+        self.namespace = namespace
+        self.budget = budget_ms / 1000.0
+        self.retry_interval = retry_interval
+        self.admin_timeout = admin_timeout
+        self.counters = RedisIndexCounters()
+        self._clock = clock
+        self._keys = _Keys(namespace)
+        self._client = client if client is not None else client_from_url(url)
+        self._slot_owner: aioredis.Redis | None = None
+        self._up = True
+        self._probe: asyncio.Task[None] | None = None
+        self._candidates: dict[tuple[EngineKey, ...], _CandidateIds] = {}
+
+    @classmethod
+    def from_config(cls, config: IndexConfig, **kwargs: Any) -> RedisIndex:
+        """The index an ``index:`` configuration section describes."""
+        return cls(config.url, config.namespace, budget_ms=config.budget_ms, **kwargs)
+
+    @property
+    def available(self) -> bool:
+        """False from a failed call until Redis answers the background probe."""
+        return self._up
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        """The underlying redis-py client (for tools and tests; not for index data)."""
+        return self._client
+
+    # ------------------------------------------------------------------ calls
+
+    async def _call(self, fn: Callable[[], Awaitable[T]], timeout: float) -> T:
+        if not self._up:
+            self.counters.fast_failures += 1
+            raise IndexUnavailable("Redis is unreachable; routing without the index")
+        self.counters.calls += 1
+        try:
+            return await _within(fn(), timeout)
+        except asyncio.TimeoutError as exc:
+            self._lost(f"no answer within {timeout * 1000:.1f} ms")
+            raise IndexUnavailable(f"Redis did not answer within {timeout * 1000:.1f} ms") from exc
+        except ResponseError as exc:  # Redis answered: an error, not an outage
+            self.counters.failures += 1
+            raise IndexUnavailable(f"Redis refused the call: {exc}") from exc
+        except (RedisError, OSError) as exc:
+            self._lost(str(exc) or type(exc).__name__)
+            raise IndexUnavailable(f"Redis is unreachable: {exc}") from exc
+
+    def _lost(self, reason: str) -> None:
+        self.counters.failures += 1
+        if not self._up:
+            return
+        self._up = False
+        self.counters.outages += 1
+        log.warning("Redis index unavailable (%s); routing on load until it answers", reason)
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        # A generous timeout: the probe asks whether Redis is alive, not whether it is fast.
+        timeout = max(self.budget, 0.25)
+        while True:
+            await asyncio.sleep(self.retry_interval)
+            try:
+                await _within(self._client.ping(), timeout)
+            except (asyncio.TimeoutError, RedisError, OSError):
+                continue
+            self._up = True
+            log.warning("Redis index reachable again")
+            return
+
+    async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self._load_scripts()  # Redis restarted or its script cache was flushed
+            return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+
+    async def _load_scripts(self) -> None:
+        for script in _SCRIPTS:
+            await self._client.script_load(script.source)
+
+    # ------------------------------------------------------------------ KVIndex
+
+    async def lookup(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> Mapping[EngineKey, Match]:
+        if not keys or not candidates:
+            return {}
+        ids = self._candidate_ids(candidates)
+        args = [repr(self._clock()), pack_keys(keys), ids.epoch, ids.ids, ids.labels]
+        keys_ = self._keys.lookup
+        flat = await self._call(lambda: self._evalsha(_LOOKUP, keys_, args), self.budget)
+        first = 1
+        if flat[0] == 1:  # the engine map changed since these ids were cached
+            ids.epoch, ids.ids = flat[1], flat[2]
+            first = 3
+        return {
+            candidates[flat[i] - 1]: Match(flat[i + 1], flat[i + 2])
+            for i in range(first, len(flat), 3)
+        }
+
+    def _candidate_ids(self, candidates: Sequence[EngineKey]) -> _CandidateIds:
+        # Routers ask about the same few candidate lists over and over: keep their labels
+        # joined (redis-py packs each argument at about a microsecond) and their engine
+        # ids, so the script resolves labels only when the engine map has changed.
+        key = tuple(candidates)
+        ids = self._candidates.get(key)
+        if ids is None:
+            if len(self._candidates) >= _CANDIDATE_CACHE:
+                self._candidates.clear()
+            ids = self._candidates[key] = _CandidateIds("\n".join([c.label for c in key]))
+        return ids
+
+    async def add(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        if keys:
+            op: WriteOp = AddOp(keys, tier) if ttl is None else ExpireOp(keys, ttl)
+            await self._write_one(WriteBatch(engine, [op]), self.budget)
+
+    async def remove(
+        self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None
+    ) -> None:
+        if keys:
+            await self._write_one(WriteBatch(engine, [RemoveOp(keys, tier)]), self.budget)
+
+    async def clear(self, engine: EngineKey) -> None:
+        await self._write_one(WriteBatch(engine, [ClearOp()]), self.budget)
+
+    async def stats(self) -> IndexStats:
+        args = [repr(self._clock()), self._keys.prefix, 4096]
+        while True:
+            reply = await self._call(
+                lambda: self._evalsha(_STATS, self._keys.fixed, args), self.admin_timeout
+            )
+            if reply[0] == 0:  # else garbage was left to collect first: call again
+                return IndexStats(blocks=reply[1], entries=reply[2], engines=reply[3])
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+        await self._forget_namespace_node()
+        await self._client.aclose()
+
+    # ------------------------------------------------------------------ batched writes
+
+    def _write_args(self, batch: WriteBatch) -> tuple[tuple[str, ...], list[Any]]:
+        fence = batch.fence
+        if fence is None:
+            head: list[Any] = ["", "", ""]
+        else:
+            seq = "" if fence.seq is None else str(fence.seq)
+            head = [fence.token, seq, repr(float(fence.ts))]
+        args = [repr(self._clock()), self._keys.prefix, batch.engine.label, *head]
+        return self._keys.engine(batch.engine), args + _arg_ops(batch.ops)
+
+    async def _write_one(self, batch: WriteBatch, timeout: float) -> WriteResult:
+        keys, args = self._write_args(batch)
+        reply = await self._call(lambda: self._evalsha(_WRITE, keys, args), timeout)
+        return WriteResult(reply)
+
+    async def write(
+        self, batches: Sequence[WriteBatch], timeout: float | None = None
+    ) -> list[WriteResult]:
+        """Apply ``batches`` in order, pipelined in one round trip; each is atomic.
+
+        Raises :class:`IndexUnavailable` when Redis fails or the pipeline takes longer
+        than ``timeout`` (default ``admin_timeout``); some batches may have been applied
+        then, which fenced writers learn from the stream position.
+        """
+        if not batches:
+            return []
+        calls = [self._write_args(b) for b in batches]
+
+        async def run() -> list[WriteResult]:
+            replies = await self._pipeline(calls)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                await self._load_scripts()
+                # A NOSCRIPT reply means the call did not run: retry exactly those, in order.
+                missed = [isinstance(r, NoScriptError) for r in replies]
+                retry = [c for c, m in zip(calls, missed, strict=True) if m]
+                again = iter(await self._pipeline(retry))
+                replies = [next(again) if m else r for r, m in zip(replies, missed, strict=True)]
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return [WriteResult(r) for r in replies]
+
+        return await self._call(run, self.admin_timeout if timeout is None else timeout)
+
+    async def _pipeline(self, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+        client = self._client
+        if isinstance(client, RedisCluster):
+            client = await self._namespace_node()
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(_WRITE.sha, len(keys), *keys, *args)
+        try:
+            return await pipe.execute(raise_on_error=False)
+        except BaseException:
+            if client is not self._client:
+                await self._forget_namespace_node()
+            raise
+
+    async def _namespace_node(self) -> aioredis.Redis:
+        # redis-py refuses scripts in cluster pipelines. The namespace lives in one slot,
+        # so a plain pipeline to the node serving it is equivalent; after a failure (the
+        # slot moved, the node died) the node is looked up again.
+        if self._slot_owner is None:
+            cluster = self._client
+            assert isinstance(cluster, RedisCluster)
+            await cluster.initialize()
+            node = cluster.get_node_from_key(self._keys.fixed[0])
+            if node is None:
+                raise ConnectionError("no cluster node serves the namespace's slot")
+            owner = client_from_url(self.url, (node.host, node.port))
+            assert isinstance(owner, aioredis.Redis)
+            self._slot_owner = owner
+        return self._slot_owner
+
+    async def _forget_namespace_node(self) -> None:
+        if self._slot_owner is not None:
+            owner, self._slot_owner = self._slot_owner, None
+            await owner.aclose()
+
+    # ------------------------------------------------------------------ leases and positions
+
+    async def lease(
+        self,
+        engine: EngineKey,
+        token: str,
+        ttl_ms: int,
+        mode: str,
+        timeout: float | None = None,
+    ) -> bool:
+        """Acquire (``SET NX PX``, or extend if ``token`` holds it), ``renew`` or
+        ``release`` the engine stream's writer lease; True when ``token`` holds it after
+        (or released it). ``timeout`` defaults to ``admin_timeout``."""
+        if mode not in ("acquire", "renew", "release"):
+            raise ValueError(f"unknown lease mode {mode!r}")
+        key = self._keys.engine(engine)[-1]
+        reply = await self._call(
+            lambda: self._evalsha(_LEASE, [key], [token, int(ttl_ms), mode]),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return reply == 1
+
+    async def stream_position(
+        self, engine: EngineKey, timeout: float | None = None
+    ) -> StreamPosition:
+        """The engine stream's last applied batch and its engine-hash -> key maps."""
+        keys = self._keys.engine(engine)
+
+        async def run() -> StreamPosition:
+            seq, ts = await self._client.hmget(keys[11], ["seq", "ts"])
+            maps: tuple[dict[int, int], dict[int, int]] = ({}, {})
+            for tier, held in zip(Tier, keys[7:9], strict=True):
+                table = maps[tier]
+                async for block, engine_hash in self._client.hscan_iter(held, count=2000):
+                    if engine_hash:  # entries recorded without an engine hash have none
+                        table[unpack_key(engine_hash)] = unpack_key(block)
+            return StreamPosition(
+                int(seq) if seq is not None else None,
+                float(ts) if ts is not None else None,
+                maps,
+            )
+
+        return await self._call(run, self.admin_timeout if timeout is None else timeout)

@@ -1,0 +1,393 @@
+"""The Redis index beyond the shared contract: round trips, budgets, outages, TLS,
+garbage collection, fenced writes. A real ``redis-server``; time from a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+from redis.crc import key_slot
+from support.redis import RedisServer, monitored_commands, random_namespace, redis_cluster
+
+from router.config import IndexConfig
+from router.index import Match, MemoryIndex, index_from_config
+from router.index.base import IndexUnavailable
+from router.index.redis import (
+    AddOp,
+    ClearOp,
+    ExpireOp,
+    Fence,
+    RedisIndex,
+    RemoveOp,
+    WriteBatch,
+    WriteResult,
+)
+from router.types import EngineKey, Tier
+
+A, B, C = EngineKey("10.0.0.1:8000"), EngineKey("10.0.0.2:8000"), EngineKey("10.0.0.3:8000", 1)
+KEYS = list(range(1001, 1013))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def index(redis_url: str, redis_namespace: str, clock: Clock):
+    idx = RedisIndex(redis_url, redis_namespace, clock=clock, budget_ms=5000)
+    yield idx
+    await idx.close()
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of this test alone, for tests that freeze or kill it."""
+    try:
+        server = RedisServer()
+    except FileNotFoundError:
+        pytest.skip("redis-server is not on the PATH")
+    yield server
+    server.kill()
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+async def test_a_lookup_is_exactly_one_round_trip(index: RedisIndex, redis_url: str) -> None:
+    keys = list(range(5000, 5512))  # an 8,192-token prompt in blocks of 16
+    await index.add(A, keys)
+    await index.add(B, keys[:300], ttl=60)
+    fleet = [A, B, C]
+    await index.lookup(keys, fleet)  # loads the script and caches the fleet's engine ids
+
+    async def lookups() -> None:
+        assert await index.lookup(keys, fleet) == {A: Match(512), B: Match(300)}
+
+    sent = await monitored_commands(redis_url, lookups)
+    assert [c.split()[0] for c in sent] == ["EVALSHA"]
+
+
+async def test_a_lookup_after_the_engine_map_changed_is_still_one_round_trip(
+    index: RedisIndex, redis_url: str
+) -> None:
+    await index.add(A, KEYS)
+    await index.lookup(KEYS, [A, B])
+    await index.add(B, KEYS[:3])  # B gets an engine id: the cached ids are stale
+
+    async def lookup() -> None:
+        assert await index.lookup(KEYS, [A, B]) == {A: Match(12), B: Match(3)}
+
+    sent = await monitored_commands(redis_url, lookup)
+    assert [c.split()[0] for c in sent] == ["EVALSHA"]
+
+
+async def test_scripts_are_reloaded_when_redis_forgot_them(index: RedisIndex) -> None:
+    await index.add(A, KEYS)
+    await index.client.script_flush()
+    assert await index.lookup(KEYS, [A]) == {A: Match(12)}
+
+
+# --------------------------------------------------------------------------- semantics
+
+
+async def test_random_operations_match_the_memory_index(index: RedisIndex, clock: Clock) -> None:
+    """Both backends see the same random writes; every lookup must agree."""
+    rng = random.Random(8)
+    memory = MemoryIndex(clock=clock)
+    engines = [A, B, C, EngineKey("10.0.0.4:8000")]
+    trunk = list(range(1, 9))
+    # Prompts sharing prefixes. Offloaded records go to their own prompts: the memory
+    # index keeps a GPU bit when a firm offloaded record follows a live expiring one.
+    shared = [[*trunk, 100 + i, 110 + i, 120 + i, 130 + i] for i in range(3)]
+    offloaded = [[900 + i for i in range(10)], [900, 901, 902, 950, 951]]
+    for _ in range(250):
+        engine = rng.choice(engines)
+        kind = rng.random()
+        prompt = rng.choice(shared)
+        lo = rng.randrange(0, 4)
+        hi = rng.randrange(lo + 1, len(prompt) + 1)
+        if kind < 0.3:
+            await _both(memory, index, "add", engine, prompt[lo:hi])
+        elif kind < 0.45:
+            await _both(memory, index, "add", engine, prompt[:hi], ttl=rng.choice([1.0, 3.0]))
+        elif kind < 0.55:
+            await _both(memory, index, "add", engine, rng.choice(offloaded), Tier.OFFLOADED)
+        elif kind < 0.75:
+            tier = rng.choice([None, Tier.GPU, Tier.OFFLOADED])
+            target = rng.choice([*shared, *offloaded])
+            await _both(memory, index, "remove", engine, target[lo:hi], tier)
+        elif kind < 0.8:
+            await _both(memory, index, "clear", engine)
+        else:
+            clock.now += rng.choice([0.5, 1.0, 2.5])
+        for prompt in [*shared, *offloaded]:
+            candidates = rng.sample(engines, rng.randrange(1, len(engines) + 1))
+            assert await index.lookup(prompt, candidates) == memory.lookup_now(prompt, candidates)
+
+
+async def _both(memory: MemoryIndex, redis_index: RedisIndex, op: str, *args, **kwargs) -> None:
+    await getattr(memory, op)(*args, **kwargs)
+    await getattr(redis_index, op)(*args, **kwargs)
+
+
+async def test_prompts_longer_than_a_script_chunk_are_walked_whole(index: RedisIndex) -> None:
+    keys = list(range(10_000, 12_500))
+    await index.add(A, keys)
+    await index.add(B, keys[:1700])
+    await index.add(C, keys[:2100], ttl=60)
+    await index.remove(A, keys[2400:2401])
+    assert await index.lookup(keys, [A, B, C]) == {A: Match(2400), B: Match(1700), C: Match(2100)}
+
+
+async def test_expiring_records_count_once_per_block_and_engine(
+    index: RedisIndex, clock: Clock
+) -> None:
+    await index.add(A, KEYS, ttl=2.0)
+    await index.add(A, KEYS[:6], ttl=5.0)  # replaces six records, adds none
+    await index.remove(A, KEYS[:2])
+    stats = await index.stats()
+    assert (stats.blocks, stats.entries, stats.engines) == (10, 10, 0)
+    clock.now += 3
+    stats = await index.stats()
+    assert (stats.blocks, stats.entries) == (4, 4)
+    clock.now += 3
+    stats = await index.stats()
+    assert (stats.blocks, stats.entries) == (0, 0)
+    assert await index.client.hlen(f"{{{index.namespace}}}:blocks") == 0  # memory reclaimed
+
+
+async def test_a_cleared_engine_is_collected_and_its_id_reused_without_inheritance(
+    index: RedisIndex, clock: Clock
+) -> None:
+    engines = f"{{{index.namespace}}}:engines"
+    many = list(range(20_000, 23_000))  # more than one collection step
+    await index.add(A, many)
+    await index.add(A, KEYS, ttl=10.0)
+    old_id = await index.client.hget(engines, A.label)
+    await index.clear(A)
+    stats = await index.stats()  # collects all garbage
+    assert (stats.engines, stats.entries) == (0, 0)
+    # The id waits until the cleared engine's expiring records have expired.
+    await index.add(B, [1])
+    assert await index.client.hget(engines, B.label) != old_id
+    clock.now += 11
+    await index.add(C, [2])
+    assert await index.client.hget(engines, C.label) == old_id
+    assert await index.lookup(many[:10], [C]) == {}
+    assert await index.lookup(KEYS, [C]) == {}
+
+
+async def test_namespaces_do_not_see_each_other(redis_url: str, clock: Clock) -> None:
+    one = RedisIndex(redis_url, random_namespace(), clock=clock, budget_ms=5000)
+    two = RedisIndex(redis_url, random_namespace(), clock=clock, budget_ms=5000)
+    try:
+        await one.add(A, KEYS)
+        assert await two.lookup(KEYS, [A]) == {}
+        await one.client.delete(*[k async for k in one.client.scan_iter(f"{{{one.namespace}}}:*")])
+    finally:
+        await one.close()
+        await two.close()
+
+
+def test_a_namespace_with_braces_is_refused() -> None:
+    with pytest.raises(ValueError, match="braces"):
+        RedisIndex("redis://127.0.0.1:1/0", "bad{ns}")
+
+
+# --------------------------------------------------------------------------- outages
+
+
+async def test_a_frozen_redis_fails_calls_within_the_budget_then_recovers(
+    own_server: RedisServer,
+) -> None:
+    idx = RedisIndex(own_server.url, "outage", budget_ms=200, retry_interval=0.05)
+    try:
+        await idx.add(A, KEYS)
+        own_server.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(IndexUnavailable):
+                await idx.lookup(KEYS, [A])
+            # Bounded by the budget; the slack only guards against a busy machine.
+            assert time.monotonic() - started < 2.0
+            with pytest.raises(IndexUnavailable):  # refused at once while Redis is down
+                await idx.add(B, KEYS)
+            assert idx.counters.fast_failures == 1 and not idx.available
+        finally:
+            own_server.resume()
+
+        async def answers() -> bool:
+            try:
+                return await idx.lookup(KEYS, [A]) == {A: Match(12)}
+            except IndexUnavailable:
+                return False
+
+        await until(answers)
+        assert idx.available and idx.counters.outages == 1
+    finally:
+        await idx.close()
+
+
+async def test_a_restarted_redis_is_reconnected_and_scripts_reloaded(
+    own_server: RedisServer,
+) -> None:
+    idx = RedisIndex(own_server.url, "restart", budget_ms=500, retry_interval=0.05)
+    replacement = None
+    try:
+        await idx.add(A, KEYS)
+        own_server.kill()
+        with pytest.raises(IndexUnavailable):
+            await idx.lookup(KEYS, [A])
+        replacement = RedisServer(port=own_server.port)  # empty: a restart without persistence
+
+        async def answers() -> bool:
+            try:
+                await idx.add(A, KEYS[:2])
+                return await idx.lookup(KEYS, [A]) == {A: Match(2)}
+            except IndexUnavailable:
+                return False
+
+        await until(answers)
+    finally:
+        await idx.close()
+        if replacement is not None:
+            replacement.kill()
+
+
+async def test_rediss_urls_pass_tls_parameters_through() -> None:
+    try:
+        server = RedisServer(tls=True)
+    except (FileNotFoundError, OSError) as exc:
+        pytest.skip(f"no TLS-capable redis-server or openssl: {exc}")
+    except Exception as exc:  # a redis-server built without TLS refuses the options
+        pytest.skip(f"redis-server did not start with TLS: {exc}")
+    url = f"{server.url}?ssl_ca_certs={server.tls_files['ca']}"
+    idx = RedisIndex(url, "tls", budget_ms=5000)
+    try:
+        await idx.add(A, KEYS)
+        assert await idx.lookup(KEYS, [A]) == {A: Match(12)}
+    finally:
+        await idx.close()
+        server.kill()
+
+
+# --------------------------------------------------------------------------- fenced writes
+
+
+async def test_a_lease_admits_one_writer_until_it_lapses(index: RedisIndex) -> None:
+    assert await index.lease(A, "one", 150, "acquire")
+    assert not await index.lease(A, "two", 150, "acquire")
+    assert await index.lease(A, "one", 150, "renew")
+    assert await index.lease(B, "two", 150, "acquire")  # leases are per engine stream
+
+    async def two_takes_over() -> bool:
+        return await index.lease(A, "two", 10_000, "acquire")
+
+    await until(two_takes_over)  # "one" stopped renewing
+    assert not await index.lease(A, "one", 150, "renew")
+    assert not await index.lease(A, "one", 150, "release")
+    assert await index.lease(A, "two", 150, "release")
+    assert await index.lease(A, "one", 150, "acquire")
+
+
+async def test_fenced_writes_reject_stale_tokens_and_applied_sequences(index: RedisIndex) -> None:
+    assert await index.lease(A, "one", 10_000, "acquire")
+    first = WriteBatch(A, [AddOp(KEYS[:4], Tier.GPU, [11, 12, 13, 14])], Fence("one", 7, 1.5))
+    assert await index.write([first]) == [WriteResult.APPLIED]
+    again = WriteBatch(A, [RemoveOp(KEYS[:4])], Fence("one", 7, 1.5))
+    older = WriteBatch(A, [RemoveOp(KEYS[:4])], Fence("one", 3, 1.0))
+    stale = WriteBatch(A, [ClearOp()], Fence("two", 8, 2.0))
+    assert await index.write([again, older, stale]) == [
+        WriteResult.OLD_SEQ,
+        WriteResult.OLD_SEQ,
+        WriteResult.STALE_TOKEN,
+    ]
+    assert await index.lookup(KEYS, [A]) == {A: Match(4)}  # none of them wrote anything
+    position = await index.stream_position(A)
+    assert (position.seq, position.ts) == (7, 1.5)
+    assert position.hashes == ({11: KEYS[0], 12: KEYS[1], 13: KEYS[2], 14: KEYS[3]}, {})
+
+
+async def test_a_fence_without_sequence_restarts_the_stream(index: RedisIndex) -> None:
+    assert await index.lease(A, "one", 10_000, "acquire")
+    batches = [
+        WriteBatch(A, [AddOp(KEYS[:2], Tier.GPU, [1, 2])], Fence("one", 40, 9.0)),
+        WriteBatch(A, [ClearOp()], Fence("one", None)),  # the engine restarted
+        WriteBatch(A, [AddOp(KEYS[:1], Tier.OFFLOADED, [5])], Fence("one", 0, 10.0)),
+    ]
+    assert await index.write(batches) == [WriteResult.APPLIED] * 3
+    position = await index.stream_position(A)
+    assert (position.seq, position.hashes) == (0, ({}, {5: KEYS[0]}))
+    assert await index.lookup(KEYS, [A]) == {A: Match(1, offloaded=1)}
+
+
+async def test_one_pipelined_write_applies_many_batches_in_order(index: RedisIndex) -> None:
+    batches = [WriteBatch(A, [AddOp([k])]) for k in KEYS]
+    batches += [
+        WriteBatch(B, [ExpireOp(KEYS[:5], 30.0)]),
+        WriteBatch(A, [RemoveOp(KEYS[8:9], Tier.GPU)]),
+    ]
+    assert await index.write(batches) == [WriteResult.APPLIED] * len(batches)
+    assert await index.lookup(KEYS, [A, B]) == {A: Match(8), B: Match(5)}
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+async def test_the_index_works_on_redis_cluster(clock: Clock) -> None:
+    """One namespace lives in one slot; here it is on another node than the one the URL
+    names, so scripts and write pipelines must be routed to it."""
+    namespace = next(
+        ns
+        for ns in (f"cluster-{i}" for i in range(100))
+        if key_slot(f"{{{ns}}}:blocks".encode()) >= 16384 // 3
+    )
+    with redis_cluster(3) as servers:
+        url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
+        idx = RedisIndex(url, namespace, clock=clock, budget_ms=5000)
+        try:
+            await idx.add(A, KEYS)
+            await idx.add(B, KEYS[:4], ttl=10)
+            assert await idx.lease(C, "t", 10_000, "acquire")
+            batches = [
+                WriteBatch(C, [AddOp(KEYS[:6], Tier.GPU, list(range(6)))], Fence("t", 1, 1.0)),
+                WriteBatch(A, [RemoveOp(KEYS[8:9])]),
+            ]
+            assert await idx.write(batches) == [WriteResult.APPLIED] * 2
+            assert await idx.lookup(KEYS, [A, B, C]) == {A: Match(8), B: Match(4), C: Match(6)}
+            assert (await idx.stream_position(C)).seq == 1
+            await idx.clear(A)
+            stats = await idx.stats()
+            assert (stats.blocks, stats.entries, stats.engines) == (6, 10, 1)
+        finally:
+            await idx.close()
+
+
+def test_the_index_section_selects_the_backend() -> None:
+    assert isinstance(index_from_config(IndexConfig()), MemoryIndex)
+    redis_config = IndexConfig(backend="redis", url="rediss://h:1/0", namespace="n", budget_ms=3)
+    chosen = index_from_config(redis_config)
+    assert isinstance(chosen, RedisIndex)
+    assert (chosen.url, chosen.namespace, chosen.budget) == ("rediss://h:1/0", "n", 0.003)
