@@ -18,6 +18,7 @@ from router import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "Run the router (OpenAI-compatible HTTP API)"),
     "engine": ("router.emulator.cli", "Run an emulated vLLM-compatible engine"),
+    "sidecar": ("router.sidecar", "Run in front of a decode pod's engine (llm-d P/D sidecar)"),
     "indexer": ("router.indexer", "Write engines' KV events into the shared Redis index."),
 }
 

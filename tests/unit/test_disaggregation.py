@@ -1,0 +1,172 @@
+"""Disaggregation's pure parts: the split decision, the NIXL legs, usage rewriting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.api.errors import ApiError
+from router.api.usage import UsageTap
+from router.config import DisaggregationConfig
+from router.handoff import nixl, sglang
+from router.policy.disagg import decide_split
+from router.sidecar import AllowList, parse_target
+
+CFG = DisaggregationConfig()
+
+
+class TestSplitDecision:
+    def test_a_long_uncached_prompt_is_split(self) -> None:
+        d = decide_split(4000, 0, True, CFG)
+        assert d.split and d.reason == "split" and d.uncached_tokens == 4000
+        assert d.transfer_s < d.saved_s
+
+    def test_no_prefill_engine_means_local(self) -> None:
+        assert decide_split(4000, 0, False, CFG).reason == "no_prefill_engine"
+
+    def test_a_decode_engine_holding_most_of_the_prompt_serves_it(self) -> None:
+        d = decide_split(4000, 3500, True, CFG)
+        assert not d.split and d.reason == "decode_holds_prefix"
+
+    def test_few_missing_tokens_stay_local(self) -> None:
+        assert decide_split(400, 0, True, CFG).reason == "short_uncached"
+        assert decide_split(
+            3000, 2600, True, CFG.model_copy(update={"decode_hit_ratio": 1.0})
+        ).reason == ("short_uncached")
+
+    def test_a_slow_link_makes_the_transfer_cost_more_than_it_saves(self) -> None:
+        slow = CFG.model_copy(update={"transfer_bandwidth_gb_s": 1.0})
+        d = decide_split(4000, 0, True, slow)
+        assert not d.split and d.reason == "transfer_costs_more" and d.transfer_s > d.saved_s
+
+
+class TestNixl:
+    def test_the_prefill_leg_asks_for_one_token_and_a_remote_decode(self) -> None:
+        client = {
+            "prompt": "x",
+            "stream": True,
+            "max_tokens": 50,
+            "max_completion_tokens": 50,
+            "stream_options": {"include_usage": True},
+            "min_tokens": 3,
+            "temperature": 0,
+        }
+        body = nixl.prefill_body(client)
+        assert body["stream"] is False and body["max_tokens"] == 1
+        assert body["max_completion_tokens"] == 1
+        assert "stream_options" not in body and "min_tokens" not in body
+        assert body["kv_transfer_params"] == {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        assert client["max_tokens"] == 50  # the client's body is untouched
+
+    def test_returned_params_go_to_the_decode_leg_verbatim(self) -> None:
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "e",
+            "remote_block_ids": [[1, 2]],
+            "remote_request_id": "r",
+            "remote_host": "10.1.1.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "something_new": {"x": 1},
+        }
+        answer = {"choices": [], "kv_transfer_params": params}
+        assert nixl.returned_params(answer) == params
+        body = nixl.decode_body({"prompt": "x", "stream": True}, params)
+        assert body == {"prompt": "x", "stream": True, "kv_transfer_params": params}
+
+    @pytest.mark.parametrize(
+        "answer",
+        [{}, {"kv_transfer_params": None}, {"kv_transfer_params": {"do_remote_prefill": False}}],
+    )
+    def test_answers_without_usable_params(self, answer: dict) -> None:
+        assert nixl.returned_params(answer) is None
+
+    def test_a_loopback_remote_host_from_a_remote_engine_is_flagged_and_rewritten_on_request(
+        self,
+    ) -> None:
+        params = {"remote_host": "127.0.0.1", "remote_port": 5600}
+        same, flagged = nixl.check_remote_host(params, "10.0.0.7", rewrite=False)
+        assert flagged and same is params
+        fixed, flagged = nixl.check_remote_host(params, "10.0.0.7", rewrite=True)
+        assert flagged and fixed == {"remote_host": "10.0.0.7", "remote_port": 5600}
+        assert nixl.check_remote_host(params, "127.0.0.1", rewrite=True) == (params, False)
+
+    def test_silent_recompute_shows_in_the_decode_legs_cached_tokens(self) -> None:
+        assert not nixl.recomputed(1999, 2000, 16)
+        assert not nixl.recomputed(None, 2000, 16)
+        assert nixl.recomputed(320, 2000, 16)
+
+
+def test_sglang_legs_carry_the_pairs_bootstrap_fields() -> None:
+    import random
+
+    room = sglang.new_room(random.Random(1))
+    assert 0 <= room < 2**63
+    assert sglang.with_bootstrap({"prompt": "x"}, "10.0.0.1", 8998, room) == {
+        "prompt": "x",
+        "bootstrap_host": "10.0.0.1",
+        "bootstrap_port": 8998,
+        "bootstrap_room": room,
+    }
+
+
+class TestUsageTap:
+    def test_a_json_answer_shows_the_prefill_legs_cached_tokens(self) -> None:
+        seen: list[int] = []
+        tap = UsageTap(lambda u: seen.append(u["prompt_tokens_details"]["cached_tokens"]), 1984)
+        answer = {
+            "choices": [{"text": "hi"}],
+            "usage": {"prompt_tokens": 2000, "prompt_tokens_details": {"cached_tokens": 1999}},
+        }
+        out = json.loads(tap.answer(json.dumps(answer).encode()))
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 1984
+        assert seen == [1999]  # the tap sees the engine's own value before rewriting it
+
+    def test_a_stream_usage_event_is_rewritten_or_hidden(self) -> None:
+        usage = {
+            "id": "c",
+            "choices": [],
+            "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 9}},
+        }
+        chunk = (
+            b'data: {"id":"c","choices":[{"text":"a"}]}\n\ndata: '
+            + json.dumps(usage).encode()
+            + b"\n\ndata: [DONE]\n\n"
+        )
+        rewritten = UsageTap(cached_tokens=0).chunk(chunk)
+        assert b'"cached_tokens":0' in rewritten and rewritten.endswith(b"data: [DONE]\n\n")
+        hidden = UsageTap(drop_usage_event=True).chunk(chunk)
+        assert b"usage" not in hidden and b'"text":"a"' in hidden
+        plain = b'data: {"choices":[{"text":"b"}]}\n\n'
+        assert UsageTap(cached_tokens=0).chunk(plain) is plain
+
+
+class TestSidecarAllowList:
+    def test_pairs_and_networks(self) -> None:
+        allow = AllowList(["127.0.0.1:8001", "10.1.0.0/16", "192.168.7.7"])
+        assert allow.allows("127.0.0.1", 8001)
+        assert not allow.allows("127.0.0.1", 8002)
+        assert allow.allows("10.1.44.5", 9000)
+        assert allow.allows("192.168.7.7", 1)
+        assert not allow.allows("10.2.0.1", 9000)
+        assert not allow.allows("evil.example", 80)
+        assert not AllowList([]).allows("127.0.0.1", 8001)
+
+    @pytest.mark.parametrize("value", ["nope", "1.2.3.4", "1.2.3.4:99999", "a\r\nb:80", ""])
+    def test_bad_header_values_are_400(self, value: str) -> None:
+        with pytest.raises(ApiError) as info:
+            parse_target(value)
+        assert info.value.status == 400
+
+    def test_a_good_header_value(self) -> None:
+        assert parse_target("10.0.0.9:8200") == ("10.0.0.9", 8200)
+        assert parse_target("[::1]:8200") == ("::1", 8200)
