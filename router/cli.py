@@ -18,6 +18,7 @@ from router import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "Run the router (OpenAI-compatible HTTP API)"),
     "engine": ("router.emulator.cli", "Run an emulated vLLM-compatible engine"),
+    "bench": ("router.bench.cli", "Replay a workload against targets; compare them side by side"),
 }
 
 

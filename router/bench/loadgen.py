@@ -152,8 +152,12 @@ async def run_load(
     timeout: float = 300.0,
     headers: dict[str, str] | None = None,
     on_result: Callable[[Result], None] | None = None,
+    stop_after: float | None = None,
 ) -> list[Result]:
     """Send every spec, closed loop with ``concurrency`` slots or at each spec's ``at``.
+
+    With ``stop_after``, nothing more is sent once that many seconds have passed (what
+    is in flight finishes).
 
     A spec with ``then`` starts a session (a user's conversation): it keeps its slot,
     and after each answer ``then(answer text)`` gives the next request, sent ``delay``
@@ -179,6 +183,8 @@ async def run_load(
             async with slots:
                 while spec is not None:
                     sent_at = time.perf_counter() - started
+                    if stop_after is not None and sent_at > stop_after:
+                        break
                     result = await _one(session, base_url, model, spec, stream, hdrs)
                     result.sent_at = sent_at
                     sessions[i].append(result)
