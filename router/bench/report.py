@@ -275,11 +275,12 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 def windowed_hit_rate(
     t: Sequence[float], hits: Sequence[float], queries: Sequence[float]
 ) -> list[float | None]:
-    """Hit rate over the last :data:`HIT_RATE_WINDOW_S` seconds at each sample."""
+    """Hit rate since the latest sample at least :data:`HIT_RATE_WINDOW_S` seconds older
+    (or the first sample), at each sample."""
     out: list[float | None] = []
     j = 0
     for i in range(len(t)):
-        while t[i] - t[j] > HIT_RATE_WINDOW_S:
+        while j + 1 < i and t[i] - t[j + 1] >= HIT_RATE_WINDOW_S:
             j += 1
         dq = queries[i] - queries[j]
         out.append((hits[i] - hits[j]) / dq if dq > 0 else None)

@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +122,31 @@ def _replays_ok(metrics_text: str) -> int:
         if line.startswith("kvroute_kv_event_replays_total{") and 'outcome="ok"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return int(total)
+
+
+def command_argv(template: str, engine_urls: Sequence[str], host: str, port: int) -> list[str]:
+    """The argument list of a ``cmd:`` target's template with its placeholders filled.
+
+    A word that is exactly ``{engines}`` becomes one argument per engine (for flags
+    that take several values, like ``--worker-urls``); ``{engines_csv}``, ``{host}``
+    and ``{port}`` may appear anywhere in a word.
+    """
+    values = {
+        "engines": " ".join(engine_urls),
+        "engines_csv": ",".join(engine_urls),
+        "host": host,
+        "port": str(port),
+    }
+    argv: list[str] = []
+    try:
+        for word in shlex.split(template):
+            if word == "{engines}":
+                argv.extend(engine_urls)
+            else:
+                argv.append(word.format(**values))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise TargetError(f"bad command template {template!r}: {exc!r}") from exc
+    return argv
 
 
 class CommandProcess:
@@ -279,22 +304,7 @@ class Stack:
 
     def _start_command(self, template: str) -> None:
         port = free_port()
-        values = {
-            "engines": " ".join(self.engine_urls),
-            "engines_csv": ",".join(self.engine_urls),
-            "host": HOST,
-            "port": str(port),
-        }
-        argv: list[str] = []
-        try:
-            for word in shlex.split(template):
-                # A bare {engines} word becomes one argument per engine (nargs-style flags).
-                if word == "{engines}":
-                    argv.extend(self.engine_urls)
-                else:
-                    argv.append(word.format(**values))
-        except (KeyError, IndexError, ValueError) as exc:
-            raise TargetError(f"bad command template {template!r}: {exc}") from exc
+        argv = command_argv(template, self.engine_urls, HOST, port)
         self.url = f"http://{HOST}:{port}"
         self._command = CommandProcess(argv, self.workdir / f"{self.target.name}.log")
         command = self._command
