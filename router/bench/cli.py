@@ -244,13 +244,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
         return Workload(title, text, specs, total, closed, {"kind": "chat"})
 
     trace = read_trace(args.workload)
-    chosen = select(
-        trace.requests, limit=args.requests, duration=args.duration, speedup=args.speedup
-    )
+    timed = args.concurrency is None
+    # Closed loop ignores arrival times: there --duration bounds the sending time instead.
+    window = args.duration if timed else None
+    chosen = select(trace.requests, limit=args.requests, duration=window, speedup=args.speedup)
     if not chosen:
         raise ValueError(f"no request of {trace.name} is left after --requests/--duration")
     expander = PromptExpander(trace.block_tokens, args.scale, args.prompt_format, args.seed)
-    timed = args.concurrency is None
     specs = list(
         trace_specs(chosen, expander, timed=timed, max_output_tokens=args.max_output_tokens)
     )
