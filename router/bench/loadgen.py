@@ -9,7 +9,6 @@ tokens the engine reported, time to first token, inter-token gaps, end-to-end ti
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import time
 from collections import defaultdict
@@ -20,26 +19,27 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from router.bench.workloads import RequestSpec, shared_prefix_workload, words
+
+__all__ = [
+    "RequestSpec",
+    "Result",
+    "Summary",
+    "percentile",
+    "run_load",
+    "shared_prefix_workload",
+    "summarize",
+    "words",
+]
+
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
 
 @dataclass(slots=True)
-class RequestSpec:
-    """One request to send."""
-
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    max_tokens: int = 16
-    group: str = ""
-    """A label results are grouped by (a shared-prefix group, a conversation)."""
-    at: float | None = None
-    """Seconds after the run starts to send it (None: as soon as a slot is free)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
 class Result:
+    """What one request did, as the client saw it."""
+
     spec: RequestSpec
     status: int = 0
     engine: str = ""
@@ -51,37 +51,12 @@ class Result:
     e2e: float = 0.0
     error: str = ""
     text: str = ""
+    sent_at: float = 0.0
+    """Seconds after the run started that the request was sent."""
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and not self.error
-
-
-def words(rng: random.Random, count: int, tag: str = "w") -> str:
-    """``count`` pseudo-random words; the emulator's tokenizer makes each one token."""
-    return " ".join(f"{tag}{rng.getrandbits(40):x}" for _ in range(count))
-
-
-def shared_prefix_workload(
-    groups: int,
-    per_group: int,
-    prefix_tokens: int,
-    question_tokens: int,
-    max_tokens: int,
-    seed: int = 0,
-    shuffle: bool = True,
-) -> list[RequestSpec]:
-    """Groups of prompts that share a long prefix and end in distinct questions."""
-    rng = random.Random(seed)
-    specs = []
-    for g in range(groups):
-        prefix = words(rng, prefix_tokens, f"g{g}x")
-        for _ in range(per_group):
-            prompt = f"{prefix} {words(rng, question_tokens, 'q')}"
-            specs.append(RequestSpec(prompt=prompt, max_tokens=max_tokens, group=f"group-{g}"))
-    if shuffle:
-        rng.shuffle(specs)
-    return specs
 
 
 async def _one(
@@ -177,10 +152,20 @@ async def run_load(
     timeout: float = 300.0,
     headers: dict[str, str] | None = None,
     on_result: Callable[[Result], None] | None = None,
+    stop_after: float | None = None,
 ) -> list[Result]:
-    """Send every spec; closed loop with ``concurrency`` slots, or on each spec's ``at``."""
+    """Send every spec, closed loop with ``concurrency`` slots or at each spec's ``at``.
+
+    With ``stop_after``, nothing more is sent once that many seconds have passed (what
+    is in flight finishes).
+
+    A spec with ``then`` starts a session (a user's conversation): it keeps its slot,
+    and after each answer ``then(answer text)`` gives the next request, sent ``delay``
+    seconds later, until it returns None or a request fails. Results come back session
+    by session, in the order of ``specs``, each session's requests in order.
+    """
     items = list(specs)
-    results: list[Result | None] = [None] * len(items)
+    sessions: list[list[Result]] = [[] for _ in items]
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     connector = aiohttp.TCPConnector(limit=0)
     client_timeout = aiohttp.ClientTimeout(total=timeout)
@@ -189,19 +174,30 @@ async def run_load(
         slots = asyncio.Semaphore(concurrency)
 
         async def send(i: int) -> None:
-            spec = items[i]
+            spec: RequestSpec | None = items[i]
+            assert spec is not None
             if spec.at is not None:
                 delay = spec.at - (time.perf_counter() - started)
                 if delay > 0:
                     await asyncio.sleep(delay)
             async with slots:
-                result = await _one(session, base_url, model, spec, stream, hdrs)
-            results[i] = result
-            if on_result is not None:
-                on_result(result)
+                while spec is not None:
+                    sent_at = time.perf_counter() - started
+                    if stop_after is not None and sent_at > stop_after:
+                        break
+                    result = await _one(session, base_url, model, spec, stream, hdrs)
+                    result.sent_at = sent_at
+                    sessions[i].append(result)
+                    if on_result is not None:
+                        on_result(result)
+                    if spec.then is None or not result.ok:
+                        break
+                    spec = spec.then(result.text)
+                    if spec is not None and spec.delay > 0:
+                        await asyncio.sleep(spec.delay)
 
         await asyncio.gather(*(send(i) for i in range(len(items))))
-    return [r for r in results if r is not None]
+    return [r for results in sessions for r in results]
 
 
 # ------------------------------------------------------------------------------ summaries

@@ -1,0 +1,420 @@
+"""``kvroute bench``: replay a trace or a generated workload against OpenAI-compatible
+targets and compare them side by side.
+
+Examples::
+
+    # a running deployment; hit rates read from its engines' /metrics
+    kvroute bench --target http://127.0.0.1:8000 --engine-url http://10.0.0.5:8000 \\
+        --workload mooncake-conversation --requests 500 --speedup 4 --scale 0.125
+
+    # kvroute's default policy against round robin, each on 4 fresh emulated engines
+    kvroute bench --engines 4 --compare kvroute=policy:kv_cost rr=policy:round_robin \\
+        --workload chat --conversations 24 --turns 4
+
+    # an external router started by bench in front of the same kind of engines
+    kvroute bench --engines 4 --compare kvroute=policy:kv_cost \\
+        'sglang=cmd:python -m sglang_router.launch_router --worker-urls {engines}
+         --policy cache_aware --host {host} --port {port}'
+
+Writes ``results.json``, ``summary.md`` and PNG plots to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+import urllib.request
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import fmean
+from typing import Any, TypeVar
+
+from router import __version__
+from router.bench.workloads import (
+    BUNDLED_TRACES,
+    PromptExpander,
+    RequestSpec,
+    TraceError,
+    chat_workload,
+    oracle_hit_rate,
+    read_trace,
+    select,
+    shared_prefix_workload,
+    trace_specs,
+)
+
+GENERATED = ("shared-prefix", "chat")
+#: In-flight limit for trace replay on timestamps: high enough never to hold a request
+#: back, bounded so a stalled target cannot make the client open unbounded connections.
+TRACE_MAX_IN_FLIGHT = 4_096
+DEFAULT_CONCURRENCY = 8
+
+T = TypeVar("T")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kvroute bench`` (docs/benchmarks.md describes each)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    what = parser.add_argument_group("targets")
+    pick = what.add_mutually_exclusive_group(required=True)
+    pick.add_argument(
+        "--target",
+        metavar="SPEC",
+        help="one target: URL, policy:POLICY (kvroute serve started by bench) or cmd:COMMAND",
+    )
+    pick.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="NAME=SPEC",
+        help="several targets, run in turn with the same workload and printed side by side",
+    )
+    what.add_argument(
+        "--baseline", metavar="NAME", help="target the others are compared to (default: first)"
+    )
+    what.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N fresh emulated engines for each policy:/cmd: target (caches start empty)",
+    )
+    what.add_argument(
+        "--engine-args",
+        default="",
+        metavar="ARGS",
+        help="extra 'kvroute engine' flags for started engines, e.g. '--time-scale 0.5'",
+    )
+    what.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an existing engine to read /metrics from (and to route to for policy:/cmd:)",
+    )
+    what.add_argument(
+        "--reset-caches",
+        action="store_true",
+        help="POST /reset_prefix_cache to every --engine-url before each target",
+    )
+    what.add_argument(
+        "--router-args", default="", metavar="ARGS", help="extra 'kvroute serve' flags"
+    )
+    what.add_argument("--model", help="model field of each request (default: the target's first)")
+
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--workload",
+        default="mooncake-conversation",
+        metavar="NAME|PATH",
+        help=f"{', '.join(BUNDLED_TRACES)}, {', '.join(GENERATED)}, or a trace file "
+        "(Mooncake .jsonl or Azure .csv, optionally .gz)",
+    )
+    load.add_argument("--requests", type=int, metavar="N", help="send at most N requests")
+    load.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="traces: replay only arrivals in the first S seconds (after --speedup); "
+        "closed loop: send nothing new after S seconds",
+    )
+    load.add_argument(
+        "--speedup", type=float, default=1.0, help="divide trace arrival times by this"
+    )
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="closed loop with N requests (conversations) in flight, ignoring trace "
+        f"timestamps (default: traces on their timestamps, generated {DEFAULT_CONCURRENCY})",
+    )
+    load.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply trace prompt lengths by this (0.125: a 512-token block becomes 64)",
+    )
+    load.add_argument(
+        "--prompt-format",
+        choices=["text", "tokens"],
+        default="text",
+        help="trace prompts as words or token ids (routers other than kvroute need text)",
+    )
+    load.add_argument(
+        "--max-output-tokens", type=int, metavar="N", help="cap every trace output length"
+    )
+    load.add_argument("--seed", type=int, default=0, help="seed of every generated prompt")
+
+    gen = parser.add_argument_group("generated workloads (shared-prefix, chat)")
+    gen.add_argument("--groups", type=int, default=16, help="shared-prefix: groups")
+    gen.add_argument(
+        "--prompts-per-group", type=int, default=8, help="shared-prefix: prompts per group"
+    )
+    gen.add_argument(
+        "--prefix-tokens", type=int, default=2_000, help="shared-prefix: shared prefix length"
+    )
+    gen.add_argument("--conversations", type=int, default=32, help="chat: conversations")
+    gen.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    gen.add_argument(
+        "--system-tokens", type=int, default=500, help="chat: system prompt length (shared)"
+    )
+    gen.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="chat: seconds between an answer and the next turn",
+    )
+    gen.add_argument(
+        "--question-tokens", type=int, default=100, help="question length (both workloads)"
+    )
+    gen.add_argument("--output-tokens", type=int, default=64, help="answer length (both workloads)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--output", default="bench-results/bench", metavar="DIR", help="where files go"
+    )
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument(
+        "--sample-interval", type=float, default=1.0, help="seconds between engine scrapes"
+    )
+    out.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before a request is given up"
+    )
+    out.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+@dataclass(slots=True)
+class Workload:
+    """The requests to send and how to describe them."""
+
+    title: str
+    """A few words for plot titles."""
+    description: str
+    specs: list[RequestSpec]
+    total: int
+    """Requests the workload will send (follow-up turns included)."""
+    concurrency: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The workload the flags describe (pure: nothing is sent)."""
+    closed = args.concurrency or DEFAULT_CONCURRENCY
+    if args.workload == "shared-prefix":
+        specs = shared_prefix_workload(
+            args.groups,
+            args.prompts_per_group,
+            args.prefix_tokens,
+            args.question_tokens,
+            args.output_tokens,
+            seed=args.seed,
+        )[: args.requests]
+        text = (
+            f"shared-prefix: {args.groups} groups x {args.prompts_per_group} prompts, "
+            f"{args.prefix_tokens}-token prefix + {args.question_tokens}-token question, "
+            f"{args.output_tokens} output tokens, {len(specs)} requests, {closed} in flight"
+        )
+        title = f"shared-prefix, {args.groups} groups x {args.prompts_per_group}"
+        return Workload(title, text, specs, len(specs), closed, {"kind": "shared-prefix"})
+    if args.workload == "chat":
+        specs = chat_workload(
+            args.conversations,
+            args.turns,
+            args.system_tokens,
+            args.question_tokens,
+            args.output_tokens,
+            think_s=args.think_time,
+            seed=args.seed,
+        )
+        total = len(specs) * args.turns
+        if args.requests is not None:
+            total = min(total, args.requests)
+        text = (
+            f"chat: {args.conversations} conversations x {args.turns} turns, "
+            f"{args.system_tokens}-token shared system prompt, {args.question_tokens}-token "
+            f"questions, {args.output_tokens}-token answers, each turn repeating the whole "
+            f"conversation; {closed} conversations in flight"
+        )
+        title = f"chat, {args.conversations} conversations x {args.turns} turns"
+        return Workload(title, text, specs, total, closed, {"kind": "chat"})
+
+    trace = read_trace(args.workload)
+    timed = args.concurrency is None
+    # Closed loop ignores arrival times: there --duration bounds the sending time instead.
+    window = args.duration if timed else None
+    chosen = select(trace.requests, limit=args.requests, duration=window, speedup=args.speedup)
+    if not chosen:
+        raise ValueError(f"no request of {trace.name} is left after --requests/--duration")
+    expander = PromptExpander(trace.block_tokens, args.scale, args.prompt_format, args.seed)
+    specs = list(
+        trace_specs(chosen, expander, timed=timed, max_output_tokens=args.max_output_tokens)
+    )
+    mean_prompt = fmean(expander.length(r) for r in chosen)
+    mean_output = fmean(s.max_tokens for s in specs)
+    pacing = (
+        f"on the trace's timestamps / {args.speedup:g} ({chosen[-1].at:.0f} s of arrivals)"
+        if timed
+        else f"closed loop, {closed} in flight"
+    )
+    oracle = oracle_hit_rate(chosen)
+    text = (
+        f"{trace.name}: first {len(chosen)} of {len(trace.requests)} requests, {pacing}; "
+        f"prompt lengths x{args.scale:g} ({expander.block_len}-token blocks, mean "
+        f"{mean_prompt:,.0f} tokens, {args.prompt_format}), mean output {mean_output:.0f} tokens"
+    )
+    if args.max_output_tokens is not None:
+        text += f" (capped at {args.max_output_tokens})"
+    if trace.has_prefixes:
+        text += f"; blocks reusable with an infinite cache: {oracle:.1%}"
+    info = {
+        "kind": "trace",
+        "trace": trace.name,
+        "requests": len(chosen),
+        "trace_requests": len(trace.requests),
+        "speedup": args.speedup,
+        "scale": args.scale,
+        "block_tokens": expander.block_len,
+        "prompt_format": args.prompt_format,
+        "mean_prompt_tokens": mean_prompt,
+        "mean_output_tokens": mean_output,
+        "timed": timed,
+        "oracle_block_hit_rate": oracle if trace.has_prefixes else None,
+    }
+    title = f"{trace.name}, {len(chosen)} requests, prompts x{args.scale:g}"
+    in_flight = TRACE_MAX_IN_FLIGHT if timed else closed
+    return Workload(title, text, specs, len(specs), in_flight, info)
+
+
+def _model_of(url: str) -> str | None:
+    """The first model a target serves, or None if it does not say."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
+            data = json.loads(response.read())
+        return str(data["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _reset(urls: list[str]) -> None:
+    for url in urls:
+        request = urllib.request.Request(
+            f"{url}/reset_prefix_cache", data=b"{}", headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
+
+def _command_line() -> str | None:
+    """The command as typed, when this process is ``kvroute bench``."""
+    if len(sys.argv) > 1 and sys.argv[1] == "bench":
+        return shlex.join(["kvroute", *sys.argv[1:]])
+    return None
+
+
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvroute bench``."""
+    from router.bench import report
+    from router.bench.runner import run_target
+    from router.bench.targets import Stack, StackOptions, TargetError, parse_target
+
+    try:
+        if args.compare:
+            targets = [parse_target(text) for text in args.compare]
+        else:
+            targets = [parse_target(args.target)]
+        names = [t.name for t in targets]
+        if len(set(names)) != len(names):
+            raise TargetError(f"target names must differ: {', '.join(names)}")
+        baseline = args.baseline or names[0]
+        if baseline not in names:
+            raise TargetError(f"--baseline {baseline} is not one of {', '.join(names)}")
+        workload = build_workload(args)
+    except (TargetError, TraceError, ValueError, FileNotFoundError) as exc:
+        print(f"kvroute bench: {exc}", file=sys.stderr)
+        return 2
+
+    options = StackOptions(
+        engines=args.engines,
+        engine_args=tuple(shlex.split(args.engine_args)),
+        engine_urls=tuple(u.rstrip("/") for u in args.engine_url),
+        router_args=tuple(shlex.split(args.router_args)),
+    )
+    print(f"workload  {workload.description}")
+    engines = f"{args.engines} fresh emulated engines per target" if args.engines else ""
+    if args.engines and args.engine_args:
+        engines += f" ({args.engine_args})"
+    print(f"engines   {engines or ', '.join(options.engine_urls) or 'not read (no --engine-url)'}")
+    print(f"targets   {', '.join(f'{t.name}={t.spec}' for t in targets)}\n")
+
+    outdir = Path(args.output)
+    outdir.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    started = time.time()
+    for target in targets:
+        try:
+            if args.reset_caches and options.engine_urls:
+                _reset(list(options.engine_urls))
+            with Stack(target, options) as stack:
+                model = args.model or _model_of(stack.url)
+                run_ = _run_async(
+                    run_target(
+                        target.name,
+                        target.spec,
+                        stack.url,
+                        stack.engine_urls,
+                        workload.specs,
+                        concurrency=workload.concurrency,
+                        model=model,
+                        timeout=args.timeout,
+                        sample_interval=args.sample_interval,
+                        total=workload.total,
+                        quiet=args.quiet,
+                        stop_after=args.duration if not workload.info.get("timed") else None,
+                    )
+                )
+        except (TargetError, OSError, RuntimeError, TimeoutError) as exc:
+            print(f"kvroute bench: target {target.name}: {exc}", file=sys.stderr)
+            return 1
+        summary = report.summarize_run(run_)
+        summaries.append(summary)
+        for example in summary["error_examples"]:
+            print(f"  {target.name} error: {example}", file=sys.stderr)
+
+    rows = report.table_rows(summaries, baseline)
+    print()
+    print(report.render_text(rows))
+    print()
+    for summary in summaries:
+        print("\n".join(report.engine_lines(summary)))
+    document = {
+        "kvroute_version": __version__,
+        "command": _command_line(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_time_s": time.time() - started,
+        "workload": {"description": workload.description, **workload.info},
+        "engines": {"started_per_target": args.engines, "engine_args": args.engine_args},
+        "baseline": baseline,
+        "targets": summaries,
+    }
+    report.write_json(outdir / "results.json", document)
+    (outdir / "summary.md").write_text(
+        f"{workload.description}\n\n{report.render_markdown(rows)}\n"
+    )
+    written = [outdir / "results.json", outdir / "summary.md"]
+    if not args.no_plots:
+        written += report.plot(summaries, outdir, workload.title)
+    print(f"\nwrote {', '.join(str(p) for p in written)}")
+    return 1 if any(s["ok"] == 0 for s in summaries) else 0

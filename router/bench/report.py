@@ -1,0 +1,364 @@
+"""Turn runs into numbers, a side-by-side table, a JSON file and PNG plots.
+
+Hit rates come from the engines' own prefix-cache counters (tokens served from cache
+over tokens queried, the difference between the scrapes before and after the run);
+the client's view (``usage.prompt_tokens_details.cached_tokens``) is reported next to
+it. The ceiling is what one engine with an infinite cache would have served on the
+requests actually sent (:func:`router.bench.workloads.prefix_ceiling`, counted with
+the emulator's tokenizer). Plots need matplotlib, imported only when plotting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from router.bench.loadgen import Result, percentile
+from router.bench.runner import EngineSnapshot, TargetRun
+from router.bench.workloads import answer_tokens, prefix_ceiling, spec_tokens
+
+#: Block size assumed when no engine advertises one (vLLM's and the emulator's default).
+DEFAULT_BLOCK_SIZE = 16
+#: Width of the sliding window of the hit-rate-over-time plot.
+HIT_RATE_WINDOW_S = 5.0
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": statistics.fmean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def _delta(after: EngineSnapshot, before: EngineSnapshot, field: str) -> float | None:
+    if not (after.ok and before.ok):
+        return None
+    return float(getattr(after, field) - getattr(before, field))
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def block_size_of(run: TargetRun) -> int:
+    """The engines' block size as they advertise it, else the default."""
+    for snap in [*run.before, *run.after]:
+        if snap.block_size:
+            return snap.block_size
+    return DEFAULT_BLOCK_SIZE
+
+
+def ceiling(results: Sequence[Result], block_size: int) -> float:
+    """Infinite-cache token hit rate of the requests that were answered, in send order."""
+    ordered = sorted((r for r in results if r.ok), key=lambda r: r.sent_at)
+    return prefix_ceiling(
+        ((spec_tokens(r.spec), answer_tokens(r.text)) for r in ordered), block_size
+    )
+
+
+def summarize_run(run: TargetRun) -> dict[str, Any]:
+    """Every number of one run (seconds and ratios, not formatted)."""
+    ok = [r for r in run.results if r.ok]
+    errors = [r for r in run.results if not r.ok]
+    examples = list(dict.fromkeys(f"{r.status}: {r.error[:160]}" for r in errors))[:3]
+    prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.completion_tokens for r in ok)
+
+    engines = []
+    for url, before, after, series in zip(
+        run.engine_urls, run.before, run.after, run.samples, strict=True
+    ):
+        queries, hits = _delta(after, before, "queries"), _delta(after, before, "hits")
+        loads = [s.running + s.waiting for s in series if s.ok]
+        engines.append(
+            {
+                "url": url,
+                "requests": _delta(after, before, "finished"),
+                "queried_tokens": queries,
+                "hit_tokens": hits,
+                "hit_rate": _ratio(hits, queries),
+                "prefill_tokens": None if queries is None or hits is None else queries - hits,
+                "mean_load": statistics.fmean(loads) if loads else None,
+                "peak_load": max(loads) if loads else None,
+                "preemptions": _delta(after, before, "preemptions"),
+            }
+        )
+    known = [e for e in engines if e["queried_tokens"] is not None]
+    queried = sum(e["queried_tokens"] for e in known) if known else None
+    hit = sum(e["hit_tokens"] for e in known) if known else None
+    prefill = [e["prefill_tokens"] for e in known]
+    served = [e["requests"] for e in known]
+    block_size = block_size_of(run)
+    return {
+        "name": run.name,
+        "spec": run.spec,
+        "url": run.url,
+        "requests": len(run.results),
+        "ok": len(ok),
+        "errors": len(errors),
+        "error_examples": examples,
+        "duration_s": run.duration,
+        "request_throughput": _ratio(len(ok), run.duration),
+        "input_token_throughput": _ratio(prompt, run.duration),
+        "output_token_throughput": _ratio(output, run.duration),
+        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": _stats([gap for r in ok for gap in r.itl]),
+        "e2e_s": _stats([r.e2e for r in ok]),
+        "hit_rate": _ratio(hit, queried),
+        "hit_rate_client": _ratio(sum(r.cached_tokens for r in ok), prompt),
+        "ceiling": ceiling(run.results, block_size),
+        "block_size": block_size,
+        "prefill_imbalance": _ratio(max(prefill), statistics.fmean(prefill)) if prefill else None,
+        "request_imbalance": _ratio(max(served), statistics.fmean(served)) if served else None,
+        "preemptions": sum(e["preemptions"] or 0 for e in known) if known else None,
+        "engines": engines,
+        "timeseries": _timeseries(run),
+        "results": [_result_record(r) for r in run.results],
+    }
+
+
+def _timeseries(run: TargetRun) -> dict[str, Any]:
+    series = run.samples
+    t = [s.t for s in series[0]] if series else []
+    return {
+        "t": t,
+        "engines": [
+            {
+                "url": url,
+                "load": [s.running + s.waiting if s.ok else None for s in samples],
+                "kv_usage": [s.kv_usage if s.ok else None for s in samples],
+                "queries": [s.queries if s.ok else None for s in samples],
+                "hits": [s.hits if s.ok else None for s in samples],
+            }
+            for url, samples in zip(run.engine_urls, series, strict=True)
+        ],
+    }
+
+
+def _result_record(r: Result) -> dict[str, Any]:
+    return {
+        "sent_at": round(r.sent_at, 4),
+        "status": r.status,
+        "engine": r.engine,
+        "group": r.spec.group,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "completion_tokens": r.completion_tokens,
+        "ttft": r.ttft,
+        "e2e": r.e2e,
+        "error": r.error,
+    }
+
+
+# ------------------------------------------------------------------------------ tables
+
+#: (label, key path, format, which way is better); formats: pct, ms, s, x, int, num
+ROWS: list[tuple[str, str, str, str]] = [
+    ("requests answered", "ok", "int", "higher"),
+    ("errors", "errors", "int", "lower"),
+    ("prefix-cache hit rate (engines)", "hit_rate", "pct", "higher"),
+    ("hit rate (client usage)", "hit_rate_client", "pct", "higher"),
+    ("ceiling (infinite cache)", "ceiling", "pct", ""),
+    ("TTFT mean", "ttft_s.mean", "ms", "lower"),
+    ("TTFT p50", "ttft_s.p50", "ms", "lower"),
+    ("TTFT p90", "ttft_s.p90", "ms", "lower"),
+    ("TTFT p99", "ttft_s.p99", "ms", "lower"),
+    ("inter-token latency p50", "itl_s.p50", "ms", "lower"),
+    ("inter-token latency p99", "itl_s.p99", "ms", "lower"),
+    ("end-to-end p50", "e2e_s.p50", "s", "lower"),
+    ("end-to-end p99", "e2e_s.p99", "s", "lower"),
+    ("throughput, requests/s", "request_throughput", "num", "higher"),
+    ("throughput, output tokens/s", "output_token_throughput", "num", "higher"),
+    ("prefill load max/mean", "prefill_imbalance", "x", "lower"),
+    ("requests max/mean", "request_imbalance", "x", "lower"),
+    ("preemptions", "preemptions", "int", "lower"),
+    ("wall time", "duration_s", "s", ""),
+]
+
+
+def lookup(summary: dict[str, Any], path: str) -> float | None:
+    value: Any = summary
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return float(value)
+
+
+def fmt(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "pct":
+        return f"{value:.1%}"
+    if kind == "ms":
+        return f"{value * 1e3:,.0f} ms" if value >= 0.1 else f"{value * 1e3:.1f} ms"
+    if kind == "s":
+        return f"{value:.2f} s"
+    if kind == "x":
+        return f"{value:.2f}"
+    if kind == "int":
+        return f"{value:,.0f}"
+    return f"{value:,.1f}"
+
+
+def table_rows(summaries: Sequence[dict[str, Any]], baseline: str) -> list[list[str]]:
+    """Header and rows: one column per target, then each target's ratio to the baseline."""
+    base = next(s for s in summaries if s["name"] == baseline)
+    others = [s for s in summaries if s is not base]
+    header = [
+        "metric",
+        *(s["name"] for s in summaries),
+        *(f"{s['name']}/{baseline}" for s in others),
+    ]
+    rows = [header]
+    for label, path, kind, better in ROWS:
+        if path == "ceiling":
+            # One workload, one ceiling: show it once (targets differ only by timing noise).
+            cells = [fmt(lookup(summaries[0], path), kind)] + [""] * (len(summaries) - 1)
+            rows.append([label, *cells, *([""] * len(others))])
+            continue
+        values = [lookup(s, path) for s in summaries]
+        ratios = []
+        for s in others:
+            r = _ratio(lookup(s, path), lookup(base, path))
+            ratios.append("-" if r is None or not better else f"{r:.2f}x")
+        rows.append([label, *(fmt(v, kind) for v in values), *ratios])
+    return rows
+
+
+def render_text(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def engine_lines(summary: dict[str, Any]) -> list[str]:
+    """Per-engine detail of one target: requests, hit rate, prefill tokens, load."""
+    out = [f"  {summary['name']}: per engine (requests, hit rate, prefill tokens, mean load)"]
+    for e in summary["engines"]:
+        out.append(
+            f"    {e['url']:<26} {fmt(e['requests'], 'int'):>6}  {fmt(e['hit_rate'], 'pct'):>6}"
+            f"  {fmt(e['prefill_tokens'], 'int'):>10}  {fmt(e['mean_load'], 'num'):>6}"
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+
+
+def windowed_hit_rate(
+    t: Sequence[float], hits: Sequence[float], queries: Sequence[float]
+) -> list[float | None]:
+    """Hit rate since the latest sample at least :data:`HIT_RATE_WINDOW_S` seconds older
+    (or the first sample), at each sample."""
+    out: list[float | None] = []
+    j = 0
+    for i in range(len(t)):
+        while j + 1 < i and t[i] - t[j + 1] >= HIT_RATE_WINDOW_S:
+            j += 1
+        dq = queries[i] - queries[j]
+        out.append((hits[i] - hits[j]) / dq if dq > 0 else None)
+    return out
+
+
+def plot(summaries: Sequence[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
+    """TTFT CDF, per-engine load over time and hit rate over time, as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summaries:
+        ttfts = sorted(r["ttft"] for r in s["results"] if r["ttft"] is not None and not r["error"])
+        if ttfts:
+            ax.plot(
+                [v * 1e3 for v in ttfts],
+                [(i + 1) / len(ttfts) for i in range(len(ttfts))],
+                label=s["name"],
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log scale)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"TTFT CDF: {title}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, outdir / "ttft_cdf.png"))
+
+    with_engines = [s for s in summaries if s["timeseries"]["engines"]]
+    if with_engines:
+        fig, axes = plt.subplots(
+            len(with_engines), 1, figsize=(7, 2.4 * len(with_engines)), sharex=True, squeeze=False
+        )
+        for ax, s in zip(axes[:, 0], with_engines, strict=True):
+            ts = s["timeseries"]
+            for i, engine in enumerate(ts["engines"]):
+                ax.plot(
+                    ts["t"],
+                    [v if v is not None else math.nan for v in engine["load"]],
+                    label=f"engine {i}",
+                )
+            ax.set_ylabel("running + waiting")
+            ax.set_title(s["name"], fontsize=9)
+            ax.grid(True, alpha=0.3)
+        axes[0, 0].legend(fontsize=7, ncol=4)
+        axes[-1, 0].set_xlabel("seconds into the run")
+        fig.suptitle(f"Per-engine load: {title}", fontsize=9)
+        written.append(_save(fig, outdir / "engine_load.png"))
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for s in with_engines:
+            ts = s["timeseries"]
+            totals_h = [sum(e["hits"][i] or 0 for e in ts["engines"]) for i in range(len(ts["t"]))]
+            totals_q = [
+                sum(e["queries"][i] or 0 for e in ts["engines"]) for i in range(len(ts["t"]))
+            ]
+            rates = windowed_hit_rate(ts["t"], totals_h, totals_q)
+            ax.plot(ts["t"], [math.nan if r is None else r for r in rates], label=s["name"])
+        top = summaries[0]["ceiling"]
+        ax.axhline(top, linestyle="--", color="grey", label=f"ceiling {top:.0%}")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel(f"prefix-cache hit rate (last {HIT_RATE_WINDOW_S:.0f} s)")
+        ax.set_title(f"Hit rate over time: {title}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, outdir / "hit_rate.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

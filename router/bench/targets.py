@@ -1,0 +1,337 @@
+"""What ``kvroute bench`` sends a workload to, and starting it on loopback.
+
+A target is ``NAME=SPEC`` (``--compare``) or ``SPEC`` (``--target``), where SPEC is:
+
+* ``http://HOST:PORT``: a running OpenAI-compatible deployment (kvroute, an engine,
+  another router). Bench reads the engines given with ``--engine-url`` for hit rates.
+* ``policy:NAME``: ``kvroute serve --policy NAME``, started by bench in front of the
+  engines (emulated ones it starts with ``--engines N``, or those of ``--engine-url``).
+* ``cmd:COMMAND``: **the extension point for external routers** (sglang-router,
+  vllm-router, ...): bench runs COMMAND with ``{engines}`` (engine URLs separated by
+  spaces), ``{engines_csv}`` (by commas), ``{host}`` and ``{port}`` (a free loopback
+  port) substituted, waits until ``http://{host}:{port}/v1/models`` answers, sends the
+  workload there and stops the command's process group afterwards. For example::
+
+      sglang=cmd:python -m sglang_router.launch_router --worker-urls {engines}
+          --policy cache_aware --host {host} --port {port}
+
+Everything bench starts listens on 127.0.0.1, runs in its own process group and is
+stopped when the target's run ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+from router.policy import POLICY_NAMES
+from router.process import EngineProcess, ServerProcess
+
+HOST = "127.0.0.1"
+TargetKind = Literal["url", "policy", "cmd"]
+
+
+class TargetError(ValueError):
+    """A target that cannot be parsed or started."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One thing to benchmark."""
+
+    name: str
+    kind: TargetKind
+    value: str
+    """The URL, the policy name, or the command template."""
+
+    @property
+    def spec(self) -> str:
+        return self.value if self.kind == "url" else f"{self.kind}:{self.value}"
+
+
+def parse_target(text: str, name: str | None = None) -> Target:
+    """Parse ``NAME=SPEC`` (or a bare SPEC, named ``name`` or after its policy)."""
+    spec = text
+    if not text.startswith(("http://", "https://", "policy:", "cmd:")) and "=" in text:
+        name, spec = text.split("=", 1)
+        if not name:
+            raise TargetError(f"empty target name in {text!r}")
+    if spec.startswith(("http://", "https://")):
+        return Target(name or "target", "url", spec.rstrip("/"))
+    kind, _, value = spec.partition(":")
+    if kind == "policy":
+        policy = "kv_cost" if value == "default" else value
+        if policy not in POLICY_NAMES:
+            raise TargetError(
+                f"unknown kvroute policy {value!r} in {text!r}; one of {', '.join(POLICY_NAMES)}"
+            )
+        return Target(name or policy, "policy", policy)
+    if kind == "cmd":
+        if not value.strip():
+            raise TargetError(f"empty command in {text!r}")
+        return Target(name or "command", "cmd", value)
+    raise TargetError(
+        f"cannot read target {text!r}: expected NAME=URL, NAME=policy:POLICY or NAME=cmd:COMMAND"
+    )
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for commands that need a number)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except (urllib.error.URLError, OSError):
+        return 0, ""
+
+
+def _wait(failure: str, check: Callable[[], bool], timeout: float) -> None:
+    """Poll ``check`` until it holds; raise ``failure`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise TargetError(f"{failure} within {timeout:.0f} s")
+
+
+def _replays_ok(metrics_text: str) -> int:
+    """Successful KV-event replays a kvroute router reports (one per subscribed engine)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("kvroute_kv_event_replays_total{") and 'outcome="ok"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def command_argv(template: str, engine_urls: Sequence[str], host: str, port: int) -> list[str]:
+    """The argument list of a ``cmd:`` target's template with its placeholders filled.
+
+    A word that is exactly ``{engines}`` becomes one argument per engine (for flags
+    that take several values, like ``--worker-urls``); ``{engines_csv}``, ``{host}``
+    and ``{port}`` may appear anywhere in a word.
+    """
+    values = {
+        "engines": " ".join(engine_urls),
+        "engines_csv": ",".join(engine_urls),
+        "host": host,
+        "port": str(port),
+    }
+    argv: list[str] = []
+    try:
+        for word in shlex.split(template):
+            if word == "{engines}":
+                argv.extend(engine_urls)
+            else:
+                argv.append(word.format(**values))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise TargetError(f"bad command template {template!r}: {exc!r}") from exc
+    return argv
+
+
+class CommandProcess:
+    """An external command in its own process group, output kept in a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # closed in stop()
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            self._log.close()
+            raise TargetError(f"cannot start {shlex.join(argv)}: {exc}") from exc
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+@dataclass(slots=True)
+class StackOptions:
+    """How to build a target's stack."""
+
+    engines: int = 0
+    """Emulated engines to start per target (0: use ``engine_urls``)."""
+    engine_args: tuple[str, ...] = ()
+    engine_urls: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    start_timeout: float = 60.0
+
+
+class Stack:
+    """A target made ready to receive traffic: its engines, its router, its URL.
+
+    Use as a context manager; leaving it stops everything it started.
+    """
+
+    def __init__(self, target: Target, options: StackOptions) -> None:
+        self.target = target
+        self.options = options
+        self.url = ""
+        self.engine_urls: list[str] = list(options.engine_urls)
+        self._engines: list[EngineProcess] = []
+        self._router: ServerProcess | None = None
+        self._command: CommandProcess | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-bench-")
+        self.workdir = Path(self._tmp.name)
+
+    def __enter__(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        target, opts = self.target, self.options
+        if target.kind == "url":
+            if opts.engines:
+                raise TargetError(
+                    f"target {target.name} is a URL: bench cannot put engines it starts "
+                    "behind it (use policy: or cmd: targets with --engines)"
+                )
+            self.url = target.value
+            return
+        if opts.engines:
+            self._start_engines(opts.engines)
+        if not self.engine_urls:
+            raise TargetError(
+                f"target {target.name} needs engines: --engines N or --engine-url URL"
+            )
+        if target.kind == "policy":
+            self._start_kvroute(target.value)
+        else:
+            self._start_command(target.value)
+
+    def _start_engines(self, count: int) -> None:
+        def start(i: int) -> EngineProcess:
+            return EngineProcess(
+                [
+                    "--port",
+                    "0",
+                    "--engine-id",
+                    f"{self.target.name}-{i}",
+                    "--kv-events-endpoint",
+                    f"ipc://{self.workdir}/engine{i}-events",
+                    "--kv-events-replay-endpoint",
+                    f"tcp://{HOST}:*",
+                    *self.options.engine_args,
+                ],
+                timeout=self.options.start_timeout,
+            )
+
+        # Start-up is mostly interpreter import time: overlap it.
+        with ThreadPoolExecutor(max_workers=min(count, 4)) as pool:
+            futures = [pool.submit(start, i) for i in range(count)]
+            errors = []
+            for future in futures:
+                try:
+                    self._engines.append(future.result())
+                except Exception as exc:  # every engine is stopped below, whatever failed
+                    errors.append(exc)
+        if errors:
+            raise TargetError(f"an emulated engine did not start: {errors[0]}")
+        self.engine_urls = [e.url for e in self._engines]
+
+    def _start_kvroute(self, policy: str) -> None:
+        args = ["--port", "0", "--policy", policy, "--log-level", "warning"]
+        for url in self.engine_urls:
+            args += ["--engine", url]
+        self._router = ServerProcess("serve", [*args, *self.options.router_args])
+        self.url = self._router.url
+        timeout = self.options.start_timeout
+        _wait(
+            f"kvroute serve at {self.url} was not ready",
+            lambda: _get(f"{self.url}/ready")[0] == 200,
+            timeout,
+        )
+        if self._engines:
+            # Engines bench started publish KV events: send nothing before the router
+            # follows every one of them, or the first requests would route blind.
+            _wait(
+                f"kvroute serve did not follow the KV events of {len(self._engines)} engines",
+                lambda: _replays_ok(_get(f"{self.url}/metrics")[1]) >= len(self._engines),
+                timeout,
+            )
+
+    def _start_command(self, template: str) -> None:
+        port = free_port()
+        argv = command_argv(template, self.engine_urls, HOST, port)
+        self.url = f"http://{HOST}:{port}"
+        self._command = CommandProcess(argv, self.workdir / f"{self.target.name}.log")
+        command = self._command
+
+        def ready() -> bool:
+            if command.proc.poll() is not None:
+                raise TargetError(
+                    f"{shlex.join(argv)} exited with status {command.proc.returncode}:\n"
+                    f"{command.tail()}"
+                )
+            return _get(f"{self.url}/v1/models")[0] == 200
+
+        _wait(
+            f"{shlex.join(argv)} did not answer at {self.url}/v1/models",
+            ready,
+            self.options.start_timeout,
+        )
+
+    def close(self) -> None:
+        """Stop everything this stack started (safe to call twice)."""
+        if self._command is not None:
+            self._command.stop()
+            self._command = None
+        if self._router is not None:
+            self._router.stop()
+            self._router = None
+        for engine in self._engines:
+            engine.stop()
+        self._engines = []
+        self._tmp.cleanup()

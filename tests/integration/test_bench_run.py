@@ -1,0 +1,170 @@
+"""kvroute bench end to end: a router in front of two emulated engines, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest_asyncio
+from support.clients import metric, metrics
+from support.engines import poll, start_test_engine
+from support.routers import start_router
+
+from router.bench import report
+from router.bench.runner import run_target
+from router.bench.workloads import (
+    PromptExpander,
+    chat_workload,
+    read_trace,
+    select,
+    spec_tokens,
+    trace_specs,
+)
+from router.cli import main
+from router.emulator import EmulatedEngine
+
+TRACE = Path(__file__).parent.parent / "fixtures" / "traces" / "mooncake-small.jsonl"
+
+
+@pytest_asyncio.fixture
+async def pair(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [
+        await start_test_engine(
+            engine_id=f"bench{i}",
+            kv_events_endpoint=f"ipc://{ipc_dir}/bench{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        )
+        for i in range(2)
+    ]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+async def test_the_report_matches_the_engines_own_metrics(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    urls = [e.url for e in pair]
+    app = await start_router(urls)
+    try:
+        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
+        trace = read_trace(TRACE)
+        specs = list(trace_specs(select(trace.requests, speedup=10), PromptExpander(scale=0.25)))
+        specs += chat_workload(3, 2, 64, 20, 8, seed=2)
+        run = await run_target(
+            "kvroute", "policy:kv_cost", app.url, urls, specs, concurrency=8,
+            sample_interval=0.05, quiet=True,
+        )  # fmt: skip
+    finally:
+        await app.stop()
+    summary = report.summarize_run(run)
+    assert summary["errors"] == 0
+    assert summary["ok"] == len(specs) + 3  # every conversation's second turn too
+
+    queries = hits = finished = 0.0
+    for engine, reported in zip(pair, summary["engines"], strict=True):
+        samples = await metrics(http, engine.url)
+        q = metric(samples, "vllm:prefix_cache_queries_total")
+        h = metric(samples, "vllm:prefix_cache_hits_total")
+        n = metric(samples, "vllm:e2e_request_latency_seconds_count")
+        # Fresh engines: their totals are exactly what the run did.
+        assert reported["queried_tokens"] == q
+        assert reported["hit_tokens"] == h
+        assert reported["requests"] == n
+        queries, hits, finished = queries + q, hits + h, finished + n
+    assert finished == summary["ok"]
+    assert summary["hit_rate"] == hits / queries
+    assert summary["hit_rate"] > 0
+    prompt = sum(r.prompt_tokens for r in run.results)
+    assert prompt == queries
+    assert summary["hit_rate_client"] == summary["hit_rate"]
+    assert 0 < summary["hit_rate"] <= summary["ceiling"] + 1e-9
+    assert summary["ttft_s"]["p50"] > 0
+    assert len(summary["timeseries"]["t"]) >= 2
+
+
+async def test_a_second_turn_carries_the_first_answer_and_hits_it(
+    pair: list[EmulatedEngine],
+) -> None:
+    urls = [e.url for e in pair]
+    app = await start_router(urls)
+    try:
+        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
+        run = await run_target(
+            "kvroute", "policy:kv_cost", app.url, urls, chat_workload(1, 2, 100, 30, 24),
+            concurrency=1, quiet=True,
+        )  # fmt: skip
+    finally:
+        await app.stop()
+    first, second = run.results
+    assert first.ok and second.ok
+    assert second.spec.messages is not None
+    assert second.spec.messages[2] == {"role": "assistant", "content": first.text}
+    assert len(first.text.split()) == 24
+    assert second.engine == first.engine
+    # Everything the engine computed for turn 1 (prompt + answer but its last token).
+    computed = len(spec_tokens(first.spec)) + 24 - 1
+    assert second.cached_tokens == computed // 16 * 16
+
+
+def test_bench_compare_starts_engines_and_routers_and_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    status = main(
+        [
+            "bench",
+            "--engines", "2",
+            "--engine-args", "--time-scale 0.01 --cache-blocks 2048",
+            "--compare", "kv=policy:kv_cost", "rr=policy:round_robin",
+            "--workload", str(TRACE),
+            "--scale", "0.25",
+            "--speedup", "20",
+            "--sample-interval", "0.1",
+            "--output", str(out),
+            "--quiet",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    document = json.loads((out / "results.json").read_text())
+    assert [t["name"] for t in document["targets"]] == ["kv", "rr"]
+    for target in document["targets"]:
+        assert target["ok"] == 4
+        assert target["errors"] == 0
+        assert len(target["engines"]) == 2
+        assert sum(e["requests"] for e in target["engines"]) == 4
+    assert document["workload"]["block_tokens"] == 128
+    assert document["workload"]["oracle_block_hit_rate"] > 0
+    assert "| metric | kv | rr | rr/kv |" in (out / "summary.md").read_text()
+    for name in ("ttft_cdf.png", "engine_load.png", "hit_rate.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_external_router_command_is_started_with_the_engines_and_stopped(
+    tmp_path: Path,
+) -> None:
+    """The cmd: extension point, with kvroute serve standing in for a peer router."""
+    out = tmp_path / "out"
+    command = (
+        f"{sys.executable} -m router serve --host {{host}} --port {{port}} --engine {{engines}}"
+    )
+    status = main(
+        [
+            "bench",
+            "--engines", "1",
+            "--engine-args", "--time-scale 0.01",
+            "--target", f"cmd:{command}",
+            "--workload", "chat", "--conversations", "2", "--turns", "2",
+            "--system-tokens", "50", "--question-tokens", "10", "--output-tokens", "4",
+            "--output", str(out),
+            "--no-plots",
+            "--quiet",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    (target,) = json.loads((out / "results.json").read_text())["targets"]
+    assert target["name"] == "command"
+    assert target["ok"] == 4
+    assert target["engines"][0]["requests"] == 4
+    assert not list(out.glob("*.png"))

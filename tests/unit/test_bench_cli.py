@@ -1,0 +1,48 @@
+"""The workload kvroute bench builds from its flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from router.bench.cli import TRACE_MAX_IN_FLIGHT, add_arguments, build_workload
+
+TRACE = Path(__file__).parent.parent / "fixtures" / "traces" / "mooncake-small.jsonl"
+
+
+def flags(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--target", "policy:kv_cost", *argv])
+
+
+def test_a_trace_replays_on_its_compressed_timestamps_and_says_its_scale() -> None:
+    workload = build_workload(flags("--workload", str(TRACE), "--scale", "0.25", "--speedup", "2"))
+    assert [s.at for s in workload.specs] == [0.0, 0.125, 0.5, 1.25]
+    assert workload.concurrency == TRACE_MAX_IN_FLIGHT
+    assert "prompt lengths x0.25 (128-token blocks" in workload.description
+    assert "blocks reusable with an infinite cache: 33.3%" in workload.description
+    assert workload.info["scale"] == 0.25
+
+
+def test_closed_loop_ignores_timestamps() -> None:
+    workload = build_workload(
+        flags("--workload", str(TRACE), "--concurrency", "2", "--duration", "0.5")
+    )
+    assert len(workload.specs) == 4  # --duration bounds sending time, not arrivals
+    assert all(s.at is None for s in workload.specs)
+    assert workload.concurrency == 2
+
+
+def test_limits_and_output_caps_apply_to_traces() -> None:
+    workload = build_workload(
+        flags("--workload", str(TRACE), "--requests", "2", "--max-output-tokens", "5")
+    )
+    assert [s.max_tokens for s in workload.specs] == [5, 1]
+
+
+def test_a_chat_workload_counts_every_turn() -> None:
+    workload = build_workload(flags("--workload", "chat", "--conversations", "3", "--turns", "4"))
+    assert len(workload.specs) == 3
+    assert workload.total == 12
+    assert workload.concurrency == 8

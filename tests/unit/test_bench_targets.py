@@ -1,0 +1,82 @@
+"""Target specs of kvroute bench: URLs, kvroute policies, external router commands."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.bench.report import fmt, table_rows, windowed_hit_rate
+from router.bench.targets import Target, TargetError, command_argv, parse_target
+
+
+def test_targets_are_urls_policies_or_commands() -> None:
+    assert parse_target("prod=http://10.0.0.1:8000/") == Target(
+        "prod", "url", "http://10.0.0.1:8000"
+    )
+    assert parse_target("http://127.0.0.1:9000", name="one").name == "one"
+    assert parse_target("kv=policy:default") == Target("kv", "policy", "kv_cost")
+    assert parse_target("policy:round_robin") == Target("round_robin", "policy", "round_robin")
+    cmd = parse_target("sgl=cmd:router --port {port}=x")
+    assert cmd == Target("sgl", "cmd", "router --port {port}=x")
+    assert cmd.spec == "cmd:router --port {port}=x"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("kv=policy:best", "unknown kvroute policy 'best'"),
+        ("=policy:kv_cost", "empty target name"),
+        ("x=cmd:  ", "empty command"),
+        ("x=ftp://host", "cannot read target"),
+    ],
+)
+def test_a_bad_target_says_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(TargetError, match=message):
+        parse_target(text)
+
+
+def test_command_templates_get_engines_host_and_port() -> None:
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    argv = command_argv(
+        "router --worker-urls {engines} --csv={engines_csv} --host {host} --port {port}",
+        urls,
+        "127.0.0.1",
+        9,
+    )
+    assert argv == [
+        "router",
+        "--worker-urls",
+        *urls,
+        "--csv=http://127.0.0.1:1,http://127.0.0.1:2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9",
+    ]
+    with pytest.raises(TargetError, match="bad command template"):
+        command_argv("router {nope}", urls, "127.0.0.1", 9)
+
+
+def test_the_table_puts_targets_side_by_side_with_ratios_to_the_baseline() -> None:
+    base = {"name": "rr", "ok": 10, "hit_rate": 0.2, "ttft_s": {"p50": 0.5}, "ceiling": 0.4}
+    kv = {"name": "kv", "ok": 10, "hit_rate": 0.3, "ttft_s": {"p50": 0.25}, "ceiling": 0.4}
+    rows = table_rows([base, kv], "rr")
+    assert rows[0] == ["metric", "rr", "kv", "kv/rr"]
+    by_label = {row[0]: row[1:] for row in rows}
+    assert by_label["prefix-cache hit rate (engines)"] == ["20.0%", "30.0%", "1.50x"]
+    assert by_label["TTFT p50"] == ["500 ms", "250 ms", "0.50x"]
+    assert by_label["ceiling (infinite cache)"] == ["40.0%", "", ""]
+    assert by_label["TTFT p99"] == ["-", "-", "-"]
+
+
+def test_number_formats() -> None:
+    assert fmt(None, "pct") == "-"
+    assert fmt(0.0123, "ms") == "12.3 ms"
+    assert fmt(1.5, "ms") == "1,500 ms"
+    assert fmt(2.0, "x") == "2.00"
+
+
+def test_hit_rate_over_time_uses_a_sliding_window() -> None:
+    t = [0.0, 1.0, 2.0, 10.0]
+    queries = [0.0, 100.0, 200.0, 300.0]
+    hits = [0.0, 0.0, 100.0, 200.0]
+    assert windowed_hit_rate(t, hits, queries) == [None, 0.0, 0.5, 1.0]
