@@ -59,11 +59,12 @@ class PolicyConfig(_Section):
         1.0, ge=0, description="Cost per block of prefill already queued on the engine."
     )
     decode_weight: float = Field(
-        0.1,
+        0.5,
         ge=0,
-        description="Cost per KV block held by the engine's decoding requests. Small: a "
-        "decoding sequence shares every step with a newcomer instead of queueing ahead of "
-        "it, so it delays a first token far less than a block of queued prefill.",
+        description="Cost per KV block held by the engine's decoding requests. Half a "
+        "prefill block: decoding shares each step with a newcomer rather than queueing "
+        "ahead of it, but it is the load a conversation keeps on its engine for every "
+        "later turn (tuned on `kvroute bench --workload chat`, docs/benchmarks.md).",
     )
     waiting_weight: float = Field(
         0.0,

@@ -11,10 +11,13 @@ Per candidate, in KV blocks (lower wins)::
 ``cached_tokens`` is the match depth (offloaded blocks weighted by ``offload_weight``)
 capped by the engine's never-the-last-token rule.
 
-Decode load weighs little by default (``decode_weight`` 0.1 per block): a decoding
-sequence shares each engine step with a newcomer rather than queueing ahead of it, so
-in the engine's timing model one decoding block delays a first token by about 1/75 of
-a prefill block; the term still spreads decode memory and inter-token latency.
+Decode load weighs half a prefill block by default (``decode_weight`` 0.5): a
+decoding sequence shares each engine step with a newcomer rather than queueing ahead of
+it, so it delays a first token far less than queued prefill, but it is the load that
+stays with an engine for a conversation's every later turn. Measured side by side on a
+multi-turn chat benchmark, 0.1 let conversations pile onto the engines that cached the
+system prompt first (up to 1.4x the mean), 1.0 balanced best but scattered same-prefix
+bursts, 0.5 kept bursts together and conversations within 1.2x (docs/benchmarks.md).
 
 The request's own uncached work counts twice by default (``prefill_weight`` 2 against
 ``queue_weight`` 1): the request waits for it, and so does everything queued behind
