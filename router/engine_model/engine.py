@@ -258,6 +258,10 @@ class EngineModel:
         """
         return self.holds.claim(request_id, block_ids, now)
 
+    def peek_hold(self, request_id: str, now: float) -> HeldKV | None:
+        """What a held request holds, without claiming it (None: nothing held)."""
+        return self.holds.peek(request_id, now)
+
     def release_hold(self, request_id: str, now: float) -> bool:
         """Free a held request's blocks (read complete, or never to be read)."""
         self.holds.expire(now)

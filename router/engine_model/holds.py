@@ -90,6 +90,12 @@ class HoldTable:
         self.num_blocks += len(blocks)
         return kv
 
+    def peek(self, request_id: str, now: float) -> HeldKV | None:
+        """The blocks a request holds at ``now``, without claiming them."""
+        self.expire(now)
+        hold = self._holds.get(request_id)
+        return None if hold is None else hold.kv
+
     def claim(self, request_id: str, block_ids: Sequence[int] | None, now: float) -> HeldKV:
         """Start a remote read of a held request; raises ``HandoffError`` if impossible.
 
