@@ -201,16 +201,14 @@ class Generation:
         """The streamed answer as (SSE chunk, output tokens in it), from the first token."""
         rid, created, model = self.response_id, self.created, self.req.model
         extra = {"usage": None} if self.req.include_usage else {}
-        first = await self.queue.get()
+        # The first token comes before any byte: the headers then say what a handoff did.
+        index, out = await self.queue.get()
+        text = self._take(index, out)
         if self.chat:
-            for index in range(len(self.specs)):
+            for choice in range(len(self.specs)):
                 delta = {"role": "assistant", "content": ""}
-                yield sse({**chat_chunk(rid, created, model, index, delta, None), **extra}), 0
-        pending: tuple[int, RequestOutput] | None = first
-        while pending is not None or not self.finished:
-            index, out = pending if pending is not None else await self.queue.get()
-            pending = None
-            text = self._take(index, out)
+                yield sse({**chat_chunk(rid, created, model, choice, delta, None), **extra}), 0
+        while True:
             if self.chat:
                 delta = {"content": text}
                 chunk = chat_chunk(
@@ -221,6 +219,10 @@ class Generation:
                     rid, created, model, index, text, out.finish_reason, out.stop_reason
                 )
             yield sse({**chunk, **extra}), len(out.new_token_ids)
+            if self.finished:
+                break
+            index, out = await self.queue.get()
+            text = self._take(index, out)
         if self.req.include_usage:
             yield sse(usage_chunk(rid, created, model, self.chat, self.usage())), 0
         yield b"data: [DONE]\n\n", 0
