@@ -114,6 +114,10 @@ class RoomRegistry:
         if entry is None or entry.abandoned:
             self._rooms.pop(room, None)
             driver.release_hold(held.request_id)
+            if entry is not None:
+                # Wake the join still waiting for a decode engine that has left.
+                entry.error = ("abandoned", f"the decode engine left bootstrap room {room}")
+                entry.done.set()
             return
         entry.held, entry.driver = held, driver
         entry.done.set()
