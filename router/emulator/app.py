@@ -96,9 +96,10 @@ class _Dropped(Response):
 class _EventStream(Response):
     """A streamed answer (server-sent events) with the faults in force when it began.
 
-    The status and headers go out with the first chunk. The client's disconnect is
-    watched from the start (even before the first token), so an abandoned request is
-    aborted at once.
+    As vLLM's, the status and headers go out at once, before the engine (or a KV
+    handoff) has done anything: a streamed answer carries no ``x-kvroute-handoff``, and
+    a failed handoff shows as an error event. The client's disconnect is watched from
+    the start (even before the first token), so an abandoned request is aborted at once.
     """
 
     def __init__(
@@ -113,7 +114,6 @@ class _EventStream(Response):
         self._gen = gen
         self._stall_after = stall_after
         self._drop_after = drop_after
-        self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self._pump(send))
@@ -132,24 +132,16 @@ class _EventStream(Response):
         finally:
             self._gen.close(client_gone)
 
-    async def _start(self, send: Send) -> None:
-        if not self._started:
-            self._started = True
-            headers = _raw_headers(self._gen.headers(), "text/event-stream; charset=utf-8")
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-    async def _chunk(self, send: Send, body: bytes) -> None:
-        await self._start(send)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-
     async def _pump(self, send: Send) -> None:
         gen = self._gen
+        headers = _raw_headers(gen.headers(), "text/event-stream; charset=utf-8")
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
             await gen.start()
         except HandoffFailed as exc:
             # As vLLM reports a failed KV load on a stream: an error event, then [DONE].
-            await self._chunk(send, sse(error_body(500, exc.message)) + b"data: [DONE]\n\n")
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            body = sse(error_body(500, exc.message)) + b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         sent = 0
         async for chunk, tokens in gen.events():
@@ -160,9 +152,8 @@ class _EventStream(Response):
             if self._drop_after is not None and sent + tokens > self._drop_after:
                 self._state.metrics.fault_injected("drop")
                 log.info("%s: dropped after %d tokens (injected)", gen.response_id, sent)
-                await self._start(send)
                 return  # incomplete: the server closes the connection
-            await self._chunk(send, chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
             sent += tokens
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

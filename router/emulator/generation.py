@@ -5,9 +5,8 @@ KV handoff (``kv_transfer_params``, or SGLang's bootstrap fields on a prefill or
 engine) it must have exactly one sequence, and the handoff runs around it: ``start``
 lets the handoff prepare (a decode leg obtains its KV) and then submits.
 
-Answers are built as vLLM builds them; a streamed answer starts (status and headers)
-with its first chunk, which waits for the first token, so that ``x-kvroute-handoff``
-can say what the decode leg did.
+Answers are built as vLLM builds them. A non-streaming answer's ``x-kvroute-handoff``
+header says what the decode leg of a handoff did.
 """
 
 from __future__ import annotations
@@ -201,7 +200,7 @@ class Generation:
         """The streamed answer as (SSE chunk, output tokens in it), from the first token."""
         rid, created, model = self.response_id, self.created, self.req.model
         extra = {"usage": None} if self.req.include_usage else {}
-        # The first token comes before any byte: the headers then say what a handoff did.
+        # As vLLM, the first chunk (a chat's role) waits for the first token.
         index, out = await self.queue.get()
         text = self._take(index, out)
         if self.chat:
