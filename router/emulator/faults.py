@@ -59,6 +59,7 @@ class Faults:
             raise ValueError(f"fail_health must be a boolean, got {self.fail_health!r}")
 
     def as_dict(self) -> dict[str, Any]:
+        """The faults as ``/admin/faults`` shows them."""
         return dataclasses.asdict(self)
 
     def update(self, changes: Mapping[str, Any]) -> None:

@@ -39,6 +39,7 @@ HANDOFF_HEADER = "x-kvroute-handoff"
 
 
 def sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``body`` as JSON."""
     return b"data: " + encode_json(body) + b"\n\n"
 
 
@@ -107,10 +108,12 @@ class Generation:
 
     @property
     def finished(self) -> bool:
+        """Whether every sequence has produced its last token."""
         return all(end is not None for end in self.ends)
 
     @property
     def num_tokens(self) -> int:
+        """Output tokens produced so far, all sequences together."""
         return sum(self.counts)
 
     async def start(self) -> None:
@@ -141,6 +144,7 @@ class Generation:
             self.handoff.close()
 
     def headers(self) -> dict[str, str]:
+        """Response headers: the request id, and what a handoff did once known."""
         headers = {"x-request-id": self.base_id}
         value = self.handoff.header() if self.handoff is not None else None
         if value is not None:
@@ -148,6 +152,7 @@ class Generation:
         return headers
 
     def usage(self) -> dict[str, Any]:
+        """The answer's ``usage`` so far."""
         n = self.req.n
         prompt_tokens = sum(len(p) for p in self.req.prompts)
         # Per prompt, as vLLM: the cache hit of its first choice.

@@ -142,6 +142,7 @@ class RankMetrics:
         self._aborted.inc()
 
     def handoff_failed(self, dialect: str, reason: str) -> None:
+        """A handoff of ``dialect`` failed on this rank for ``reason``."""
         self._failures.labels(*self._labels, dialect, reason).inc()
 
 
@@ -198,4 +199,5 @@ class EngineMetrics:
         return RankMetrics(self, engine)
 
     def fault_injected(self, fault: str) -> None:
+        """A request got ``fault``."""
         self._faults.labels(self.model_name, fault).inc()

@@ -62,6 +62,7 @@ class EmulatorState:
 
     @property
     def drivers(self) -> list[EngineDriver]:
+        """Every rank's driver, by rank."""
         return [rank.driver for rank in self.ranks]
 
     def parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
@@ -99,6 +100,7 @@ class EmulatorState:
         task.add_done_callback(self._tasks.discard)
 
     async def stop_background(self) -> None:
+        """Cancel what ``spawn`` started and wait for it."""
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

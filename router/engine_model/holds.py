@@ -73,6 +73,7 @@ class HoldTable:
     num_expired: int = 0
 
     def __len__(self) -> int:
+        """Requests holding blocks now."""
         return len(self._holds)
 
     def add(

@@ -73,6 +73,7 @@ class RoomRegistry:
         self._delivered: deque[tuple[float, _Room]] = deque()
 
     def __len__(self) -> int:
+        """Rooms open now."""
         return len(self._rooms)
 
     def _room(self, room: int) -> _Room:

@@ -51,6 +51,7 @@ def prompt_digest(token_ids: Sequence[int], lora_name: str | None, cache_salt: s
 
 
 async def write_frame(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    """Send one message as a frame."""
     payload = _encode(message)
     writer.write(len(payload).to_bytes(_HEADER, "big") + payload)
     await writer.drain()
@@ -92,6 +93,7 @@ class Connection:
 
     @classmethod
     async def open(cls, host: str, port: int, timeout: float) -> Connection:
+        """Connect within ``timeout`` seconds; ``WireError`` if nobody answers."""
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -99,6 +101,7 @@ class Connection:
         return cls(reader, writer)
 
     async def request(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Send ``message`` and return the reply (``timeout`` None: wait for it)."""
         try:
             await write_frame(self._writer, message)
             reply = await asyncio.wait_for(read_frame(self._reader), timeout)
@@ -113,6 +116,7 @@ class Connection:
         return reply
 
     async def close(self) -> None:
+        """Close the connection."""
         self._writer.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
@@ -165,6 +169,7 @@ class Listener:
             writer.close()
 
     async def stop(self) -> None:
+        """Stop listening and end the connections being served."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
