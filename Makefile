@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo docs bench bench-core bench-router bench-redis bench-compare lint fmt clean
+.PHONY: venv test demo docs bench bench-core bench-router bench-redis bench-compare compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ bench-router: venv
 
 bench-redis: venv
 	$(PY) -m router.bench.redis_index
+
+# Peer routers (sglang-router, vllm-router) from PyPI, each in its own virtualenv under
+# build/compat, routing to emulated engines on loopback. Not part of `make test`.
+compat: venv
+	$(PY) -m router.emulator.compat --build-dir build/compat
 
 docs: venv
 	$(PY) -m router.config --update docs/configuration.md

@@ -10,6 +10,7 @@ In-process use (tests, demos)::
 """
 
 from router.emulator.config import EmulatorConfig
+from router.emulator.faults import Faults
 from router.emulator.server import EmulatedEngine, start_engine
 
-__all__ = ["EmulatedEngine", "EmulatorConfig", "start_engine"]
+__all__ = ["EmulatedEngine", "EmulatorConfig", "Faults", "start_engine"]

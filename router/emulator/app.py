@@ -2,85 +2,63 @@
 
 A client that disconnects before its answer is complete has its requests aborted in
 the engine model, which frees their blocks at once (streaming or not).
+
+Faults (``faults.py``) act here: a request may be answered 500 at once, delayed, or
+its answer stalled or cut after some tokens; ``/admin/faults`` reads and changes them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import time
+import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from router import __version__
-from router.emulator.config import EmulatorConfig
-from router.emulator.driver import EngineDriver
-from router.emulator.metrics import EngineMetrics
+from router.emulator.generation import Generation, sse
+from router.emulator.handoff.base import HandoffFailed
 from router.emulator.protocol import (
     APIError,
-    GenerationRequest,
-    ServedModels,
-    chat_chunk,
     chat_prompt,
-    chat_response,
     check_token_ids,
-    completion_chunk,
-    completion_response,
     encode_json,
     error_body,
     parse_body,
-    parse_generation,
     render_result,
-    usage,
-    usage_chunk,
 )
-from router.engine_model import RequestOutput, RequestSpec
-from router.tokenization.words import VOCAB_SIZE, WordTokenizer
+from router.emulator.state import EmulatorState
+from router.tokenization.words import VOCAB_SIZE
+
+log = logging.getLogger(__name__)
 
 _JSON = "application/json"
+#: What uvicorn logs when an application returns mid-response, as an injected drop does.
+_INCOMPLETE = "ASGI callable returned without completing response."
 
 
-@dataclass
-class EmulatorState:
-    """What the handlers share: settings, the engine ranks and what was bound."""
+class _InjectedDropFilter(logging.Filter):
+    """Keeps uvicorn's complaint about an incomplete response out of the logs: the
+    emulator leaves a response incomplete only to inject a dropped connection, which
+    it logs itself."""
 
-    config: EmulatorConfig
-    drivers: list[EngineDriver]
-    metrics: EngineMetrics
-    #: ``/server_info`` body, filled in once the sockets are bound.
-    server_info: dict[str, Any]
-    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
-    created: int = field(default_factory=lambda: int(time.time()))
-    serial: itertools.count[int] = field(default_factory=itertools.count)
-    models: ServedModels = field(init=False)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _INCOMPLETE
 
-    def __post_init__(self) -> None:
-        cfg = self.config
-        self.models = ServedModels(cfg.model, {n: i + 1 for i, n in enumerate(cfg.lora_modules)})
 
-    def parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
-        """Validate a generation body, including that each prompt fits the engine."""
-        req = parse_generation(
-            body, chat, self.models, self.tokenizer, self.config.default_max_tokens
-        )
-        model = self.drivers[0].model
-        for ids in req.prompts:
-            try:
-                model.validate(len(ids), req.max_tokens)
-            except ValueError as exc:
-                raise APIError(400, str(exc), "messages" if chat else "prompt") from None
-        return req
+def quiet_injected_drops() -> None:
+    """Install the filter on uvicorn's error logger (once)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _InjectedDropFilter) for f in logger.filters):
+        logger.addFilter(_InjectedDropFilter())
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -92,26 +70,58 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events from an async iterator; ``on_close`` runs however it ends.
+def _raw_headers(headers: dict[str, str], content_type: str) -> list[tuple[bytes, bytes]]:
+    raw = [(b"content-type", content_type.encode("latin-1"))]
+    raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    return raw
 
-    The client's disconnect is watched while streaming (even before the first event),
-    so an abandoned request is aborted without waiting for its next token.
+
+class _Dropped(Response):
+    """A response whose connection closes after the headers and half of ``body``."""
+
+    def __init__(self, body: bytes, headers: dict[str, str]) -> None:
+        super().__init__()
+        self._body = body
+        self._headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = _raw_headers(self._headers, _JSON)
+        raw.append((b"content-length", str(len(self._body)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        half = self._body[: len(self._body) // 2]
+        await send({"type": "http.response.body", "body": half, "more_body": True})
+        # Returning now leaves the response incomplete: the server closes the connection.
+
+
+class _EventStream(Response):
+    """A streamed answer (server-sent events) with the faults in force when it began.
+
+    As vLLM's, the status and headers go out at once, before the engine (or a KV
+    handoff) has done anything: a streamed answer carries no ``x-kvroute-handoff``, and
+    a failed handoff shows as an error event. The client's disconnect is watched from
+    the start (even before the first token), so an abandoned request is aborted at once.
     """
 
     def __init__(
-        self, events: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]
+        self,
+        state: EmulatorState,
+        gen: Generation,
+        stall_after: int | None,
+        drop_after: int | None,
     ) -> None:
-        super().__init__(events, headers=headers, media_type="text/event-stream")
-        self._events = events
-        self._on_close = on_close
+        super().__init__()
+        self._state = state
+        self._gen = gen
+        self._stall_after = stall_after
+        self._drop_after = drop_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         streaming = asyncio.ensure_future(self._pump(send))
         watching = asyncio.ensure_future(_wait_disconnect(receive))
+        client_gone = False
         try:
             await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+            client_gone = not streaming.done()
             for task in (streaming, watching):
                 if not task.done():
                     task.cancel()
@@ -120,111 +130,32 @@ class _EventStream(StreamingResponse):
             if not streaming.cancelled():
                 streaming.result()
         finally:
-            self._on_close()
+            self._gen.close(client_gone)
 
     async def _pump(self, send: Send) -> None:
-        async for chunk in self._events:
+        gen = self._gen
+        headers = _raw_headers(gen.headers(), "text/event-stream; charset=utf-8")
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            await gen.start()
+        except HandoffFailed as exc:
+            # As vLLM reports a failed KV load on a stream: an error event, then [DONE].
+            body = sse(error_body(500, exc.message)) + b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        sent = 0
+        async for chunk, tokens in gen.events():
+            if self._stall_after is not None and sent + tokens > self._stall_after:
+                self._state.metrics.fault_injected("stall")
+                log.info("%s: stalled after %d tokens (injected)", gen.response_id, sent)
+                await asyncio.Future()  # until the client leaves
+            if self._drop_after is not None and sent + tokens > self._drop_after:
+                self._state.metrics.fault_injected("drop")
+                log.info("%s: dropped after %d tokens (injected)", gen.response_id, sent)
+                return  # incomplete: the server closes the connection
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent += tokens
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _sse(body: dict[str, Any]) -> bytes:
-    return b"data: " + encode_json(body) + b"\n\n"
-
-
-class _Generation:
-    """One completion or chat request fanned out to the engine: one sequence per choice."""
-
-    def __init__(self, state: EmulatorState, req: GenerationRequest, base_id: str, chat: bool):
-        self.state = state
-        self.req = req
-        self.chat = chat
-        self.response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
-        self.created = int(time.time())
-        self.driver = state.drivers[0]
-        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        serial = next(state.serial)
-        self.specs = [
-            RequestSpec(
-                request_id=f"{base_id}-{serial}-{p}-{j}",
-                prompt_token_ids=ids,
-                max_tokens=req.max_tokens,
-                lora_name=req.lora_name,
-                lora_id=req.lora_id,
-                cache_salt=req.cache_salt,
-                sample_seed=req.seed + j,
-            )
-            for p, ids in enumerate(req.prompts)
-            for j in range(req.n)
-        ]
-        self.cached = [0] * len(self.specs)
-        self.counts = [0] * len(self.specs)
-
-    def submit(self) -> None:
-        for i, spec in enumerate(self.specs):
-            self.driver.submit(spec, (self.queue, i))
-
-    def abort(self) -> None:
-        for spec in self.specs:
-            self.driver.abort(spec.request_id)
-
-    def usage(self) -> dict[str, Any]:
-        n = self.req.n
-        prompt_tokens = sum(len(p) for p in self.req.prompts)
-        # Per prompt, as vLLM: the cache hit of its first choice.
-        cached = sum(self.cached[p * n] for p in range(len(self.req.prompts)))
-        return usage(prompt_tokens, sum(self.counts), cached)
-
-    def _text(self, index: int, token_ids: list[int]) -> str:
-        words = " ".join(map(self.state.tokenizer.token_str, token_ids))
-        if self.counts[index]:
-            return " " + words
-        if self.req.echo:
-            return self._prompt_text(index // self.req.n) + " " + words
-        return words
-
-    def _prompt_text(self, prompt_index: int) -> str:
-        text = self.req.prompt_texts[prompt_index]
-        if text is None:
-            text = self.state.tokenizer.decode(self.req.prompts[prompt_index])
-        return text
-
-    def _take(self, index: int, out: RequestOutput) -> str:
-        text = self._text(index, out.new_token_ids)
-        self.counts[index] += len(out.new_token_ids)
-        self.cached[index] = out.num_cached_tokens
-        return text
-
-    async def collect(self) -> dict[str, Any]:
-        texts = [""] * len(self.specs)
-        remaining = len(self.specs)
-        while remaining:
-            index, out = await self.queue.get()
-            texts[index] += self._take(index, out)
-            remaining -= out.finished
-        build = chat_response if self.chat else completion_response
-        return build(self.response_id, self.created, self.req.model, texts, self.usage())
-
-    async def events(self) -> AsyncIterator[bytes]:
-        rid, created, model = self.response_id, self.created, self.req.model
-        extra = {"usage": None} if self.req.include_usage else {}
-        if self.chat:
-            for index in range(len(self.specs)):
-                delta = {"role": "assistant", "content": ""}
-                yield _sse({**chat_chunk(rid, created, model, index, delta, False), **extra})
-        remaining = len(self.specs)
-        while remaining:
-            index, out = await self.queue.get()
-            text = self._take(index, out)
-            remaining -= out.finished
-            if self.chat:
-                chunk = chat_chunk(rid, created, model, index, {"content": text}, out.finished)
-            else:
-                chunk = completion_chunk(rid, created, model, index, text, out.finished)
-            yield _sse({**chunk, **extra})
-        if self.req.include_usage:
-            yield _sse(usage_chunk(rid, created, model, self.chat, self.usage()))
-        yield b"data: [DONE]\n\n"
 
 
 def build_app(state: EmulatorState) -> Starlette:
@@ -236,23 +167,50 @@ def build_app(state: EmulatorState) -> Starlette:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
 
     async def generate(request: Request, chat: bool) -> Response:
+        faults = state.faults
+        if faults.fails_now(state.rng):
+            state.metrics.fault_injected("fail_rate")
+            return _json(error_body(500, "injected failure (fail_rate)"), 500)
+        if faults.extra_latency_ms:
+            state.metrics.fault_injected("extra_latency")
+            await asyncio.sleep(faults.extra_latency_ms / 1000)
+        # Read now: changing the faults does not touch requests already in flight.
+        stall_after, drop_after = faults.stall_after_tokens, faults.drop_after_tokens
         base_id = request_id(request)
         req = state.parse(parse_body(await request.body()), chat)
-        gen = _Generation(state, req, base_id, chat)
-        headers = {"x-request-id": base_id}
-        gen.submit()
+        gen = Generation(state, state.pick_rank(request.headers), req, base_id, chat)
         if req.stream:
-            return _EventStream(gen.events(), gen.abort, headers)
-        collecting = asyncio.ensure_future(gen.collect())
+            return _EventStream(state, gen, stall_after, drop_after)
+
+        async def answer() -> dict[str, Any]:
+            await gen.start()
+            return await gen.collect()
+
+        answering = asyncio.ensure_future(answer())
         watching = asyncio.ensure_future(_wait_disconnect(request.receive))
-        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
-        if not collecting.done():
-            collecting.cancel()
-            gen.abort()
+        await asyncio.wait({answering, watching}, return_when=asyncio.FIRST_COMPLETED)
+        if not answering.done():
+            answering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, HandoffFailed):
+                await answering
+            gen.close(client_gone=True)
             # The client is gone; this status only reaches logs.
             return Response(status_code=499)
         watching.cancel()
-        return _json(collecting.result(), headers=headers)
+        try:
+            body = answering.result()
+        except HandoffFailed as exc:
+            gen.close(client_gone=False)
+            return _json(error_body(500, exc.message), 500, gen.headers())
+        gen.close(client_gone=False)
+        if stall_after is not None and gen.num_tokens > stall_after:
+            state.metrics.fault_injected("stall")
+            await _wait_disconnect(request.receive)
+            return Response(status_code=499)
+        if drop_after is not None and gen.num_tokens > drop_after:
+            state.metrics.fault_injected("drop")
+            return _Dropped(encode_json(body), gen.headers())
+        return _json(body, headers=gen.headers())
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
@@ -313,7 +271,20 @@ def build_app(state: EmulatorState) -> Starlette:
         return _json({"object": "list", "data": cards})
 
     async def health(request: Request) -> Response:
+        if state.faults.fail_health:
+            return _json(error_body(503, "injected failure (fail_health)"), 503)
         return Response(status_code=200)
+
+    async def admin_faults(request: Request) -> Response:
+        faults = state.faults
+        if request.method == "DELETE":
+            faults.clear()
+        elif request.method == "POST":
+            try:
+                faults.update(parse_body(await request.body()))
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+        return _json(faults.as_dict())
 
     async def server_info(request: Request) -> Response:
         return _json(state.server_info)
@@ -366,6 +337,7 @@ def build_app(state: EmulatorState) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
     ]
     return Starlette(
         routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error}

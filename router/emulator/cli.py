@@ -14,7 +14,8 @@ import sys
 
 import zmq
 
-from router.emulator.config import DEFAULT_MODEL, ROLES, EmulatorConfig
+from router.emulator.config import DEFAULT_MODEL, HANDOFF_FAILURES, ROLES, EmulatorConfig
+from router.emulator.faults import Faults
 from router.emulator.server import start_engine
 from router.engine_model import DEFAULT_PRESET, PRESETS, EngineParams, preset
 from router.events.vllm import WIRE_FORMATS
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output length when a request sets no max_tokens (the emulator ignores EOS)",
     )
     net.add_argument("--log-level", default="warning", help="log level on stderr")
+    net.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks behind the one HTTP port, each with its own cache",
+    )
 
     cache = parser.add_argument_group("engine model")
     cache.add_argument(
@@ -78,6 +85,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="wall seconds per model second (0.01 runs 100x faster than real time)",
+    )
+
+    handoff = parser.add_argument_group("KV handoffs (disaggregated prefill and decode)")
+    handoff.add_argument(
+        "--side-channel-host",
+        help="host of the NIXL side channel, listened on and reported (default: --host)",
+    )
+    handoff.add_argument(
+        "--side-channel-port",
+        type=int,
+        default=0,
+        help="NIXL side-channel port of rank 0, rank r uses port + r (0: free ports)",
+    )
+    handoff.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=0,
+        help="SGLang bootstrap listener port, with --role prefill (0: a free one)",
+    )
+    handoff.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=300.0,
+        help="wall seconds one SGLang leg waits for the other to arrive",
+    )
+    handoff.add_argument(
+        "--handoff-failure",
+        choices=HANDOFF_FAILURES,
+        default="recompute",
+        help="unusable NIXL kv_transfer_params: recompute locally (vLLM) or fail (500)",
+    )
+    handoff.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        help="KV-cache bytes per token, for transfer time (preset: 131072)",
+    )
+    handoff.add_argument(
+        "--kv-transfer-bandwidth",
+        type=float,
+        help="bytes per second of a KV transfer between engines (preset: 5e10)",
+    )
+    handoff.add_argument(
+        "--kv-hold-timeout",
+        type=float,
+        help="model seconds a prefill leg's blocks wait to be pulled (preset: 480)",
+    )
+
+    faults = parser.add_argument_group("fault injection (also at run time: /admin/faults)")
+    faults.add_argument(
+        "--fail-rate", type=float, default=0.0, help="fraction of requests answered 500"
+    )
+    faults.add_argument(
+        "--extra-latency-ms",
+        type=float,
+        default=0.0,
+        help="wall milliseconds added before a request reaches the engine",
+    )
+    faults.add_argument(
+        "--stall-after-tokens",
+        type=int,
+        metavar="N",
+        help="stop sending after N output tokens but keep the connection open",
+    )
+    faults.add_argument(
+        "--drop-after-tokens",
+        type=int,
+        metavar="N",
+        help="close the connection after N output tokens",
+    )
+    faults.add_argument("--fail-health", action="store_true", help="/health answers 503")
+    faults.add_argument(
+        "--kv-events-skip",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the next N KV-event batches for replay but do not publish them",
+    )
+    faults.add_argument(
+        "--kv-events-garbage",
+        type=int,
+        default=0,
+        metavar="N",
+        help="publish a malformed message before each of the next N KV-event batches",
     )
 
     events = parser.add_argument_group("KV events")
@@ -124,6 +214,9 @@ def engine_params(args: argparse.Namespace) -> EngineParams:
         decode_seq_s=_scaled(args.decode_us_per_seq, 1e-6),
         context_token_s=_scaled(args.decode_ns_per_context_token, 1e-9),
         max_model_len=max_len,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_transfer_bandwidth=args.kv_transfer_bandwidth,
+        kv_hold_timeout_s=args.kv_hold_timeout,
     )
 
 
@@ -143,6 +236,21 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_format=args.kv_events_format,
         lora_modules=tuple(args.lora_modules),
         default_max_tokens=args.default_max_tokens,
+        dp_size=args.dp_size,
+        side_channel_host=args.side_channel_host,
+        side_channel_port=args.side_channel_port,
+        bootstrap_port=args.bootstrap_port,
+        bootstrap_timeout_s=args.bootstrap_timeout,
+        handoff_failure=args.handoff_failure,
+        faults=Faults(
+            fail_rate=args.fail_rate,
+            extra_latency_ms=args.extra_latency_ms,
+            stall_after_tokens=args.stall_after_tokens,
+            drop_after_tokens=args.drop_after_tokens,
+            fail_health=args.fail_health,
+            kv_events_skip=args.kv_events_skip,
+            kv_events_garbage=args.kv_events_garbage,
+        ),
         **optional,
     )
 

@@ -1,4 +1,4 @@
-"""Settings of one emulated engine server: identity, network endpoints and the model."""
+"""Settings of one emulated engine server: identity, network endpoints, handoffs, faults."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.emulator.faults import Faults
 from router.engine_model import EngineParams
 from router.events.vllm import WIRE_FORMATS, WireFormat
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+#: What a NIXL decode leg does when its ``kv_transfer_params`` cannot be used.
+HandoffFailure = Literal["recompute", "error"]
+HANDOFF_FAILURES: tuple[HandoffFailure, ...] = ("recompute", "error")
 
 DEFAULT_MODEL = "kvroute-emulated"
 
@@ -21,6 +25,13 @@ class EmulatorConfig:
 
     ``hash_seed`` roots the engine's block hashes; None draws a random one at start-up,
     like vLLM, so that routers cannot rely on an engine's hash values.
+
+    ``side_channel_host`` (default: ``host``) and ``side_channel_port`` are where NIXL
+    decode legs pull KV from (rank r listens on port + r; port 0: free ports). The
+    SGLang bootstrap listener (``bootstrap_port``, 0: a free one) runs only with role
+    ``prefill``. ``bootstrap_timeout_s`` is wall time: it bounds how long one leg of an
+    SGLang pair waits for the other to arrive, a network matter, not modelled work.
+    ``faults`` are the faults in force at start-up.
     """
 
     model: str = DEFAULT_MODEL
@@ -37,6 +48,13 @@ class EmulatorConfig:
     kv_events_format: WireFormat = "v3-map"
     lora_modules: tuple[str, ...] = ()
     default_max_tokens: int = 16
+    dp_size: int = 1
+    side_channel_host: str | None = None
+    side_channel_port: int = 0
+    bootstrap_port: int = 0
+    bootstrap_timeout_s: float = 300.0
+    handoff_failure: HandoffFailure = "recompute"
+    faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         if not self.model or any(c.isspace() for c in self.model):
@@ -58,3 +76,25 @@ class EmulatorConfig:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.model in self.lora_modules or len(set(self.lora_modules)) != len(self.lora_modules):
             raise ValueError("lora_modules must be distinct and differ from the model name")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {self.dp_size}")
+        for name in ("side_channel_port", "bootstrap_port"):
+            port = getattr(self, name)
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.side_channel_port and self.side_channel_port + self.dp_size > 65536:
+            raise ValueError("side_channel_port + dp_size exceeds 65535")
+        if not self.bootstrap_timeout_s > 0:
+            raise ValueError(
+                f"bootstrap_timeout_s must be positive, got {self.bootstrap_timeout_s}"
+            )
+        if self.handoff_failure not in HANDOFF_FAILURES:
+            raise ValueError(
+                f"handoff_failure must be one of {', '.join(HANDOFF_FAILURES)}, "
+                f"got {self.handoff_failure!r}"
+            )
+
+    @property
+    def kv_host(self) -> str:
+        """The host NIXL side channels listen on and report in ``kv_transfer_params``."""
+        return self.side_channel_host or self.host

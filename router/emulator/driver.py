@@ -5,7 +5,9 @@ steps run back to back in model time (each starts where the previous one ended) 
 the driver sleeps until each step's end in wall time. When the loop falls behind (timer
 granularity, a busy CPU), it skips sleeping until it has caught up, so model timestamps
 stay exact and only delivery is late. While idle, model time follows the wall clock, so
-a request's arrival is its wall arrival.
+a request's arrival is its wall arrival. When nothing can run but the model has a timed
+event pending (a KV transfer ending, a held block expiring), the driver sleeps until it
+and starts from exactly that model time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from router.engine_model import EngineModel, RequestOutput, RequestSpec
+from router.engine_model import EngineModel, HeldKV, RequestOutput, RequestSpec
 from router.events.types import KVEvent
 
 log = logging.getLogger(__name__)
@@ -78,14 +80,38 @@ class EngineDriver:
         now = self.now()
         self.model.submit(spec, now)
         self._sinks[spec.request_id] = sink
+        self._poke(now)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request (client gone): frees its blocks at once.
+
+        Returns whether the request was still unfinished in the engine.
+        """
+        if self._sinks.pop(request_id, None) is None:
+            return False
+        aborted = self.model.abort(request_id, self.now())
+        self._poke(self.now())
+        return aborted
+
+    def claim_hold(self, request_id: str, block_ids: Sequence[int] | None) -> HeldKV:
+        """A remote decode engine starts reading a held request's blocks now."""
+        return self.model.claim_hold(request_id, block_ids, self.now())
+
+    def peek_hold(self, request_id: str) -> HeldKV | None:
+        """What a held request holds now, without claiming it."""
+        return self.model.peek_hold(request_id, self.now())
+
+    def release_hold(self, request_id: str) -> bool:
+        """Free a held request's blocks now; waiting requests may fit again."""
+        released = self.model.release_hold(request_id, self.now())
+        self._poke(self.now())
+        return released
+
+    def _poke(self, now: float) -> None:
+        """Something changed at model time ``now``: let the step loop look again."""
         if self._arrival is None:
             self._arrival = now
         self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        """Forget a request (client gone): frees its blocks at once."""
-        if self._sinks.pop(request_id, None) is not None:
-            self.model.abort(request_id, self.now())
 
     def reset_prefix_cache(self) -> bool:
         ok = self.model.reset_prefix_cache(self.now())
@@ -103,25 +129,40 @@ class EngineDriver:
             log.exception("engine driver stopped on an error; requests will not progress")
             raise
 
+    async def _idle(self) -> float:
+        """Wait until an arrival or the model's next timed event; return its model time.
+
+        An idle engine starts at once on an arrival: the wall time this loop takes to
+        wake up must not count (it is magnified by ``1 / time_scale``). For the same
+        reason a timed event starts at its own model time, not at the wake-up's.
+        """
+        while self._arrival is None:
+            wakeup = self.model.next_wakeup()
+            self._wake.clear()
+            if wakeup is None:
+                await self._wake.wait()
+                continue
+            delay = self._t0 + wakeup * self.time_scale - self._loop.time()
+            if delay > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                    continue
+            return max(wakeup, self._model_now)
+        return max(self._arrival, self._model_now)
+
     async def _loop_steps(self) -> None:
         loop = self._loop
         model = self.model
         start: float | None = None
         while True:
             if start is None:
-                if not model.has_work:
-                    self._wake.clear()
-                    await self._wake.wait()
-                # An idle engine starts at once on an arrival: the wall time this loop
-                # took to wake up must not count (it is magnified by 1 / time_scale).
-                start = self._arrival if self._arrival is not None else self.now()
-                start = max(start, self._model_now)
+                start = await self._idle()
             self._arrival = None
             duration = model.start_step(start)
             if duration is None:
-                # Nothing can run (no work, or none that fits): wait for a submission.
-                self._wake.clear()
-                await self._wake.wait()
+                # Nothing can run now (no work, none that fits, or only transfers in
+                # flight); admissions may still have evicted blocks.
+                self._publish(model.take_events())
                 start = None
                 continue
             end = start + duration

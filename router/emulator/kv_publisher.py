@@ -9,6 +9,14 @@
   ``[b"", 0xFF*8, b""]``. Only the last 10,000 batches are kept.
 
 Every socket has LINGER 0 so that stopping never waits for absent peers.
+
+With data-parallel ranks each rank has its own publisher on ``rank_endpoint``: vLLM's
+port + rank for TCP, a ``_dp<rank>`` suffix for ``ipc://`` and ``inproc://``.
+
+Two faults (``Faults``) are for subscribers' tests: a skipped batch is numbered and kept
+for replay but never sent on the PUB socket (a gap), and a garbage message
+``[topic, b"kvroute-garbage", b"\xc1"]`` (a 15-byte sequence frame, and a payload that
+is not msgpack) goes out before a batch.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
+from router.emulator.faults import Faults
 from router.events.types import KVEvent
 from router.events.vllm import END_SEQ, SEQ_BYTES, WireFormat, encode_batch, encode_seq
 
@@ -30,6 +39,26 @@ log = logging.getLogger(__name__)
 #: Batches kept for replay (vLLM's ``buffer_steps``).
 REPLAY_BUFFER = 10_000
 _PUB_HWM = 100_000
+#: The malformed message of the ``kv_events_garbage`` fault (after the topic frame).
+GARBAGE_FRAMES = (b"kvroute-garbage", b"\xc1")
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint of data-parallel rank ``rank`` (vLLM's ``offset_endpoint_port``).
+
+    TCP ports are offset by the rank; a wildcard port (``*``) stays a wildcard, so each
+    rank binds its own free port. ``ipc://`` and ``inproc://`` paths get ``_dp<rank>``.
+    """
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if port == "*":
+            return endpoint
+        if not port.isdigit():
+            raise ValueError(f"tcp endpoint without a port: {endpoint!r}")
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 def binds(endpoint: str) -> bool:
@@ -53,10 +82,12 @@ class KVEventPublisher:
         wire_format: WireFormat,
         replay_endpoint: str | None = None,
         data_parallel_rank: int = 0,
+        faults: Faults | None = None,
     ) -> None:
         self.topic = topic
         self.wire_format = wire_format
         self.data_parallel_rank = data_parallel_rank
+        self._faults = faults
         self._topic = topic.encode()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER)
@@ -95,6 +126,12 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
+        faults = self._faults
+        if faults is not None:
+            if faults.take_kv_garbage():
+                self._pub.send_multipart((self._topic, *GARBAGE_FRAMES), flags=zmq.NOBLOCK)
+            if faults.take_kv_skip():
+                return
         self._pub.send_multipart((self._topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
 
     async def _serve_replay(self) -> None:

@@ -5,13 +5,17 @@ totals, so nothing is counted twice); latency histograms are observed as request
 progress. Labels follow vLLM: ``model_name`` and ``engine`` (the data-parallel rank).
 Latencies are in model seconds: with ``--time-scale`` they describe the emulated GPU,
 not the wall clock.
+
+The emulator's own ``kvroute_emulator_*`` metrics prove to tests what happened inside:
+KV handoffs (tokens pulled, recomputed, held; failures by reason), requests aborted by
+a departing client, and injected faults.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -57,6 +61,24 @@ class _StatsCollector(Collector):
             "vllm:generation_tokens": "Number of generation tokens processed.",
             "vllm:num_preemptions": "Cumulative number of preemption from the engine.",
         }
+        gauges.update(
+            {
+                "kvroute_emulator_kv_held_requests": (
+                    "Finished prefill-only requests whose KV blocks wait for a decode engine."
+                ),
+                "kvroute_emulator_kv_held_blocks": "KV blocks pinned for decode engines.",
+            }
+        )
+        counters.update(
+            {
+                "kvroute_emulator_kv_pulled_tokens": (
+                    "Prompt tokens whose KV decode legs received from a prefill engine."
+                ),
+                "kvroute_emulator_kv_hold_expired": (
+                    "Held requests freed by the hold timeout instead of a decode engine."
+                ),
+            }
+        )
         g = {n: GaugeMetricFamily(n, d, labels=_LABELS) for n, d in gauges.items()}
         c = {n: CounterMetricFamily(n, d, labels=_LABELS) for n, d in counters.items()}
         for engine, source in self._ranks:
@@ -70,6 +92,10 @@ class _StatsCollector(Collector):
             c["vllm:prompt_tokens"].add_metric(labels, s.prompt_tokens)
             c["vllm:generation_tokens"].add_metric(labels, s.generation_tokens)
             c["vllm:num_preemptions"].add_metric(labels, s.num_preemptions)
+            g["kvroute_emulator_kv_held_requests"].add_metric(labels, s.num_held_requests)
+            g["kvroute_emulator_kv_held_blocks"].add_metric(labels, s.num_held_blocks)
+            c["kvroute_emulator_kv_pulled_tokens"].add_metric(labels, s.kv_transferred_tokens)
+            c["kvroute_emulator_kv_hold_expired"].add_metric(labels, s.num_expired_holds)
         yield from g.values()
         yield from c.values()
         # vLLM exports its cache config as an info-style gauge whose labels carry the values.
@@ -85,12 +111,47 @@ class _StatsCollector(Collector):
         yield info
 
 
+class RankMetrics:
+    """What the HTTP layer counts for one rank."""
+
+    def __init__(self, metrics: EngineMetrics, engine: str) -> None:
+        name = metrics.model_name
+        self._ttft = metrics._ttft.labels(name, engine)
+        self._e2e = metrics._e2e.labels(name, engine)
+        self._recomputed = metrics._recomputed.labels(name, engine)
+        self._aborted = metrics._aborted.labels(name, engine)
+        self._failures = metrics._handoff_failures
+        self._labels = (name, engine)
+        # Labelled counters appear once touched: show every rank's at zero from the start.
+        self._recomputed.inc(0)
+        self._aborted.inc(0)
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record a request's latencies (the driver calls this for every output)."""
+        if out.ttft is not None:
+            self._ttft.observe(out.ttft)
+        if out.e2e is not None:
+            self._e2e.observe(out.e2e)
+
+    def recomputed(self, tokens: int) -> None:
+        """A decode leg computed ``tokens`` prompt tokens itself after a failed handoff."""
+        self._recomputed.inc(tokens)
+
+    def aborted(self) -> None:
+        """A client left before this rank finished its request."""
+        self._aborted.inc()
+
+    def handoff_failed(self, dialect: str, reason: str) -> None:
+        """A handoff of ``dialect`` failed on this rank for ``reason``."""
+        self._failures.labels(*self._labels, dialect, reason).inc()
+
+
 class EngineMetrics:
     """The metrics of one engine server (all of its ranks) in its own registry."""
 
     def __init__(self, model_name: str, params: EngineParams) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._model_name = model_name
+        self.model_name = model_name
         self._stats = _StatsCollector(model_name, params)
         self.registry.register(self._stats)
         self._ttft = Histogram(
@@ -107,17 +168,36 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             registry=self.registry,
         )
+        self._recomputed = Counter(
+            "kvroute_emulator_kv_recomputed_tokens",
+            "Prompt tokens decode legs computed themselves because their KV handoff failed.",
+            labelnames=_LABELS,
+            registry=self.registry,
+        )
+        self._handoff_failures = Counter(
+            "kvroute_emulator_handoff_failures",
+            "KV handoffs that failed, by dialect (nixl, sglang) and reason.",
+            labelnames=(*_LABELS, "dialect", "reason"),
+            registry=self.registry,
+        )
+        self._aborted = Counter(
+            "kvroute_emulator_aborted_requests",
+            "Requests whose client disconnected before the engine finished them.",
+            labelnames=_LABELS,
+            registry=self.registry,
+        )
+        self._faults = Counter(
+            "kvroute_emulator_faults_injected",
+            "Faults injected into requests, by fault.",
+            labelnames=("model_name", "fault"),
+            registry=self.registry,
+        )
 
-    def add_rank(self, engine: str, stats: StatsSource) -> Callable[[RequestOutput], None]:
-        """Export a rank's stats; returns the observer its driver calls per output."""
+    def add_rank(self, engine: str, stats: StatsSource) -> RankMetrics:
+        """Export a rank's stats; returns what its requests are counted with."""
         self._stats.add_rank(engine, stats)
-        ttft = self._ttft.labels(self._model_name, engine)
-        e2e = self._e2e.labels(self._model_name, engine)
+        return RankMetrics(self, engine)
 
-        def observe(out: RequestOutput) -> None:
-            if out.ttft is not None:
-                ttft.observe(out.ttft)
-            if out.e2e is not None:
-                e2e.observe(out.e2e)
-
-        return observe
+    def fault_injected(self, fault: str) -> None:
+        """A request got ``fault``."""
+        self._faults.labels(self.model_name, fault).inc()

@@ -21,6 +21,8 @@ _ERROR_TYPES = {
     405: "MethodNotAllowedError",
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
 }
 _MAX_N = 128
 #: Sampling fields echoed by the render endpoints when the client sent them.
@@ -72,6 +74,25 @@ class ServedModels:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """SGLang's disaggregation fields: where the prefill engine's bootstrap listener is
+    and which room pairs the two legs of one request."""
+
+    host: str | None
+    port: int | None
+    room: int
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One finished choice of a non-streaming answer."""
+
+    text: str
+    finish_reason: str
+    stop_reason: int | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A completion or chat request reduced to what the engine model needs."""
 
@@ -89,6 +110,15 @@ class GenerationRequest:
     cache_salt: str | None
     seed: int
     body: dict[str, Any]
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    #: vLLM's disaggregation parameters (NixlConnector), as sent.
+    kv_transfer_params: dict[str, Any] | None = None
+    bootstrap: Bootstrap | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.n
 
 
 # ---------------------------------------------------------------------- parsing
@@ -134,6 +164,35 @@ def check_token_ids(ids: Any, param: str) -> list[int]:
         if not 0 <= t < VOCAB_SIZE:
             raise APIError(400, f"Token id {t} is out of vocabulary", param)
     return ids
+
+
+def _stop_token_ids(body: Mapping[str, Any]) -> frozenset[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise APIError(400, "`stop_token_ids` must be a list of token ids", "stop_token_ids")
+    return frozenset(ids)
+
+
+def _kv_transfer_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise APIError(400, "`kv_transfer_params` must be an object", "kv_transfer_params")
+    return params
+
+
+def _bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
+    host, port, room = (body.get(f"bootstrap_{k}") for k in ("host", "port", "room"))
+    if host is None and port is None and room is None:
+        return None
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 64:
+        raise APIError(400, "`bootstrap_room` must be an integer in [0, 2**64)", "bootstrap_room")
+    if host is not None and not isinstance(host, str):
+        raise APIError(400, "`bootstrap_host` must be a string", "bootstrap_host")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+        raise APIError(400, "`bootstrap_port` must be an integer", "bootstrap_port")
+    return Bootstrap(host, port, room)
 
 
 def completion_prompts(
@@ -218,6 +277,14 @@ def parse_generation(
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise APIError(400, "`seed` must be an integer", "seed")
+    min_tokens = _int(body, "min_tokens", 0, 0)
+    assert min_tokens is not None
+    if min_tokens > max_tokens:
+        raise APIError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            "min_tokens",
+        )
     return GenerationRequest(
         model=model,
         lora_name=lora_name,
@@ -232,6 +299,10 @@ def parse_generation(
         cache_salt=salt,
         seed=seed or 0,
         body=body,
+        stop_token_ids=_stop_token_ids(body),
+        min_tokens=min_tokens,
+        kv_transfer_params=_kv_transfer_params(body),
+        bootstrap=_bootstrap(body),
     )
 
 
@@ -248,7 +319,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_response(
-    rid: str, created: int, model: str, texts: Sequence[str], usage_info: dict[str, Any]
+    rid: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    usage_info: dict[str, Any],
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -258,23 +334,28 @@ def completion_response(
         "choices": [
             {
                 "index": i,
-                "text": text,
+                "text": c.text,
                 "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
                 "prompt_logprobs": None,
             }
-            for i, text in enumerate(texts)
+            for i, c in enumerate(choices)
         ],
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage_info,
-        "kv_transfer_params": None,
+        "kv_transfer_params": kv_transfer_params,
     }
 
 
 def chat_response(
-    rid: str, created: int, model: str, texts: Sequence[str], usage_info: dict[str, Any]
+    rid: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    usage_info: dict[str, Any],
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -286,7 +367,7 @@ def chat_response(
                 "index": i,
                 "message": {
                     "role": "assistant",
-                    "content": text,
+                    "content": c.text,
                     "refusal": None,
                     "annotations": None,
                     "audio": None,
@@ -295,21 +376,27 @@ def chat_response(
                     "reasoning_content": None,
                 },
                 "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
-            for i, text in enumerate(texts)
+            for i, c in enumerate(choices)
         ],
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage_info,
         "prompt_logprobs": None,
-        "kv_transfer_params": None,
+        "kv_transfer_params": kv_transfer_params,
     }
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, index: int, text: str, finished: bool
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: int | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -321,15 +408,21 @@ def completion_chunk(
                 "index": index,
                 "text": text,
                 "logprobs": None,
-                "finish_reason": "length" if finished else None,
-                "stop_reason": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
             }
         ],
     }
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, index: int, delta: dict[str, Any], finished: bool
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    stop_reason: int | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -341,7 +434,8 @@ def chat_chunk(
                 "index": index,
                 "delta": delta,
                 "logprobs": None,
-                "finish_reason": "length" if finished else None,
+                "finish_reason": finish_reason,
+                **({"stop_reason": stop_reason} if finish_reason is not None else {}),
             }
         ],
     }

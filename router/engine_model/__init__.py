@@ -11,6 +11,7 @@ from router.engine_model.engine import (
     RequestSpec,
     StepResult,
 )
+from router.engine_model.holds import HandoffError, HeldKV, HoldTable
 from router.engine_model.params import DEFAULT_PRESET, PRESETS, EngineParams, preset
 from router.engine_model.sampling import output_token_ids
 
@@ -21,6 +22,9 @@ __all__ = [
     "EngineModel",
     "EngineParams",
     "EngineStats",
+    "HandoffError",
+    "HeldKV",
+    "HoldTable",
     "RequestOutput",
     "RequestSpec",
     "StepResult",

@@ -25,6 +25,20 @@ step that fills them is scheduled, as vLLM's ``allocate_slots`` does: a request 
 later in the same scheduling pass already hits them, because within one forward pass
 every layer writes its KV before attention reads it. Generated tokens fill and register
 blocks too, so a follow-up turn that repeats an answer hits it.
+
+Disaggregated serving has two legs, each an ordinary request with one flag:
+
+* ``remote_decode`` (the prefill leg): when it finishes, its blocks stay referenced in
+  ``holds`` until a decode engine claims and releases them, or until
+  ``kv_hold_timeout_s`` passes (see ``holds.py``).
+* ``remote_prefill`` (the decode leg): at admission it takes its local prefix hits and
+  blocks for the whole prompt, then waits ``transfer_time(tokens not cached locally)``
+  without computing (vLLM's ``WAITING_FOR_REMOTE_KVS``). When the transfer is done, its
+  prompt counts as computed except the last token, which it computes to sample its
+  first output, as vLLM does after a NIXL read.
+
+Timed events that are not steps (a transfer ending, a hold expiring) are reported by
+``next_wakeup`` so that a driver can sleep until then when no step is runnable.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from router.engine_model.block_cache import BlockCache
+from router.engine_model.holds import HeldKV, HoldTable
 from router.engine_model.params import EngineParams
 from router.engine_model.sampling import output_token_ids
 from router.events.types import KVEvent
@@ -50,7 +65,9 @@ class RequestSpec:
     """What a driver submits: one sequence to prefill and decode.
 
     ``sample_seed`` selects among answers to the same prompt (choice index of ``n > 1``
-    or a client ``seed``); 0 gives the canonical answer.
+    or a client ``seed``); 0 gives the canonical answer. A sampled token in
+    ``stop_token_ids`` ends the request (``finish_reason`` "stop") once ``min_tokens``
+    tokens exist; otherwise it runs to ``max_tokens`` (EOS is ignored).
     """
 
     request_id: str
@@ -60,6 +77,12 @@ class RequestSpec:
     lora_id: int | None = None
     cache_salt: str | None = None
     sample_seed: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    #: Prefill leg: keep the blocks after finishing, for a decode engine to take.
+    remote_decode: bool = False
+    #: Decode leg: the prompt's KV arrives from a prefill engine instead of being computed.
+    remote_prefill: bool = False
 
 
 @dataclass(slots=True)
@@ -76,6 +99,14 @@ class RequestOutput:
     ttft: float | None = None
     #: Model seconds from arrival to the last token, set when finished.
     e2e: float | None = None
+    #: "length" (``max_tokens`` reached) or "stop" (a stop token), set when finished.
+    finish_reason: str | None = None
+    #: The stop token that ended the request.
+    stop_reason: int | None = None
+    #: Prompt tokens whose KV was transferred from a remote prefill engine.
+    num_transferred_tokens: int = 0
+    #: The blocks a finished ``remote_decode`` request keeps for a decode engine.
+    held: HeldKV | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +135,13 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_preemptions: int
+    #: Finished prefill-only requests whose blocks are pinned for a decode engine.
+    num_held_requests: int = 0
+    num_held_blocks: int = 0
+    #: Holds freed by their timeout rather than by a decode engine.
+    num_expired_holds: int = 0
+    #: Prompt tokens of decode legs whose KV came from a remote prefill engine.
+    kv_transferred_tokens: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -122,6 +160,10 @@ class _Sequence:
     num_cached_tokens: int = -1
     first_token_at: float | None = None
     aborted: bool = False
+    #: Tokens a ``remote_prefill`` sequence took from the remote engine (set at admission).
+    transferred: int = 0
+    #: Model time at which its transfer completes.
+    ready_at: float = 0.0
 
 
 class EngineModel:
@@ -142,7 +184,11 @@ class EngineModel:
         self._vocabulary = list(vocabulary or WordTokenizer().generation_ids)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
+        #: Decode legs admitted and waiting for their KV transfer, in admission order.
+        self._transferring: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
+        #: Blocks of finished prefill-only requests, pinned for decode engines.
+        self.holds = HoldTable(self.cache, params.kv_hold_timeout_s)
         self._inflight: list[tuple[_Sequence, int]] | None = None
         self._preempted: list[str] = []
         self._queries = 0
@@ -150,6 +196,7 @@ class EngineModel:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
+        self._transferred_tokens = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -197,9 +244,37 @@ class EngineModel:
             seq.blocks = []
         if seq in self._running:
             self._running.remove(seq)
+        elif seq in self._transferring:
+            self._transferring.remove(seq)
         else:
             self._waiting.remove(seq)
         return True
+
+    def claim_hold(self, request_id: str, block_ids: Sequence[int] | None, now: float) -> HeldKV:
+        """A decode engine starts reading a held request's blocks (see ``HoldTable.claim``).
+
+        Raises ``HandoffError`` when the request holds nothing (never held, expired,
+        already pulled) or holds other blocks than ``block_ids``.
+        """
+        return self.holds.claim(request_id, block_ids, now)
+
+    def peek_hold(self, request_id: str, now: float) -> HeldKV | None:
+        """What a held request holds, without claiming it (None: nothing held)."""
+        return self.holds.peek(request_id, now)
+
+    def release_hold(self, request_id: str, now: float) -> bool:
+        """Free a held request's blocks (read complete, or never to be read)."""
+        self.holds.expire(now)
+        return self.holds.release(request_id)
+
+    def next_wakeup(self) -> float | None:
+        """The next model time at which something happens without a step: a transfer
+        completing or a hold expiring (None: nothing timed is pending)."""
+        times = [seq.ready_at for seq in self._transferring]
+        expiry = self.holds.next_expiry()
+        if expiry is not None:
+            times.append(expiry)
+        return min(times) if times else None
 
     def reset_prefix_cache(self, now: float) -> bool:
         """Forget all cached blocks; refused (False) while requests hold blocks."""
@@ -213,12 +288,16 @@ class EngineModel:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        """Whether requests are queued, running or waiting for a KV transfer."""
+        return bool(self._running or self._waiting or self._transferring)
 
     def start_step(self, now: float) -> float | None:
         """Schedule one step and return its duration, or None when there is nothing to run."""
         if self._inflight is not None:
             raise RuntimeError("start_step called twice without finish_step")
+        self.holds.expire(now)
+        if self._transferring:
+            self._complete_transfers(now)
         p = self.params
         bs = p.block_size
         budget = p.max_num_batched_tokens
@@ -244,8 +323,21 @@ class EngineModel:
             budget -= n
             i += 1
         # Like vLLM, a step that had to preempt admits nobody new.
-        while not preempted_now and self._waiting and budget > 0 and len(running) < p.max_num_seqs:
+        transferring = self._transferring
+        while (
+            not preempted_now
+            and self._waiting
+            and budget > 0
+            and len(running) + len(transferring) < p.max_num_seqs
+        ):
             seq = self._waiting[0]
+            if seq.spec.remote_prefill and seq.num_cached_tokens < 0:
+                # A decode leg's first admission starts its transfer and computes nothing.
+                if not self._admit_remote(seq, now):
+                    break
+                self._waiting.popleft()
+                transferring.append(seq)
+                continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
@@ -271,16 +363,19 @@ class EngineModel:
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # a prefill chunk that did not reach the end
+            spec = seq.spec
             token = seq.output[seq.generated]
             seq.tokens.append(token)
             seq.generated += 1
             self._generation_tokens += 1
+            stopped = token in spec.stop_token_ids and seq.generated >= spec.min_tokens
             out = RequestOutput(
-                request_id=seq.spec.request_id,
+                request_id=spec.request_id,
                 new_token_ids=[token],
-                finished=seq.generated >= seq.spec.max_tokens,
-                num_prompt_tokens=len(seq.spec.prompt_token_ids),
+                finished=stopped or seq.generated >= spec.max_tokens,
+                num_prompt_tokens=len(spec.prompt_token_ids),
                 num_cached_tokens=seq.num_cached_tokens,
+                num_transferred_tokens=seq.transferred,
             )
             if seq.first_token_at is None:
                 seq.first_token_at = now
@@ -288,7 +383,9 @@ class EngineModel:
                 self._prompt_tokens += out.num_prompt_tokens
             if out.finished:
                 out.e2e = now - seq.arrival
-                self._finish(seq)
+                out.finish_reason = "stop" if stopped else "length"
+                out.stop_reason = token if stopped else None
+                out.held = self._finish(seq, now)
             outputs.append(out)
         preempted, self._preempted = self._preempted, []
         events = self.cache.take_events()
@@ -298,9 +395,11 @@ class EngineModel:
 
     def stats(self) -> EngineStats:
         cache = self.cache
+        holds = self.holds
         return EngineStats(
             num_running=len(self._running),
-            num_waiting=len(self._waiting),
+            # vLLM keeps requests waiting for remote KV in its waiting queues too.
+            num_waiting=len(self._waiting) + len(self._transferring),
             kv_cache_usage=cache.usage,
             num_free_blocks=cache.num_free,
             num_cached_blocks=cache.num_cached,
@@ -309,6 +408,10 @@ class EngineModel:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_preemptions=self._preemptions,
+            num_held_requests=len(holds),
+            num_held_blocks=holds.num_blocks,
+            num_expired_holds=holds.num_expired,
+            kv_transferred_tokens=self._transferred_tokens,
         )
 
     def step_duration(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
@@ -366,6 +469,46 @@ class EngineModel:
             self._hits += hit_tokens
         return n
 
+    def _admit_remote(self, seq: _Sequence, now: float) -> bool:
+        """Admit a decode leg: local prefix hits, blocks for the whole prompt, and the
+        transfer of the rest; False if the blocks do not fit."""
+        bs = self.params.block_size
+        total = len(seq.tokens)
+        cap = cacheable_blocks(total, bs)
+        self._ensure_hashes(seq, cap)
+        hits = self.cache.match(seq.hashes, cap)
+        need = self._blocks_for(total) - len(hits)
+        if not self.cache.can_allocate(need, hits):
+            return False
+        self.cache.touch(hits)
+        seq.blocks = hits + self.cache.allocate(need)
+        hit_tokens = len(hits) * bs
+        seq.computed = hit_tokens
+        seq.registered = len(hits)
+        # The local prefix-cache counters see only the local hit, as in vLLM; the
+        # request's cached tokens are everything it will not compute.
+        self._queries += total
+        self._hits += hit_tokens
+        seq.num_cached_tokens = total - 1
+        seq.transferred = total - hit_tokens
+        self._transferred_tokens += seq.transferred
+        seq.ready_at = now + self.params.transfer_time(seq.transferred)
+        return True
+
+    def _complete_transfers(self, now: float) -> None:
+        """Move decode legs whose KV has arrived to the running set."""
+        still: list[_Sequence] = []
+        for seq in self._transferring:
+            if seq.ready_at > now:
+                still.append(seq)
+                continue
+            # The transferred blocks become this engine's own cache, as vLLM caches a
+            # request's blocks once its remote KV has arrived.
+            seq.computed = len(seq.tokens) - 1
+            self._register_full_blocks(seq, seq.computed)
+            self._running.append(seq)
+        self._transferring = still
+
     def _preempt(self, seq: _Sequence) -> None:
         self._running.remove(seq)
         self.cache.release(seq.blocks)
@@ -403,11 +546,18 @@ class EngineModel:
         )
         seq.registered = full
 
-    def _finish(self, seq: _Sequence) -> None:
+    def _finish(self, seq: _Sequence, now: float) -> HeldKV | None:
+        """Retire a finished sequence: free its blocks, or hold them for a decode engine."""
         self._running.remove(seq)
-        self.cache.release(seq.blocks)
-        seq.blocks = []
-        del self._by_id[seq.spec.request_id]
+        spec = seq.spec
+        del self._by_id[spec.request_id]
+        blocks, seq.blocks = seq.blocks, []
+        if spec.remote_decode:
+            return self.holds.add(
+                spec.request_id, blocks, spec.prompt_token_ids, spec.lora_name, spec.cache_salt, now
+            )
+        self.cache.release(blocks)
+        return None
 
     def _duration(self, scheduled: list[tuple[_Sequence, int]]) -> float:
         prefill = decode = context = 0

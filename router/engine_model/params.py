@@ -25,6 +25,10 @@ class EngineParams:
              + prefill_tokens x prefill_token_s
              + decode_seqs x decode_seq_s
              + context_tokens_of_decode_seqs x context_token_s
+
+    KV transfer between engines (disaggregated prefill and decode)::
+
+        transfer = tokens x kv_bytes_per_token / kv_transfer_bandwidth
     """
 
     block_size: int = 16
@@ -42,6 +46,13 @@ class EngineParams:
     decode_seq_s: float = 60e-6
     #: Cost of reading one context token's KV during decode (memory bandwidth).
     context_token_s: float = 40e-9
+    #: Size of one token's KV cache (all layers, K and V), for KV-transfer time.
+    kv_bytes_per_token: int = 131_072
+    #: Bytes per second of the link a KV transfer between two engines uses.
+    kv_transfer_bandwidth: float = 50e9
+    #: How long a prefill-only request's blocks stay pinned for a remote decode engine
+    #: (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
+    kv_hold_timeout_s: float = 480.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -54,9 +65,24 @@ class EngineParams:
                 f"max_model_len {self.max_model_len} does not fit in the KV cache "
                 f"({self.num_gpu_blocks} blocks x {self.block_size} tokens)"
             )
-        for name in ("step_overhead_s", "prefill_token_s", "decode_seq_s", "context_token_s"):
+        for name in (
+            "step_overhead_s",
+            "prefill_token_s",
+            "decode_seq_s",
+            "context_token_s",
+            "kv_bytes_per_token",
+            "kv_hold_timeout_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if not self.kv_transfer_bandwidth > 0:
+            raise ValueError(
+                f"kv_transfer_bandwidth must be positive, got {self.kv_transfer_bandwidth}"
+            )
+
+    def transfer_time(self, num_tokens: int) -> float:
+        """Model seconds to move ``num_tokens`` tokens of KV cache between two engines."""
+        return num_tokens * self.kv_bytes_per_token / self.kv_transfer_bandwidth
 
     def replace(self, **changes: Any) -> EngineParams:
         """A copy with some fields changed (validated again)."""

@@ -28,7 +28,9 @@ class EngineLoad:
     decode_tokens: int = 0
     """Output tokens still to generate for in-flight requests (bounded by max_tokens)."""
     decode_blocks: int = 0
-    """KV blocks held by in-flight requests that are decoding (prompt plus output so far)."""
+    """KV blocks in-flight decoding requests add to the engine: their uncached prompt blocks
+    and their output blocks. Blocks of a prefix they share with cached or other requests
+    are held once by the engine and are not counted again for each request."""
     waiting: float | None = None
     """Engine-reported queued requests (``vllm:num_requests_waiting``)."""
     running: float | None = None
@@ -37,18 +39,8 @@ class EngineLoad:
     """Engine-reported KV-cache usage in [0, 1] (``vllm:kv_cache_usage_perc``)."""
     reported_at: float | None = None
     """When the engine-reported values were scraped (router clock)."""
-
-    def copy(self) -> EngineLoad:
-        return EngineLoad(
-            self.requests,
-            self.prefill_tokens,
-            self.decode_tokens,
-            self.decode_blocks,
-            self.waiting,
-            self.running,
-            self.kv_usage,
-            self.reported_at,
-        )
+    routed: int = 0
+    """Requests this router has sent there so far (orders otherwise equal choices)."""
 
 
 LoadView = Mapping[EngineKey, EngineLoad]
@@ -101,10 +93,12 @@ class LoadTracker:
         self, engine: EngineKey, prompt_tokens: int, cached_tokens: int, max_tokens: int
     ) -> Ticket:
         uncached = max(prompt_tokens - cached_tokens, 0)
-        blocks = -(-prompt_tokens // self.block_size)
+        bs = self.block_size
+        blocks = -(-uncached // bs) + -(-max(max_tokens, 0) // bs)
         ticket = Ticket(next(self._ids), engine, uncached, max(max_tokens, 0), blocks)
         load = self._load(engine)
         load.requests += 1
+        load.routed = ticket.id + 1
         load.prefill_tokens += ticket.prefill_tokens
         load.decode_tokens += ticket.decode_tokens
         self._open[ticket.id] = ticket

@@ -130,7 +130,7 @@ class KVCostPolicy(Policy):
             chosen = (
                 tied[0]
                 if len(tied) == 1
-                else min(tied, key=lambda s: tiebreak(request.request_id, s.engine))
+                else min(tied, key=lambda s: self._tie_rank(request, s, loads))
             )
         deepest = max(s.matched_blocks for s in scores)
         if deepest == 0:
@@ -147,6 +147,16 @@ class KVCostPolicy(Policy):
             cached_tokens=chosen.cached_tokens,
             scores=scores,
         )
+
+    @staticmethod
+    def _tie_rank(request: RouteRequest, score: Score, loads: LoadView) -> tuple[float, ...]:
+        """Equal costs: fewer requests in flight, then the engine routed to least recently
+        (its cache is the coldest, so a fresh prefix finds room there; over time this
+        spreads fresh prefixes like round robin), then a hash of the request id."""
+        load = loads.get(score.engine)
+        if load is None:
+            return (0, 0, tiebreak(request.request_id, score.engine))
+        return (load.requests, load.routed, tiebreak(request.request_id, score.engine))
 
     def _sample(self, request: RouteRequest, scores: list[Score]) -> Score:
         """Softmax over min-max normalised costs at the configured temperature."""

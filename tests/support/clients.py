@@ -26,6 +26,25 @@ async def post(
         return resp.status, json.loads(raw) if raw else None
 
 
+@dataclass
+class Reply:
+    """A whole HTTP answer: status, headers and decoded JSON body (None if empty)."""
+
+    status: int
+    headers: dict[str, str]
+    body: Any
+
+
+async def post_reply(
+    http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
+) -> Reply:
+    """POST JSON and return the status, the headers (lower-case names) and the body."""
+    async with http.post(url, json=body, headers=headers) as resp:
+        raw = await resp.read()
+        names = {k.lower(): v for k, v in resp.headers.items()}
+        return Reply(resp.status, names, json.loads(raw) if raw else None)
+
+
 async def get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
     async with http.get(url) as resp:
         raw = await resp.read()
@@ -34,17 +53,28 @@ async def get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
 
 async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[Any]:
     """POST a streaming request; return each SSE ``data:`` payload (``"[DONE]"`` verbatim)."""
+    return (await stream_reply(http, url, body)).body
+
+
+async def stream_reply(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Reply:
+    """POST a streaming request; the body is the list of SSE ``data:`` payloads."""
     out: list[Any] = []
-    async with http.post(url, json=body) as resp:
+    async with http.post(url, json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         assert resp.headers["content-type"].startswith("text/event-stream")
+        names = {k.lower(): v for k, v in resp.headers.items()}
         text = (await resp.read()).decode()
     for block in text.split("\n\n"):
         if block:
             assert block.startswith("data: "), block
             payload = block[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
+    return Reply(200, names, out)
 
 
 async def metrics(http: aiohttp.ClientSession, base_url: str) -> dict[str, list[Any]]:
@@ -63,6 +93,15 @@ def metric(samples: dict[str, list[Any]], name: str) -> float:
     """The value of a metric with a single sample."""
     (sample,) = samples[name]
     return sample.value
+
+
+def metric_sum(samples: dict[str, list[Any]], name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels`` (0 if none)."""
+    return sum(
+        s.value
+        for s in samples.get(name, [])
+        if all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 @dataclass

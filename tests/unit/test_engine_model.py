@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from router.engine_model import EngineModel, EngineParams, RequestOutput, RequestSpec, preset
+from router.engine_model import (
+    EngineModel,
+    EngineParams,
+    HandoffError,
+    RequestOutput,
+    RequestSpec,
+    preset,
+)
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 SMALL = EngineParams(block_size=16, num_gpu_blocks=1_000, max_model_len=8_192)
@@ -29,9 +36,15 @@ class Run:
         self.engine.submit(RequestSpec(rid, tokens, max_tokens, **kw), self.now)
 
     def step(self) -> bool:
+        """Run one step; jump the clock to the next timed event while none can run."""
         duration = self.engine.start_step(self.now)
-        if duration is None:
-            return False
+        while duration is None:
+            self.events.extend(self.engine.take_events())
+            wakeup = self.engine.next_wakeup()
+            if not self.engine.has_work or wakeup is None:
+                return False
+            self.now = max(self.now, wakeup)
+            duration = self.engine.start_step(self.now)
         self.durations.append(duration)
         self.now += duration
         result = self.engine.finish_step(self.now)
@@ -322,3 +335,134 @@ def test_a_prompt_admitted_in_the_same_step_hits_blocks_scheduled_before_it() ->
     assert run.cached("first") == 0
     assert run.cached("second") == 2_000  # all 125 blocks "first" filled in that step
     assert len(run.durations) == 1  # both were admitted together in one step
+
+
+# ---------------------------------------------------------------------- disaggregation
+
+#: 1 KiB of KV per token over a 1 MB/s link: 1 ms of transfer per token.
+LINK = SMALL.replace(kv_bytes_per_token=1_000, kv_transfer_bandwidth=1e6, kv_hold_timeout_s=30.0)
+
+
+def test_a_prefill_leg_keeps_its_blocks_after_finishing() -> None:
+    run = Run(EngineModel(LINK, hash_seed=1))
+    run.submit("p", prompt(100), remote_decode=True)
+    run.until_idle()
+    (out,) = run.outputs["p"]
+    assert out.finished and out.finish_reason == "length"
+    assert out.held is not None and out.held.prompt_token_ids == tuple(prompt(100))
+    assert len(out.held.block_ids) == 7  # the 100 computed prompt tokens
+    stats = run.engine.stats()
+    assert (stats.num_held_requests, stats.num_held_blocks) == (1, 7)
+    assert stats.kv_cache_usage == pytest.approx(7 / 1_000)
+
+
+def test_a_claimed_hold_is_freed_on_release_and_cannot_be_pulled_twice() -> None:
+    run = Run(EngineModel(LINK, hash_seed=1))
+    run.submit("p", prompt(100), remote_decode=True)
+    run.until_idle()
+    held = run.outputs["p"][0].held
+    assert held is not None
+    assert run.engine.claim_hold("p", held.block_ids, run.now) == held
+    with pytest.raises(HandoffError, match="already being pulled") as busy:
+        run.engine.claim_hold("p", None, run.now)
+    assert busy.value.reason == "already_pulled"
+    assert run.engine.release_hold("p", run.now)
+    assert run.engine.stats().kv_cache_usage == 0.0
+    with pytest.raises(HandoffError, match="already pulled") as again:
+        run.engine.claim_hold("p", None, run.now)
+    assert again.value.reason == "already_pulled"
+
+
+def test_claims_of_unknown_requests_or_other_blocks_fail() -> None:
+    run = Run(EngineModel(LINK, hash_seed=1))
+    run.submit("p", prompt(40), remote_decode=True)
+    run.until_idle()
+    with pytest.raises(HandoffError) as unknown:
+        run.engine.claim_hold("nobody", None, run.now)
+    with pytest.raises(HandoffError) as mismatch:
+        run.engine.claim_hold("p", [0, 1, 99], run.now)
+    assert (unknown.value.reason, mismatch.value.reason) == ("unknown", "block_mismatch")
+
+
+def test_an_unclaimed_hold_expires_after_the_timeout() -> None:
+    run = Run(EngineModel(LINK, hash_seed=1))
+    run.submit("p", prompt(40), remote_decode=True)
+    run.until_idle()
+    finished_at = run.now
+    assert run.engine.next_wakeup() == pytest.approx(finished_at + 30.0)
+    run.engine.release_hold("other", finished_at + 29.9)
+    assert run.engine.stats().num_held_requests == 1
+    with pytest.raises(HandoffError, match="expired") as expired:
+        run.engine.claim_hold("p", None, finished_at + 30.0)
+    assert expired.value.reason == "expired"
+    stats = run.engine.stats()
+    assert (stats.num_held_requests, stats.num_expired_holds, stats.kv_cache_usage) == (0, 1, 0.0)
+    assert run.engine.next_wakeup() is None
+
+
+def test_a_decode_leg_waits_for_the_transfer_then_computes_one_token() -> None:
+    params = LINK.replace(step_overhead_s=0.01, prefill_token_s=1e-3)
+    run = Run(EngineModel(params, hash_seed=1))
+    run.submit("d", prompt(100), max_tokens=3, remote_prefill=True)
+    assert run.engine.start_step(run.now) is None  # admitted into the transfer only
+    assert run.engine.stats().num_waiting == 1
+    assert run.engine.next_wakeup() == pytest.approx(0.1)  # 100 tokens x 1 ms
+    run.until_idle()
+    first = run.outputs["d"][0]
+    assert first.num_transferred_tokens == 100 and first.num_cached_tokens == 99
+    # TTFT: the transfer, then one step computing the last prompt token.
+    assert first.ttft == pytest.approx(0.1 + 0.01 + 1e-3)
+    assert len(run.tokens("d")) == 3
+    assert run.engine.stats().kv_transferred_tokens == 100
+
+
+def test_a_decode_leg_pulls_only_what_it_does_not_cache_and_caches_the_rest() -> None:
+    run = Run(EngineModel(LINK, hash_seed=1))
+    run.submit("warm", prompt(40))
+    run.until_idle()
+    run.events.clear()
+    run.submit("d", prompt(100), remote_prefill=True)
+    run.until_idle()
+    assert run.outputs["d"][0].num_transferred_tokens == 100 - 32
+    stored = [h for e in run.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert len(stored) == 99 // 16 - 2  # the imported full blocks join this engine's cache
+    stats = run.engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (140, 32)
+    run.submit("again", prompt(100))
+    run.until_idle()
+    assert run.cached("again") == 96
+
+
+def test_the_same_prompt_gets_the_same_answer_through_a_handoff() -> None:
+    alone = Run(EngineModel(LINK, hash_seed=1))
+    alone.submit("x", prompt(60), max_tokens=8)
+    alone.until_idle()
+    split = Run(EngineModel(LINK, hash_seed=2))
+    split.submit("x", prompt(60), max_tokens=8, remote_prefill=True)
+    split.until_idle()
+    assert split.tokens("x") == alone.tokens("x")
+
+
+def test_aborting_a_transferring_decode_leg_frees_its_blocks() -> None:
+    run = Run(EngineModel(LINK, hash_seed=1))
+    run.submit("d", prompt(100), remote_prefill=True)
+    assert run.engine.start_step(run.now) is None
+    assert run.engine.stats().kv_cache_usage > 0
+    assert run.engine.abort("d", run.now)
+    stats = run.engine.stats()
+    assert (stats.num_waiting, stats.kv_cache_usage, run.engine.has_work) == (0, 0.0, False)
+
+
+def test_a_stop_token_ends_a_request_early() -> None:
+    reference = Run(EngineModel(SMALL, hash_seed=1))
+    reference.submit("r", prompt(30), max_tokens=5)
+    reference.until_idle()
+    third = reference.tokens("r")[2]
+    run = Run(EngineModel(SMALL, hash_seed=1))
+    run.submit("s", prompt(30), max_tokens=5, stop_token_ids=frozenset({third}))
+    run.submit("m", prompt(30), max_tokens=5, stop_token_ids=frozenset({third}), min_tokens=4)
+    run.until_idle()
+    last = run.outputs["s"][-1]
+    assert run.tokens("s") == reference.tokens("r")[:3]
+    assert (last.finish_reason, last.stop_reason) == ("stop", third)
+    assert run.outputs["m"][-1].finish_reason == "length"

@@ -64,6 +64,16 @@ class TestKVCost:
         assert first == again
         assert set(first) == set(ENGINES)
 
+    def test_equal_costs_go_to_the_engine_routed_to_least_recently(self) -> None:
+        tracker = LoadTracker(16)
+        for engine in (C, A, D):  # B never, then C, A, D, each finished again
+            tracker.end(tracker.begin(engine, 100, 0, 1))
+        policy = KVCostPolicy(PolicyConfig())
+        picks = [policy.choose(req(f"t{i}"), ENGINES, {}, tracker.view).engine for i in range(20)]
+        assert set(picks) == {B}
+        tracker.end(tracker.begin(B, 100, 0, 1))
+        assert policy.choose(req("next"), ENGINES, {}, tracker.view).engine == C
+
     def test_offloaded_blocks_are_worth_less(self) -> None:
         policy = KVCostPolicy(PolicyConfig(offload_weight=0.5))
         d = policy.choose(req(), [A, B], {A: Match(100, offloaded=100), B: Match(60)}, {})
@@ -186,7 +196,8 @@ def test_load_tracker_moves_work_from_prefill_to_decode_and_releases_it() -> Non
     t = tracker.begin(A, prompt_tokens=1000, cached_tokens=400, max_tokens=50)
     assert (tracker.view[A].requests, tracker.view[A].prefill_tokens) == (1, 600)
     tracker.prefilled(t)
-    assert (tracker.view[A].prefill_tokens, tracker.view[A].decode_blocks) == (0, 63)
+    # only the blocks this request adds: 600 uncached prompt tokens and 50 output tokens
+    assert (tracker.view[A].prefill_tokens, tracker.view[A].decode_blocks) == (0, 38 + 4)
     tracker.end(t)
     tracker.end(t)
     load = tracker.view[A]
