@@ -1,0 +1,196 @@
+"""The router against engines that misbehave on command (the emulator's /admin/faults)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest_asyncio
+from support.clients import metric_sum, metrics, post
+from support.engines import poll, start_test_engine
+from support.routers import start_router
+
+from router.emulator import EmulatedEngine
+
+
+async def faults(http: aiohttp.ClientSession, engine: EmulatedEngine, **changes: object) -> None:
+    async with http.post(f"{engine.url}/admin/faults", json=changes) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+@pytest_asyncio.fixture
+async def flaky_pair(http: aiohttp.ClientSession) -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [await start_test_engine(engine_id=f"faulty{i}") for i in range(2)]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+async def test_an_engine_answering_500_is_retried_around_and_counted(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    bad, good = flaky_pair
+    await faults(http, bad, fail_rate=1.0)
+    app = await start_router(
+        [bad.url, good.url],
+        policy={"name": "round_robin"},
+        health={"interval_s": 30.0, "eject_after_failures": 100},
+    )
+    try:
+        for i in range(6):
+            status, body = await post(
+                http, f"{app.url}/v1/completions", {"prompt": f"retry me {i}", "max_tokens": 2}
+            )
+            assert status == 200, body
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_retries_total", reason="status") >= 3
+    finally:
+        await app.stop()
+
+
+async def test_every_engine_answering_500_gives_the_client_502(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    for engine in flaky_pair:
+        await faults(http, engine, fail_rate=1.0)
+    app = await start_router([e.url for e in flaky_pair], health={"interval_s": 30.0})
+    try:
+        status, body = await post(http, f"{app.url}/v1/completions", {"prompt": "x"})
+        assert status == 502 and body["error"]["type"] == "bad_gateway"
+        assert "500" in body["error"]["message"]
+    finally:
+        await app.stop()
+
+
+async def test_an_engine_that_never_answers_times_out_with_504(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    for engine in flaky_pair:
+        await faults(http, engine, stall_after_tokens=0)
+    app = await start_router(
+        [e.url for e in flaky_pair],
+        proxy={"first_byte_timeout_s": 0.3, "retries": 1},
+        health={"interval_s": 30.0},
+    )
+    try:
+        status, body = await post(
+            http, f"{app.url}/v1/completions", {"prompt": "hello", "max_tokens": 4}
+        )
+        assert status == 504 and body["error"]["type"] == "gateway_timeout"
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_retries_total", reason="timeout") == 2
+        # The engines saw their requests abandoned, and nothing is left in flight here.
+        for engine in flaky_pair:
+            await poll(lambda e=engine: e.state.drivers[0].model.stats().num_running == 0)
+        assert app.core.loads.in_flight == 0
+    finally:
+        await app.stop()
+
+
+async def test_a_stall_before_the_first_byte_is_retried_on_another_engine(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    stalled, good = flaky_pair
+    await faults(http, stalled, stall_after_tokens=0)
+    app = await start_router(
+        [stalled.url, good.url],
+        policy={"name": "round_robin"},
+        proxy={"first_byte_timeout_s": 0.3},
+        health={"interval_s": 30.0},
+    )
+    try:
+        for i in range(2):
+            body = {"prompt": f"stream {i}", "max_tokens": 4, "stream": True}
+            async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                text = (await resp.read()).decode()
+            assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+    finally:
+        await app.stop()
+
+
+async def test_an_engine_dropping_the_stream_midway_ends_it_with_an_sse_error(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    for engine in flaky_pair:
+        await faults(http, engine, drop_after_tokens=3)
+    app = await start_router([e.url for e in flaky_pair], health={"interval_s": 30.0})
+    try:
+        body = {"prompt": "drop me", "max_tokens": 20, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert '"error"' in events[-2] and "bad_gateway" in events[-2]
+        assert sum('"text"' in e for e in events) == 3  # the tokens sent before the drop
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_requests_total", outcome="stream_error") == 1
+        assert app.core.loads.in_flight == 0
+    finally:
+        await app.stop()
+
+
+async def test_an_engine_stalling_midstream_times_out_with_an_sse_error(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    for engine in flaky_pair:
+        await faults(http, engine, stall_after_tokens=2)
+    app = await start_router(
+        [e.url for e in flaky_pair], proxy={"idle_timeout_s": 0.3}, health={"interval_s": 30.0}
+    )
+    try:
+        body = {"prompt": "stall me", "max_tokens": 20, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+            text = (await resp.read()).decode()
+        assert '"gateway_timeout"' in text and text.endswith("data: [DONE]\n\n")
+    finally:
+        await app.stop()
+
+
+async def test_a_failing_health_check_ejects_and_recovery_readmits(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    sick, _ = flaky_pair
+    app = await start_router([e.url for e in flaky_pair])
+    try:
+        record = app.registry.get(f"127.0.0.1:{sick.port}")
+        await faults(http, sick, fail_health=True)
+        await poll(lambda: record.state.value == "ejected")
+        await faults(http, sick, fail_health=False)
+        await poll(lambda: record.state.value == "healthy", timeout=10)
+    finally:
+        await app.stop()
+
+
+async def test_kv_event_batches_skipped_on_the_wire_are_replayed(
+    ipc_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    engine = await start_test_engine(
+        engine_id="gappy",
+        kv_events_endpoint=f"ipc://{ipc_dir}/gappy",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+    )
+    app = await start_router([engine.url])
+
+    async def send(i: int) -> None:
+        prompt = " ".join(f"gap{i}x{j}" for j in range(64))
+        status, _ = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prompt, "max_tokens": 1}
+        )
+        assert status == 200
+
+    try:
+        await send(0)
+        await poll(lambda: app.ingestor.counters.blocks_stored >= 4)  # batch 0 applied live
+        await faults(http, engine, kv_events_skip=2, kv_events_garbage=1)
+        for i in range(1, 4):  # batches 1 and 2 never reach the socket; 3 does
+            await send(i)
+        await poll(lambda: app.ingestor.counters.blocks_stored >= 16)
+        stats = app.subscriber.stats
+        assert stats.gaps == 1 and stats.replays["ok"] >= 2 and stats.garbage == 1
+        assert stats.restarts == 0
+    finally:
+        await app.stop()
+        await engine.stop()
