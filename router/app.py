@@ -159,17 +159,20 @@ class RouterApp:
         for key in engine.keys:
             if self.subscriber.stream_state(key) is not None:
                 continue
+            endpoints = engine.events_of(key.rank)
+            if endpoints is None:
+                continue
             await self.subscriber.add_source(
                 EventSource(
                     engine=key,
                     namespace=bases[0],
-                    endpoint=engine.events.endpoint,
-                    replay_endpoint=engine.events.replay_endpoint,
-                    topic=engine.events.topic,
+                    endpoint=endpoints.endpoint,
+                    replay_endpoint=endpoints.replay_endpoint,
+                    topic=endpoints.topic,
                     block_size=self.block_size_for(bases[0]),
                 )
             )
-            log.info("following KV events of %s at %s", key.label, engine.events.endpoint)
+            log.info("following KV events of %s at %s", key.label, endpoints.endpoint)
 
     def _resolve_topic(self, topic: str, rank: int | None) -> EventSource | None:
         parsed = parse_llmd_topic(topic)

@@ -167,6 +167,20 @@ class EngineMonitor:
                 else None,
                 topic=topic if isinstance(topic, str) else "",
             )
+            ranks = info.get("ranks")
+            for entry in ranks if isinstance(ranks, list) else []:
+                if not isinstance(entry, dict) or not isinstance(entry.get("rank"), int):
+                    continue
+                rank_pub = entry.get("kv_events_endpoint")
+                rank_replay = entry.get("kv_events_replay_endpoint")
+                if isinstance(rank_pub, str) and rank_pub:
+                    engine.rank_events[entry["rank"]] = EventEndpoints(
+                        endpoint=_reachable(rank_pub, host),
+                        replay_endpoint=_reachable(rank_replay, host)
+                        if isinstance(rank_replay, str) and rank_replay
+                        else None,
+                        topic=engine.events.topic,
+                    )
 
     # ------------------------------------------------------------------ health
 

@@ -31,6 +31,19 @@ class EngineState(str, Enum):
     """Never routed to: it cannot serve its pool as configured (e.g. another block size)."""
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """A DP rank's ZMQ endpoint from rank 0's, by vLLM's rule: a TCP port is offset by the
+    rank; an ipc:// or inproc:// path gets ``_dp<rank>``. Rank 0 is unchanged."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return f"{base}:{int(port) + rank}"
+        return endpoint  # a wildcard port: each rank bound its own; ask the engine
+    return f"{endpoint}_dp{rank}"
+
+
 def endpoint_of(url: str) -> str:
     """``http://host:port/...`` -> ``host:port``."""
     parts = urlsplit(url)
@@ -50,7 +63,9 @@ class Engine:
     """Models come from configuration; discovery does not change them."""
     dp_size: int = 1
     events: EventEndpoints | None = None
-    """Where its KV events come from, once known."""
+    """Where its KV events come from, once known (rank 0's, for DP engines)."""
+    rank_events: dict[int, EventEndpoints] = field(default_factory=dict)
+    """Per-rank endpoints the engine reported; otherwise derived from ``events``."""
     wants_events: bool = True
     """False when configured with ``kv_events: none``."""
     block_size: int | None = None
@@ -75,6 +90,20 @@ class Engine:
     def refresh(self) -> None:
         """Recompute derived fields after ``dp_size`` changed."""
         self.keys = [EngineKey(self.endpoint, rank) for rank in range(self.dp_size)]
+
+    def events_of(self, rank: int) -> EventEndpoints | None:
+        """Where rank ``rank`` publishes its KV events."""
+        reported = self.rank_events.get(rank)
+        if reported is not None or self.events is None:
+            return reported
+        base = self.events
+        return EventEndpoints(
+            endpoint=rank_endpoint(base.endpoint, rank),
+            replay_endpoint=rank_endpoint(base.replay_endpoint, rank)
+            if base.replay_endpoint
+            else None,
+            topic=base.topic,
+        )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:
