@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo docs bench bench-core bench-router bench-redis bench-compare compat lint fmt clean
+.PHONY: venv test demo docs bench bench-core bench-router bench-redis bench-disagg bench-compare compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -21,13 +21,16 @@ test: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core bench-router bench-redis
+bench: venv bench-core bench-router bench-redis bench-disagg
 
 bench-core: venv
 	$(PY) -m router.bench.core
 
 bench-router: venv
 	$(PY) -m router.bench.overhead
+
+bench-disagg: venv
+	$(PY) -m router.bench.disagg
 
 bench-redis: venv
 	$(PY) -m router.bench.redis_index

@@ -40,7 +40,8 @@ from aiohttp import web
 from router.api.errors import ApiError
 from router.api.usage import UsageTap
 from router.handoff import nixl, sglang
-from router.policy.base import Decision, NoCandidates, RouteRequest, request_rng
+from router.policy import make_policy
+from router.policy.base import Decision, NoCandidates, Policy, RouteRequest, request_rng
 from router.policy.disagg import SplitDecision, decide_split
 from router.policy.kv_cost import DecodeCostPolicy
 from router.proxy import UpstreamError
@@ -61,11 +62,19 @@ class PDForwarder:
         self.api = api
         self.app = api.app
         cfg = self.app.config.disaggregation
-        self.decode_policy = DecodeCostPolicy.for_disaggregation(
-            self.app.config.policy,
-            cfg.decode_weight,
-            cfg.decode_queue_weight,
-            cfg.decode_prefix_weight,
+        # Cache-aware routers choose decode engines by their own cost; a baseline policy
+        # (round_robin, random, ...) chooses both legs, each leg with its own instance so
+        # that, e.g., round robin rotates prefill and decode engines independently.
+        base = self.app.core.policy
+        self.decode_policy: Policy = (
+            DecodeCostPolicy.for_disaggregation(
+                self.app.config.policy,
+                cfg.decode_weight,
+                cfg.decode_queue_weight,
+                cfg.decode_prefix_weight,
+            )
+            if base.uses_index
+            else make_policy(self.app.config.policy)  # its own state: pairs rotate freely
         )
 
     async def forward(

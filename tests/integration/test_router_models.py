@@ -238,22 +238,26 @@ async def test_data_parallel_ranks_are_routing_targets_with_their_own_caches(
     ipc_dir: Path, http: aiohttp.ClientSession
 ) -> None:
     engine = await start_test_engine(
-        engine_id="dp", dp_size=2, kv_events_endpoint=f"ipc://{ipc_dir}/dp",
+        engine_id="dp",
+        dp_size=2,
+        kv_events_endpoint=f"ipc://{ipc_dir}/dp",
         kv_events_replay_endpoint="tcp://127.0.0.1:*",
     )
     app = await start_router([engine.url])
     try:
         record = app.registry.get(endpoint(engine))
         assert record is not None and [k.label for k in record.keys] == [
-            endpoint(engine), f"{endpoint(engine)}#dp1",
+            endpoint(engine),
+            f"{endpoint(engine)}#dp1",
         ]
         await poll(lambda: app.subscriber.stats.replays["ok"] == 2)  # one stream per rank
         targets: dict[str, set[str]] = {}
         for group in range(6):
             prefix = " ".join(f"dp{group}w{i}" for i in range(320))
             for q in range(3):
-                async with http.post(f"{app.url}/v1/completions",
-                                     json={"prompt": f"{prefix} q{q}", "max_tokens": 1}) as r:
+                async with http.post(
+                    f"{app.url}/v1/completions", json={"prompt": f"{prefix} q{q}", "max_tokens": 1}
+                ) as r:
                     assert r.status == 200
                     body = await r.json()
                     targets.setdefault(f"g{group}", set()).add(r.headers["x-kvroute-engine"])
@@ -261,11 +265,16 @@ async def test_data_parallel_ranks_are_routing_targets_with_their_own_caches(
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
         assert all(len(ranks) == 1 for ranks in targets.values()), targets
         assert {next(iter(r)) for r in targets.values()} == {
-            endpoint(engine), f"{endpoint(engine)}#dp1",
+            endpoint(engine),
+            f"{endpoint(engine)}#dp1",
         }
         # both ranks' event streams fed the index, each for its own rank
-        await poll(lambda: all(s.last_seq is not None for s in (
-            app.subscriber.stream_state(k) for k in record.keys)))
+        await poll(
+            lambda: all(
+                s.last_seq is not None
+                for s in (app.subscriber.stream_state(k) for k in record.keys)
+            )
+        )
         samples = await metrics(http, engine.url)
         per_rank = {s.labels["engine"]: s.value for s in samples["vllm:prompt_tokens_total"]}
         assert set(per_rank) == {"0", "1"} and all(v > 0 for v in per_rank.values())

@@ -1,0 +1,328 @@
+"""Disaggregated prefill/decode through kvroute serve, against emulated engines that
+implement the handoff protocols (issue 7). Decode engines run with
+``handoff_failure="error"``, so a leg with wrong parameters fails instead of silently
+recomputing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest_asyncio
+from support.clients import metric_sum, metrics, post
+from support.engines import TEST_PARAMS, poll, start_test_engine
+from support.routers import start_router
+
+from router.app import RouterApp
+from router.emulator import EmulatedEngine
+
+LONG = 2000
+
+
+def endpoint(engine: EmulatedEngine) -> str:
+    return f"127.0.0.1:{engine.port}"
+
+
+def prompt(tag: str, words: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(words))
+
+
+async def engine_metric(http: aiohttp.ClientSession, engine: EmulatedEngine, name: str) -> float:
+    return metric_sum(await metrics(http, engine.url), name)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pools() -> AsyncIterator[dict[str, list[EmulatedEngine]]]:
+    prefill = [await start_test_engine(engine_id=f"p{i}", role="prefill") for i in range(2)]
+    decode = [
+        await start_test_engine(engine_id=f"d{i}", role="decode", handoff_failure="error")
+        for i in range(2)
+    ]
+    yield {"prefill": prefill, "decode": decode}
+    for engine in prefill + decode:
+        await engine.stop()
+
+
+@pytest_asyncio.fixture
+async def pd_router(
+    pools: dict[str, list[EmulatedEngine]], http: aiohttp.ClientSession
+) -> AsyncIterator[RouterApp]:
+    for engine in pools["prefill"] + pools["decode"]:
+        await post(http, f"{engine.url}/reset_prefix_cache", {})
+    app = await start_router(
+        [{"url": e.url, "role": "prefill"} for e in pools["prefill"]]
+        + [{"url": e.url, "role": "decode"} for e in pools["decode"]]
+    )
+    yield app
+    await app.stop()
+
+
+async def test_a_long_prompt_is_split_and_the_decode_engine_pulls_its_kv(
+    pools: dict[str, list[EmulatedEngine]], pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    before = sum(
+        [
+            await engine_metric(http, d, "kvroute_emulator_kv_pulled_tokens_total")
+            for d in pools["decode"]
+        ]
+    )
+    async with http.post(
+        f"{pd_router.url}/v1/completions", json={"prompt": prompt("long", LONG), "max_tokens": 5}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+        assert resp.headers["x-kvroute-mode"] == "split"
+        assert resp.headers["x-kvroute-prefill"] in {endpoint(p) for p in pools["prefill"]}
+        assert resp.headers["x-kvroute-engine"] in {endpoint(d) for d in pools["decode"]}
+    assert body["usage"]["prompt_tokens"] == LONG
+    assert body["usage"]["completion_tokens"] == 5
+    # the client sees what the cache saved at prefill: nothing, for a new prompt
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after = sum(
+        [
+            await engine_metric(http, d, "kvroute_emulator_kv_pulled_tokens_total")
+            for d in pools["decode"]
+        ]
+    )
+    assert after - before >= LONG - 16
+    samples = await metrics(http, pd_router.url)
+    assert metric_sum(samples, "kvroute_handoffs_total", dialect="nixl", outcome="pulled") == 1
+    assert metric_sum(samples, "kvroute_disagg_decisions_total", mode="split") == 1
+
+
+async def test_a_streamed_split_shows_the_prefill_legs_cached_tokens(
+    pools: dict[str, list[EmulatedEngine]], pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    shared = prompt("shared", LONG)
+    cached = []
+    for q in range(2):
+        body = {
+            "prompt": f"{shared} question{q}",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with http.post(f"{pd_router.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        usage = __import__("json").loads(events[-2][len("data: ") :])["usage"]
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    # the second request found the shared prefix cached on its prefill engine
+    assert cached == [0, LONG]
+
+
+async def test_shared_prefixes_go_to_the_same_prefill_engine(
+    pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    # Each prompt: a shared 2,000-token prefix and its own 1,000 tokens, so the decode
+    # engine never holds 80% of it and every request is split.
+    shared = prompt("ctx", LONG)
+    prefill_engines = set()
+    for q in range(5):
+        body = {"prompt": f"{shared} {prompt(f'own{q}x', 1000)}", "max_tokens": 2}
+        async with http.post(f"{pd_router.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-mode"] == "split"
+            prefill_engines.add(resp.headers["x-kvroute-prefill"])
+            cached = (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (0 if q == 0 else LONG)
+    assert len(prefill_engines) == 1
+
+
+async def test_a_multi_turn_prefix_held_by_the_decode_engine_is_served_there(
+    pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    shared = prompt("turns", LONG)
+    modes = []
+    for q in range(3):
+        async with http.post(
+            f"{pd_router.url}/v1/completions", json={"prompt": f"{shared} q{q}", "max_tokens": 2}
+        ) as resp:
+            assert resp.status == 200
+            modes.append(resp.headers["x-kvroute-mode"])
+    assert modes == ["split", "local:decode_holds_prefix", "local:decode_holds_prefix"]
+
+
+async def test_short_prompts_are_not_split(
+    pools: dict[str, list[EmulatedEngine]], pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    before = [await engine_metric(http, p, "vllm:prompt_tokens_total") for p in pools["prefill"]]
+    for i in range(4):
+        async with http.post(
+            f"{pd_router.url}/v1/completions",
+            json={"prompt": prompt(f"short{i}x", 100), "max_tokens": 3},
+        ) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-mode"] == "local:short_uncached"
+    after = [await engine_metric(http, p, "vllm:prompt_tokens_total") for p in pools["prefill"]]
+    assert after == before
+
+
+async def test_chat_requests_are_split_too(
+    pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": prompt("sys", LONG)},
+            {"role": "user", "content": "hello"},
+        ],
+        "max_tokens": 3,
+    }
+    async with http.post(f"{pd_router.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-kvroute-mode"] == "split"
+        assert (await resp.json())["object"] == "chat.completion"
+
+
+async def test_a_decode_engine_failing_before_its_first_byte_is_replaced(
+    pools: dict[str, list[EmulatedEngine]], pd_router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    bad = pools["decode"][0]
+    async with http.post(f"{bad.url}/admin/faults", json={"fail_rate": 1.0}) as resp:
+        assert resp.status == 200
+    try:
+        for i in range(4):
+            async with http.post(
+                f"{pd_router.url}/v1/completions",
+                json={"prompt": prompt(f"retry{i}x", LONG), "max_tokens": 2},
+            ) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["x-kvroute-engine"] == endpoint(pools["decode"][1])
+    finally:
+        async with http.delete(f"{bad.url}/admin/faults") as resp:
+            assert resp.status == 200
+
+
+async def test_a_dead_prefill_pool_falls_back_to_the_decode_engine_without_failing(
+    http: aiohttp.ClientSession,
+) -> None:
+    prefill = [await start_test_engine(engine_id=f"doomed{i}", role="prefill") for i in range(2)]
+    decode = await start_test_engine(engine_id="survivor", role="decode", handoff_failure="error")
+    app = await start_router(
+        [{"url": p.url, "role": "prefill"} for p in prefill]
+        + [{"url": decode.url, "role": "decode"}],
+        health={"interval_s": 30.0},
+    )
+    try:
+        sent = 0
+
+        async def one(i: int) -> None:
+            nonlocal sent
+            status, body = await post(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": prompt(f"kill{i}x", LONG), "max_tokens": 2},
+            )
+            assert status == 200, body
+            sent += 1
+
+        await one(0)
+        await prefill[0].stop()  # one prefill engine dies: the other takes over
+        for i in range(1, 4):
+            await one(i)
+        await prefill[1].stop()  # the whole prefill pool is gone: decode alone
+        for i in range(4, 7):
+            await one(i)
+        assert sent == 7
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="prefill_failed") >= 1
+    finally:
+        await app.stop()
+        await decode.stop()
+        for p in prefill:
+            await p.stop()
+
+
+async def test_silent_recompute_on_the_decode_engine_is_detected(
+    http: aiohttp.ClientSession,
+) -> None:
+    # The prefill engine drops held KV at once, so every pull fails and the decode engine
+    # (vLLM's default behaviour) recomputes the prefill without saying so.
+    prefill = await start_test_engine(
+        engine_id="forgetful", role="prefill", params=TEST_PARAMS.replace(kv_hold_timeout_s=0.0)
+    )
+    decode = await start_test_engine(
+        engine_id="patient", role="decode", handoff_failure="recompute"
+    )
+    app = await start_router(
+        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    )
+    try:
+        status, _ = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prompt("lost", LONG), "max_tokens": 2}
+        )
+        assert status == 200
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="recomputed") == 1
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="pulled") == 0
+    finally:
+        await app.stop()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_client_leaving_during_prefill_aborts_the_prefill_leg(
+    http: aiohttp.ClientSession,
+) -> None:
+    prefill = await start_test_engine(engine_id="slowfill", role="prefill", time_scale=1.0)
+    decode = await start_test_engine(engine_id="waiting", role="decode")
+    app = await start_router(
+        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    )
+    model = prefill.state.drivers[0].model
+    try:
+        request = asyncio.ensure_future(
+            post(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": prompt("huge", 12_000), "max_tokens": 2},
+            )
+        )
+        await poll(lambda: model.stats().num_running == 1)  # prefill is under way
+        request.cancel()  # the client goes away
+        await asyncio.gather(request, return_exceptions=True)
+        await poll(lambda: model.stats().num_running == 0)
+        aborted = await engine_metric(http, prefill, "kvroute_emulator_aborted_requests_total")
+        assert aborted == 1
+        await poll(lambda: app.core.loads.in_flight == 0)
+    finally:
+        await app.stop()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_sglang_pairs_are_never_mixed_up_across_100_concurrent_requests(
+    http: aiohttp.ClientSession,
+) -> None:
+    prefill = [await start_test_engine(engine_id=f"sp{i}", role="prefill") for i in range(2)]
+    decode = [await start_test_engine(engine_id=f"sd{i}", role="decode") for i in range(2)]
+    plain = await start_test_engine(engine_id="reference")
+    app = await start_router(
+        [{"url": p.url, "role": "prefill"} for p in prefill]
+        + [{"url": d.url, "role": "decode"} for d in decode],
+        disaggregation={"handoff": "sglang"},
+    )
+    try:
+        assert all(app.registry.get(endpoint(p)).bootstrap_port for p in prefill)
+        bodies = [{"prompt": prompt(f"pair{i}x", 600 + i), "max_tokens": 6} for i in range(100)]
+        answers = await asyncio.gather(
+            *(post(http, f"{app.url}/v1/completions", b) for b in bodies)
+        )
+        expected = await asyncio.gather(
+            *(post(http, f"{plain.url}/v1/completions", b) for b in bodies)
+        )
+        for (status, got), (_, want), b in zip(answers, expected, bodies, strict=True):
+            assert status == 200, got
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["usage"]["prompt_tokens"] == len(b["prompt"].split())
+        samples = await metrics(http, app.url)
+        assert (
+            metric_sum(samples, "kvroute_handoffs_total", dialect="sglang", outcome="pulled") == 100
+        )
+    finally:
+        await app.stop()
+        for engine in [*prefill, *decode, plain]:
+            await engine.stop()

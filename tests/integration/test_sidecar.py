@@ -1,0 +1,97 @@
+"""kvroute sidecar in front of a decode engine (llm-d's P/D sidecar protocol).
+
+127.0.0.2 and 127.0.0.3 stand for other hosts: both are loopback addresses."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest_asyncio
+from support.clients import metric_sum, metrics, post
+from support.engines import start_test_engine
+
+from router.emulator import EmulatedEngine
+from router.sidecar import start_sidecar
+
+
+def prompt(tag: str, words: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(words))
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pod() -> AsyncIterator[dict[str, object]]:
+    decode = await start_test_engine(engine_id="pod-decode", role="decode", handoff_failure="error")
+    prefill = await start_test_engine(engine_id="remote-prefill", role="prefill", host="127.0.0.2")
+    stranger = await start_test_engine(engine_id="stranger", role="prefill", host="127.0.0.3")
+    runner, sidecar, url = await start_sidecar(decode.url, ["127.0.0.2/32"])
+    yield {"decode": decode, "prefill": prefill, "stranger": stranger, "url": url}
+    await runner.cleanup()
+    await sidecar.close()
+    for engine in (decode, prefill, stranger):
+        await engine.stop()
+
+
+async def pulled(http: aiohttp.ClientSession, engine: EmulatedEngine) -> float:
+    return metric_sum(await metrics(http, engine.url), "kvroute_emulator_kv_pulled_tokens_total")
+
+
+async def test_the_named_prefill_engine_prefills_and_the_local_engine_pulls(
+    pod: dict, http: aiohttp.ClientSession
+) -> None:
+    before = await pulled(http, pod["decode"])
+    target = f"127.0.0.2:{pod['prefill'].port}"
+    status, body = await post(
+        http,
+        f"{pod['url']}/v1/completions",
+        {"prompt": prompt("side", 1000), "max_tokens": 3},
+        headers={"x-prefiller-host-port": target},
+    )
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert await pulled(http, pod["decode"]) - before >= 984
+    prefill_tokens = metric_sum(await metrics(http, pod["prefill"].url), "vllm:prompt_tokens_total")
+    assert prefill_tokens >= 1000
+
+
+async def test_a_stream_through_the_sidecar(pod: dict, http: aiohttp.ClientSession) -> None:
+    target = f"127.0.0.2:{pod['prefill'].port}"
+    body = {"prompt": prompt("sidestream", 700), "max_tokens": 4, "stream": True}
+    async with http.post(
+        f"{pod['url']}/v1/completions", json=body, headers={"x-prefiller-host-port": target}
+    ) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+
+
+async def test_a_target_off_the_allow_list_is_refused(
+    pod: dict, http: aiohttp.ClientSession
+) -> None:
+    for target in (
+        f"127.0.0.3:{pod['stranger'].port}",
+        f"127.0.0.2:{pod['decode'].port + 0}x",
+        "8.8.8.8:80",
+    ):
+        status, body = await post(
+            http,
+            f"{pod['url']}/v1/completions",
+            {"prompt": "hello", "max_tokens": 1},
+            headers={"x-prefiller-host-port": target},
+        )
+        assert status in (400, 403), (target, status)
+        assert body["error"]["param"] == "x-prefiller-host-port"
+    strangers = metric_sum(await metrics(http, pod["stranger"].url), "vllm:prompt_tokens_total")
+    assert strangers == 0  # nothing ever reached the engine off the list
+
+
+async def test_without_the_header_requests_pass_straight_through(
+    pod: dict, http: aiohttp.ClientSession
+) -> None:
+    status, body = await post(
+        http, f"{pod['url']}/v1/completions", {"prompt": "plain request", "max_tokens": 2}
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    async with http.get(f"{pod['url']}/v1/models") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["data"][0]["id"] == "kvroute-emulated"
