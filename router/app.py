@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from router.api.http import HttpApi, openai_errors
-from router.config import Config
+from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
@@ -68,6 +69,8 @@ class RouterApp:
         self.metrics.state.sources.tokenizers = self.tokenizers
         self._turn = 0
         self.draining = False
+        self.drain_listeners: list[Callable[[], None]] = []
+        """Called once when the router starts draining (health checks report not ready)."""
         self.started_at = time.time()
         self.upstream: Upstream | None = None
         self.monitor: EngineMonitor | None = None
@@ -194,6 +197,39 @@ class RouterApp:
                 log.debug("index stats unavailable", exc_info=True)
             await asyncio.sleep(5.0)
 
+    # ------------------------------------------------------------------ run-time fleet changes
+
+    def add_engine(self, cfg: EngineConfig) -> Engine:
+        """Register an engine while running (admin API, Kubernetes discovery).
+
+        Discovery (models, block size, KV events) runs in the background; the engine
+        becomes a candidate once it answers. Adding a known URL replaces its settings.
+        """
+        engine = self.registry.add(Engine.from_config(cfg))
+        if self.monitor is not None:
+            self._spawn(self.monitor.discover(engine))
+        return engine
+
+    async def remove_engine(self, endpoint: str) -> Engine | None:
+        """Forget an engine: no more routing, its KV-event streams and index entries go."""
+        engine = self.registry.remove(endpoint)
+        if engine is None:
+            return None
+        for key in engine.keys:
+            if self.subscriber is not None:
+                await self.subscriber.remove_source(key, clear=True)
+            await self.index.clear(key)
+            self.core.forget(key)
+        return engine
+
+    def begin_drain(self) -> None:
+        """Stop reporting ready (HTTP and gRPC health); in-flight requests continue."""
+        if self.draining:
+            return
+        self.draining = True
+        for listener in self.drain_listeners:
+            listener()
+
     # ------------------------------------------------------------------ lifecycle
 
     def web_app(self) -> web.Application:
@@ -242,7 +278,7 @@ class RouterApp:
         return self.url
 
     async def stop(self) -> None:
-        self.draining = True
+        self.begin_drain()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

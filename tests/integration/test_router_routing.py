@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest_asyncio
-from support.clients import post
+from support.clients import post, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -83,5 +83,46 @@ async def test_routing_follows_the_engines_kv_events(
         )
         assert status == 200
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
+    finally:
+        await app.stop()
+
+
+async def test_engines_added_and_removed_at_run_time(
+    fleet: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    """add_engine makes a new engine a candidate with its KV events followed;
+    remove_engine stops routing to it and drops its stream and load state."""
+    from router.config import EngineConfig
+    from router.engines.registry import endpoint_of
+    from router.types import EngineKey
+
+    await fresh(http, fleet)
+    app = await start_router([fleet[0].url], policy={"name": "round_robin"})
+    try:
+        model = app.registry.models()[0]
+        app.add_engine(EngineConfig(url=fleet[1].url))
+        added = EngineKey(endpoint_of(fleet[1].url))
+        await poll(lambda: app.subscriber is not None and app.subscriber.stream_state(added))
+        await poll(lambda: len(app.registry.candidates(model)) == 2)
+        served: Counter[str] = Counter()
+        for i in range(4):
+            reply = await post_reply(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": f"run time {i} " * 40, "max_tokens": 2},
+            )
+            assert reply.status == 200, reply.body
+            served[reply.headers["x-kvroute-engine"]] += 1
+        assert served[added.label] == 2
+        removed = await app.remove_engine(added.endpoint)
+        assert removed is not None
+        assert app.subscriber.stream_state(added) is None
+        assert app.registry.candidates(model) == [EngineKey(endpoint_of(fleet[0].url))]
+        for i in range(2):
+            reply = await post_reply(
+                http, f"{app.url}/v1/completions", {"prompt": f"after {i} " * 40, "max_tokens": 2}
+            )
+            assert reply.headers["x-kvroute-engine"] != added.label
+        assert await app.remove_engine(added.endpoint) is None
     finally:
         await app.stop()
