@@ -43,23 +43,11 @@ compat: venv
 docs: venv
 	$(PY) -m router.config --update docs/configuration.md
 
-# kvroute's default policy vs round robin vs kvroute's re-implementation of sglang-router's
-# cache_aware policy, each on 4 fresh emulated engines, on a reduced Mooncake conversation
-# replay and on a multi-turn chat workload (about 6 minutes on 2 cores; docs/benchmarks.md).
-# EXTRA_TARGETS adds routers that bench starts from a command line ({engines}, {host} and
-# {port} are filled in), e.g. for the real sglang-router:
-#   make bench-compare EXTRA_TARGETS="'sglang=cmd:python -m sglang_router.launch_router \
-#       --worker-urls {engines} --policy cache_aware --host {host} --port {port}'"
-COMPARE_TARGETS := kvroute=policy:kv_cost rr=policy:round_robin sglang_ca=policy:cache_aware_sglang
-EXTRA_TARGETS   ?=
-COMPARE := $(VENV)/bin/kvroute bench --engines 4 --engine-args '--prefill-us-per-token 100' \
-	--compare $(COMPARE_TARGETS) $(EXTRA_TARGETS) --baseline rr
-
+# kvroute vs round robin vs sglang-router and vllm-router (installed from PyPI into
+# build/compat when possible), each on 4 fresh emulated engines, on a reduced Mooncake
+# replay and a multi-turn chat (about 15 minutes on 2 cores; docs/benchmarks.md).
 bench-compare: venv
-	$(COMPARE) --workload mooncake-conversation --requests 2000 --speedup 8 --scale 0.0625 \
-		--max-output-tokens 128 --output bench-results/compare-mooncake
-	$(COMPARE) --workload chat --conversations 64 --turns 6 --system-tokens 1000 \
-		--question-tokens 200 --output-tokens 100 --concurrency 16 --output bench-results/compare-chat
+	$(PY) -m router.bench.compare
 
 lint: venv
 	$(VENV)/bin/ruff check router tests

@@ -21,6 +21,7 @@ stopped when the target's run ends, whatever happened.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -124,24 +125,41 @@ def _replays_ok(metrics_text: str) -> int:
     return int(total)
 
 
-def command_argv(template: str, engine_urls: Sequence[str], host: str, port: int) -> list[str]:
+def command_argv(
+    template: str,
+    engine_urls: Sequence[str],
+    host: str,
+    port: int,
+    lists: dict[str, Sequence[str]] | None = None,
+) -> list[str]:
     """The argument list of a ``cmd:`` target's template with its placeholders filled.
 
     A word that is exactly ``{engines}`` becomes one argument per engine (for flags
-    that take several values, like ``--worker-urls``); ``{engines_csv}``, ``{host}``
-    and ``{port}`` may appear anywhere in a word.
+    that take several values, like ``--worker-urls``), and so do ``{kv_event_sources}``
+    and ``{kv_event_replay_sources}`` (``URL=ENDPOINT`` per engine that publishes KV
+    events, for vllm-router's ``--kv-event-source``) when ``lists`` provides them;
+    ``{engines_csv}``, ``{host}``, ``{port}`` and ``{free_port}`` (another free loopback
+    port, e.g. for a router's metrics listener) may appear anywhere in a word. A word
+    ``{each:FLAG:LIST}`` becomes ``FLAG item`` for every item of list LIST, for flags
+    given once per value (vllm-router's ``--kv-event-source``).
     """
+    per_word = {"engines": list(engine_urls), **(lists or {})}
     values = {
         "engines": " ".join(engine_urls),
         "engines_csv": ",".join(engine_urls),
         "host": host,
         "port": str(port),
+        "free_port": str(free_port()),
     }
     argv: list[str] = []
     try:
         for word in shlex.split(template):
-            if word == "{engines}":
-                argv.extend(engine_urls)
+            if word.startswith("{each:") and word.endswith("}"):
+                flag, _, name = word[len("{each:") : -1].rpartition(":")
+                for item in per_word[name]:
+                    argv += [flag, item]
+            elif word.startswith("{") and word.endswith("}") and word[1:-1] in per_word:
+                argv.extend(per_word[word[1:-1]])
             else:
                 argv.append(word.format(**values))
     except (KeyError, IndexError, ValueError) as exc:
@@ -281,6 +299,22 @@ class Stack:
             raise TargetError(f"an emulated engine did not start: {errors[0]}")
         self.engine_urls = [e.url for e in self._engines]
 
+    def _event_sources(self) -> dict[str, Sequence[str]]:
+        """``URL=ENDPOINT`` of every engine that reports KV-event endpoints (/server_info)."""
+        sources: list[str] = []
+        replays: list[str] = []
+        for url in self.engine_urls:
+            status, body = _get(f"{url}/server_info")
+            if status != 200:
+                continue
+            info = json.loads(body or "{}")
+            pub, replay = info.get("kv_events_endpoint"), info.get("kv_events_replay_endpoint")
+            if pub:
+                sources.append(f"{url}={pub.replace('0.0.0.0', HOST)}")
+            if replay:
+                replays.append(f"{url}={replay.replace('0.0.0.0', HOST)}")
+        return {"kv_event_sources": sources, "kv_event_replay_sources": replays}
+
     def _start_kvroute(self, policy: str) -> None:
         args = ["--port", "0", "--policy", policy, "--log-level", "warning"]
         for url in self.engine_urls:
@@ -304,7 +338,7 @@ class Stack:
 
     def _start_command(self, template: str) -> None:
         port = free_port()
-        argv = command_argv(template, self.engine_urls, HOST, port)
+        argv = command_argv(template, self.engine_urls, HOST, port, self._event_sources())
         self.url = f"http://{HOST}:{port}"
         self._command = CommandProcess(argv, self.workdir / f"{self.target.name}.log")
         command = self._command

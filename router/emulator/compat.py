@@ -344,8 +344,20 @@ async def run(build_dir: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--build-dir", default="build/compat", type=Path)
+    parser.add_argument(
+        "--install-only",
+        action="store_true",
+        help="install the peer routers and print their executables; run nothing",
+    )
     args = parser.parse_args(argv)
     args.build_dir.mkdir(parents=True, exist_ok=True)
+    if args.install_only:
+        failed = 0
+        for name in PACKAGES:
+            executable, detail = install(args.build_dir, name)
+            print(f"{name}: {executable or 'not installed'} ({detail})")
+            failed += executable is None
+        return 1 if failed else 0
     # sglang-router first tries gRPC on each worker; aiohttp (the relay) would print a
     # traceback for every HTTP/2 preface it refuses.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)

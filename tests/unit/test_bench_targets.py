@@ -56,6 +56,28 @@ def test_command_templates_get_engines_host_and_port() -> None:
         command_argv("router {nope}", urls, "127.0.0.1", 9)
 
 
+def test_command_templates_get_kv_event_sources_and_a_spare_port() -> None:
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    lists = {"kv_event_sources": [f"{u}=ipc:///tmp/e{i}" for i, u in enumerate(urls)]}
+    argv = command_argv(
+        "router --kv-event-source {kv_event_sources} --metrics-port {free_port}",
+        urls,
+        "127.0.0.1",
+        9,
+        lists,
+    )
+    assert argv[:4] == ["router", "--kv-event-source", *lists["kv_event_sources"]]
+    assert argv[4] == "--metrics-port" and 0 < int(argv[5]) < 65536
+    repeated = command_argv("r {each:--src:kv_event_sources}", urls, "127.0.0.1", 9, lists)
+    assert repeated == [
+        "r",
+        "--src",
+        lists["kv_event_sources"][0],
+        "--src",
+        lists["kv_event_sources"][1],
+    ]
+
+
 def test_the_table_puts_targets_side_by_side_with_ratios_to_the_baseline() -> None:
     base = {"name": "rr", "ok": 10, "hit_rate": 0.2, "ttft_s": {"p50": 0.5}, "ceiling": 0.4}
     kv = {"name": "kv", "ok": 10, "hit_rate": 0.3, "ttft_s": {"p50": 0.25}, "ceiling": 0.4}
