@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.admission import Admission
 from router.api.http import HttpApi, openai_errors
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
@@ -55,6 +56,9 @@ class RouterApp:
         self.core = RoutingCore(
             self.index, policy, config.policy, self.loads, has_events=self._has_events
         )
+        self.core.max_per_engine = config.limits.max_inflight_per_engine
+        self.admission = Admission(config.limits)
+        self.loads.on_end = self.admission.engine_freed
         self.ingestor = EventIngestor(self.index, on_block_size_mismatch=self._block_size_mismatch)
         self.subscriber: KVEventSubscriber | None = None
         self._index_stats: IndexStats | None = None

@@ -221,8 +221,42 @@ class LimitsConfig(_Section):
     """Bounds on what the router accepts."""
 
     max_body_bytes: int = Field(16 * 2**20, gt=0, description="Largest request body (413).")
+    max_json_depth: int = Field(
+        32, ge=2, le=256, description="Deepest nesting of JSON arrays and objects in a body (400)."
+    )
+    max_prompt_tokens: int = Field(
+        1_048_576,
+        gt=0,
+        description="Longest prompt in tokens (400 `context_length_exceeded`); engines "
+        "enforce their own, smaller context length too.",
+    )
+    max_output_tokens: int = Field(
+        1_048_576, gt=0, description="Largest `max_tokens` a request may ask for (400)."
+    )
+    max_n: int = Field(128, gt=0, description="Largest `n` (completions per prompt) (400).")
+    max_prompts: int = Field(
+        1_024, gt=0, description="Most prompts in a batch completion, or messages in a chat (400)."
+    )
     max_inflight: int = Field(
-        10_000, gt=0, description="Requests in flight through the router before 429."
+        10_000,
+        gt=0,
+        description="Requests in flight through the router; more wait in the admission queue.",
+    )
+    max_inflight_per_engine: int = Field(
+        0,
+        ge=0,
+        description="Requests in flight on one engine (routing target); when every "
+        "candidate is full, requests wait in the admission queue. 0: no limit.",
+    )
+    admission_queue: int = Field(
+        1_000,
+        ge=0,
+        description="Requests that may wait for capacity; beyond it, 429 at once.",
+    )
+    admission_timeout_s: float = Field(
+        5.0,
+        ge=0,
+        description="Longest wait in the admission queue before 429 with Retry-After.",
     )
     default_max_tokens: int = Field(
         256,

@@ -37,6 +37,10 @@ class CoreCounters:
     index_errors: int = 0
 
 
+class Saturated(NoCandidates):
+    """Every candidate engine is at its in-flight limit (wait for room, then 429)."""
+
+
 class RoutingCore:
     """Routes one request at a time against a shared index and load view."""
 
@@ -57,6 +61,9 @@ class RoutingCore:
         self.has_events = has_events
         self.clock = clock
         self.counters = CoreCounters()
+        self.max_per_engine = 0
+        """Requests in flight an engine may hold before it stops being a candidate
+        (0: no limit; ``limits.max_inflight_per_engine``)."""
 
     async def lookup(
         self, keys: Sequence[int], candidates: Sequence[EngineKey], policy: Policy | None = None
@@ -80,10 +87,20 @@ class RoutingCore:
         """Pick an engine for ``request`` among ``candidates`` and record the choice.
 
         ``policy`` overrides the router's policy for this choice (decode engines of a
-        disaggregated pool are chosen by their own cost).
+        disaggregated pool are chosen by their own cost). Candidates with
+        ``max_per_engine`` requests in flight are skipped; :class:`Saturated` if all are.
         """
         if not candidates:
             raise NoCandidates("no engine can take this request")
+        cap = self.max_per_engine
+        if cap:
+            view = self.loads.view
+            room = [c for c in candidates if (load := view.get(c)) is None or load.requests < cap]
+            if not room:
+                raise Saturated(
+                    f"all {len(candidates)} candidate engine(s) have {cap} requests in flight"
+                )
+            candidates = room
         policy = policy or self.policy
         matches = await self.lookup(request.keys, candidates, policy)
         decision = policy.choose(request, candidates, matches, self.loads.view)
@@ -113,4 +130,4 @@ class RoutingCore:
         self.loads.forget(engine)
 
 
-__all__ = ["NoCandidates", "RoutingCore"]
+__all__ = ["NoCandidates", "RoutingCore", "Saturated"]

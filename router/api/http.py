@@ -22,11 +22,14 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.admission import DEADLINE as _DEADLINE
 from router.api.errors import ApiError
 from router.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     ParsedRequest,
+    check_limits,
+    check_prompt_tokens,
     decode_body,
     parse_chat,
     parse_completion,
@@ -166,6 +169,7 @@ class HttpApi:
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         outcome = _Outcome()
         app = self.app
+        admitted = False
         try:
             if not _REQUEST_ID.fullmatch(request_id):
                 bad = request_id
@@ -175,19 +179,24 @@ class HttpApi:
                 )
             if app.draining:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
-            if app.core.loads.in_flight >= app.config.limits.max_inflight:
-                raise ApiError(429, "too many requests in flight", retry_after=1)
+            deadline = app.admission.deadline(time.monotonic())
+            request[_DEADLINE] = deadline
+            await app.admission.enter(deadline)
+            admitted = True
+            limits = app.config.limits
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise ApiError(
-                    413, f"request body is larger than {app.config.limits.max_body_bytes} bytes"
+                    413, f"request body is larger than {limits.max_body_bytes} bytes"
                 ) from None
-            payload = decode_body(body)
+            payload = decode_body(body, limits.max_json_depth)
             parsed = (parse_chat if route == "chat" else parse_completion)(payload)
+            check_limits(parsed, limits)
             model = resolve_model(parsed.model, app.registry.models())
             parsed.model = model
             route_request = await self._route_request(request, request_id, model, parsed)
+            check_prompt_tokens(parsed, limits)
             if app.registry.is_disaggregated(model):
                 return await self.pd.forward(
                     request,
@@ -210,6 +219,8 @@ class HttpApi:
                 outcome.outcome = "rejected"
             return error_response(err, request_id)
         finally:
+            if admitted:
+                app.admission.leave()
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
 
@@ -274,15 +285,19 @@ class HttpApi:
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1 + app.config.proxy.retries):
-            candidates = app.registry.candidates(model, exclude=exclude)
-            if not candidates:
-                if last_error is not None:
-                    raise ApiError(last_error.http_status, f"engine failed: {last_error}")
-                raise ApiError(503, f"no healthy engine serves model '{model}'", retry_after=1)
             try:
-                decision = await app.core.route(route_request, candidates)
+                decision = await app.admission.route(
+                    app.core,
+                    route_request,
+                    lambda: app.registry.candidates(model, exclude=exclude),
+                    request[_DEADLINE],
+                )
             except NoCandidates:
-                raise ApiError(503, f"no healthy engine serves model '{model}'") from None
+                if last_error is not None:
+                    raise ApiError(last_error.http_status, f"engine failed: {last_error}") from None
+                raise ApiError(
+                    503, f"no healthy engine serves model '{model}'", retry_after=1
+                ) from None
             if attempt == 0:
                 app.metrics.routing_seconds.observe(time.perf_counter() - started)
                 if route_request.prompt_tokens:

@@ -16,6 +16,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.api.errors import ApiError, bad_request
+from router.config import LimitsConfig
 from router.tokenization.base import PromptTokenizer, TokenizeError
 
 _decode = msgspec.json.Decoder().decode
@@ -69,14 +70,78 @@ async def tokenize(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[li
         raise bad_request(str(exc), param) from None
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes, max_depth: int = 32) -> dict[str, Any]:
+    """The request's JSON object; 400 for invalid JSON, invalid UTF-8 or nesting deeper
+    than ``max_depth`` containers."""
     try:
         payload = _decode(body)
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec stops at the interpreter's recursion limit
+        raise bad_request(f"request body nests JSON deeper than {max_depth} levels") from None
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object")
+    if _too_deep(payload, max_depth):
+        raise bad_request(f"request body nests JSON deeper than {max_depth} levels")
     return payload
+
+
+def _too_deep(payload: dict[str, Any], max_depth: int) -> bool:
+    """Whether containers nest deeper than ``max_depth`` (iterative: no recursion).
+
+    A list that starts and ends with a scalar is taken as a list of scalars (token ids,
+    texts) without reading it all, so the check costs microseconds even for a
+    100,000-token prompt. Nesting hidden in the middle of such a list is not seen here,
+    but msgspec has bounded the depth already, and the parsers reject mixed prompt
+    lists.
+    """
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        node, depth = pop()
+        if type(node) is dict:
+            children: Any = node.values()
+        elif not node or (type(node[0]) not in _NESTED and type(node[-1]) not in _NESTED):
+            continue
+        else:
+            children = node
+        for child in children:
+            if type(child) in _NESTED:
+                if depth >= max_depth:
+                    return True
+                push((child, depth + 1))
+    return False
+
+
+_NESTED = frozenset((dict, list))
+
+
+def check_limits(parsed: ParsedRequest, limits: LimitsConfig) -> None:
+    """Bounds on what a request may ask for (before any routing or tokenizing)."""
+    if parsed.n > limits.max_n:
+        raise bad_request(f"'n' must be at most {limits.max_n}", "n")
+    if parsed.max_tokens is not None and parsed.max_tokens > limits.max_output_tokens:
+        raise bad_request(f"'max_tokens' must be at most {limits.max_output_tokens}", "max_tokens")
+    count = len(parsed.texts) if parsed.texts is not None else len(parsed.messages or ())
+    if count > limits.max_prompts:
+        what = "prompts" if parsed.texts is not None else "messages"
+        raise bad_request(
+            f"at most {limits.max_prompts} {what} per request, got {count}",
+            "prompt" if parsed.texts is not None else "messages",
+        )
+
+
+def check_prompt_tokens(parsed: ParsedRequest, limits: LimitsConfig) -> None:
+    """The tokenized prompts stay within ``limits.max_prompt_tokens`` (each)."""
+    longest = max((len(p) for p in parsed.prompts), default=0)
+    if longest > limits.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt has {longest} tokens; this router accepts at most "
+            f"{limits.max_prompt_tokens}",
+            param="messages" if parsed.messages is not None else "prompt",
+            code="context_length_exceeded",
+        )
 
 
 def _opt_int(payload: dict[str, Any], name: str, minimum: int) -> int | None:

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
+from router.admission import DEADLINE as _DEADLINE
 from router.api.errors import ApiError
 from router.api.usage import UsageTap
 from router.handoff import nixl, sglang
@@ -94,11 +95,16 @@ class PDForwarder:
         failed_decode: set[str] = set()
         last_error: UpstreamError | None = None
         for _attempt in range(1 + app.config.proxy.retries):
-            decode_pool = app.registry.candidates(model, ("decode", "both"), exclude=failed_decode)
-            if not decode_pool:
-                break
             try:
-                decode = await app.core.route(route_request, decode_pool, self.decode_policy)
+                decode = await app.admission.route(
+                    app.core,
+                    route_request,
+                    lambda: app.registry.candidates(
+                        model, ("decode", "both"), exclude=failed_decode
+                    ),
+                    request[_DEADLINE],
+                    self.decode_policy,
+                )
             except NoCandidates:
                 break
             prefill_pool = app.registry.candidates(model, ("prefill",))
@@ -186,10 +192,15 @@ class PDForwarder:
         answer: dict[str, Any] | None = None
         prefill: Decision | None = None
         for _ in range(2):  # the chosen prefill engine, then one other
-            pool = app.registry.candidates(model, ("prefill",), exclude=tried)
-            if not pool:
+            try:
+                prefill = await app.admission.route(
+                    app.core,
+                    route_request,
+                    lambda: app.registry.candidates(model, ("prefill",), exclude=tried),
+                    request[_DEADLINE],
+                )
+            except NoCandidates:
                 break
-            prefill = await app.core.route(route_request, pool)
             try:
                 status, answer = await self._prefill_leg(
                     request, path, route_request, prefill, prefill_bytes
@@ -362,7 +373,9 @@ class PDForwarder:
         outcome: _Outcome,
     ) -> web.StreamResponse:
         app = self.app
-        prefill = await app.core.route(route_request, prefill_pool)
+        prefill = await app.admission.route(
+            app.core, route_request, lambda: prefill_pool, request[_DEADLINE]
+        )
         prefill_engine = app.registry.engine_of(prefill.engine)
         assert prefill_engine is not None
         port = prefill_engine.bootstrap_port

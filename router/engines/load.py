@@ -11,7 +11,7 @@ Two sources, kept apart because they age differently:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from router.types import EngineKey
@@ -75,6 +75,8 @@ class LoadTracker:
     """
 
     block_size: int = 16
+    on_end: Callable[[], None] | None = None
+    """Called after a request's load is released (requests waiting for room retry)."""
     _loads: dict[EngineKey, EngineLoad] = field(default_factory=dict)
     _open: dict[int, Ticket] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -121,14 +123,15 @@ class LoadTracker:
         ticket.released = True
         self._open.pop(ticket.id, None)
         load = self._loads.get(ticket.engine)
-        if load is None:
-            return
-        load.requests -= 1
-        load.decode_tokens -= ticket.decode_tokens
-        if ticket.prefilled:
-            load.decode_blocks -= ticket.blocks
-        else:
-            load.prefill_tokens -= ticket.prefill_tokens
+        if load is not None:
+            load.requests -= 1
+            load.decode_tokens -= ticket.decode_tokens
+            if ticket.prefilled:
+                load.decode_blocks -= ticket.blocks
+            else:
+                load.prefill_tokens -= ticket.prefill_tokens
+        if self.on_end is not None:
+            self.on_end()
 
     def report(
         self,

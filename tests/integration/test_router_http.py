@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -10,7 +11,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
-from support.clients import get, metrics, post, stream
+from support.clients import get, metrics, post, post_reply, stream
 from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
 from support.routers import start_router
@@ -235,8 +236,9 @@ async def test_the_engines_own_client_errors_pass_through(
 async def test_too_many_in_flight_gets_429_with_retry_after(
     http: aiohttp.ClientSession,
 ) -> None:
+    """No admission queue: the request over the in-flight limit is refused at once."""
     slow = await start_test_engine(engine_id="slow", time_scale=1.0)
-    app = await start_router([slow.url], limits={"max_inflight": 1})
+    app = await start_router([slow.url], limits={"max_inflight": 1, "admission_queue": 0})
     try:
         body = {"prompt": "hold on " * 10, "max_tokens": 200, "stream": True}
         async with http.post(f"{app.url}/v1/completions", json=body) as first:
@@ -247,10 +249,113 @@ async def test_too_many_in_flight_gets_429_with_retry_after(
             ) as second:
                 assert second.status == 429
                 assert second.headers["Retry-After"] == "1"
-                assert (await second.json())["error"]["type"] == "rate_limit_error"
+                error = (await second.json())["error"]
+                assert error["type"] == "rate_limit_error"
+                assert "in flight" in error["message"]
+        assert app.admission.rejected["queue_full"] == 1
     finally:
         await app.stop()
         await slow.stop()
+
+
+async def test_admission_queue_serves_waiters_in_order_then_times_out(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Over the limit, requests wait in arrival order and are served as slots free;
+    one that waits past admission_timeout_s gets 429; the slot count returns to 0."""
+    slow = await start_test_engine(engine_id="slowq", time_scale=1.0)
+    app = await start_router(
+        [slow.url], limits={"max_inflight": 1, "admission_queue": 4, "admission_timeout_s": 30}
+    )
+    try:
+        finished: list[int] = []
+
+        async def one(i: int, tokens: int) -> int:
+            body = {"prompt": f"queued {i} " * 10, "max_tokens": tokens}
+            async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+                await resp.read()
+                finished.append(i)
+                return resp.status
+
+        first = asyncio.ensure_future(one(0, 40))
+        await poll(lambda: app.admission.in_flight == 1)
+        waiters = []
+        for i in (1, 2, 3):
+            waiters.append(asyncio.ensure_future(one(i, 1)))
+            await poll(lambda i=i: app.admission.waiting == i)
+        assert await first == 200
+        assert await asyncio.gather(*waiters) == [200, 200, 200]
+        assert finished == [0, 1, 2, 3]
+        assert app.admission.in_flight == 0 and app.admission.waiting == 0
+
+        app.config.limits.admission_timeout_s = 0.2
+        body = {"prompt": "hold on " * 10, "max_tokens": 200, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as holder:
+            await holder.content.readany()
+            reply = await post_reply(
+                http, f"{app.url}/v1/completions", {"prompt": "late", "max_tokens": 1}
+            )
+            assert reply.status == 429
+            assert reply.headers["retry-after"] == "1"
+            assert "waited" in reply.body["error"]["message"]
+        assert app.admission.rejected["timeout"] == 1
+        await poll(lambda: app.admission.in_flight == 0)
+    finally:
+        await app.stop()
+        await slow.stop()
+
+
+async def test_per_engine_limit_spreads_then_waits_then_429(
+    http: aiohttp.ClientSession,
+) -> None:
+    """max_inflight_per_engine: a full engine stops being a candidate; with every
+    engine full a request waits for room (served when one ends), then 429 at its
+    deadline; the per-engine count never exceeds the limit."""
+    engines = [await start_test_engine(engine_id=f"cap{i}", time_scale=1.0) for i in range(2)]
+    app = await start_router(
+        [e.url for e in engines],
+        policy={"name": "kv_cost"},
+        limits={"max_inflight_per_engine": 1, "admission_timeout_s": 30},
+    )
+    try:
+        same = {"prompt": "the same long prefix " * 30, "max_tokens": 300, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=same) as a:
+            await a.content.readany()
+            async with http.post(f"{app.url}/v1/completions", json=same) as b:
+                await b.content.readany()
+                # same prefix, yet on the other engine: the first is full
+                assert a.headers["x-kvroute-engine"] != b.headers["x-kvroute-engine"]
+                third = asyncio.ensure_future(
+                    post_reply(
+                        http,
+                        f"{app.url}/v1/completions",
+                        {**same, "stream": False, "max_tokens": 1},
+                    )
+                )
+                await poll(lambda: app.admission.waiting == 1)
+                assert not third.done()
+                await a.read()
+                reply = await third
+                assert reply.status == 200
+                assert reply.headers["x-kvroute-engine"] == a.headers["x-kvroute-engine"]
+                await b.read()
+        assert max(load.requests for load in app.loads.view.values()) == 0
+
+        app.config.limits.admission_timeout_s = 0.2
+        async with http.post(f"{app.url}/v1/completions", json=same) as a:
+            await a.content.readany()
+            async with http.post(f"{app.url}/v1/completions", json=same) as b:
+                await b.content.readany()
+                reply = await post_reply(
+                    http, f"{app.url}/v1/completions", {"prompt": "x", "max_tokens": 1}
+                )
+                assert reply.status == 429
+                assert "requests in flight" in reply.body["error"]["message"]
+        assert app.admission.rejected["engines_full"] == 1
+    finally:
+        await app.stop()
+        for engine in engines:
+            await engine.stop()
 
 
 # ---------------------------------------------------------------------------- failures
