@@ -71,6 +71,7 @@ class RouterApp:
             )
         )
         self.metrics.state.sources.tokenizers = self.tokenizers
+        self.metrics.state.sources.admission = self.admission
         self._turn = 0
         self.draining = False
         self.drain_listeners: list[Callable[[], None]] = []

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from router import __version__
 
 if TYPE_CHECKING:
+    from router.admission import Admission
     from router.core import RoutingCore
     from router.engines.registry import Registry
     from router.events.ingest import IngestCounters
@@ -74,6 +75,7 @@ class StateSources:
     subscriber: SubscriberStats | None = None
     index_stats: Callable[[], IndexStats | None] | None = None
     tokenizers: Tokenizers | None = None
+    admission: Admission | None = None
 
 
 class StateCollector(Collector):
@@ -106,6 +108,20 @@ class StateCollector(Collector):
                 "Requests in flight through this router",
                 value=src.core.loads.in_flight,
             )
+        if src.admission is not None:
+            yield GaugeMetricFamily(
+                "kvroute_admission_waiting",
+                "Requests waiting in the admission queue for a slot or an engine with room",
+                value=src.admission.waiting,
+            )
+            rejected = CounterMetricFamily(
+                "kvroute_admission_rejected",
+                "Requests answered 429 by admission control, by reason",
+                labels=["reason"],
+            )
+            for reason, n in sorted(src.admission.rejected.items()):
+                rejected.add_metric([reason], n)
+            yield rejected
         if src.registry is not None and src.core is not None:
             yield from self._engines(src.registry, src.core)
         if src.tokenizers is not None:

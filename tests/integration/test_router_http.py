@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
-from support.clients import get, metrics, post, post_reply, stream
+from support.clients import get, metric_sum, metrics, post, post_reply, stream
 from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
 from support.routers import start_router
@@ -253,6 +253,9 @@ async def test_too_many_in_flight_gets_429_with_retry_after(
                 assert error["type"] == "rate_limit_error"
                 assert "in flight" in error["message"]
         assert app.admission.rejected["queue_full"] == 1
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_admission_rejected_total", reason="queue_full") == 1
+        assert metric_sum(samples, "kvroute_admission_waiting") == 0
     finally:
         await app.stop()
         await slow.stop()
