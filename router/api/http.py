@@ -52,6 +52,8 @@ log = logging.getLogger("kvroute.http")
 
 _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
+_SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
+"""What an event of a server-sent event stream starts with."""
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -259,15 +261,19 @@ class HttpApi:
             approximate=approximate,
         )
 
-    def _check_tokenizer(self, parsed: ParsedRequest, answer: bytes) -> None:
-        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer)."""
+    def _check_tokenizer(self, parsed: ParsedRequest, answer: bytes) -> bool:
+        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer);
+        False if ``answer`` is not JSON at all."""
         try:
             usage = _decode_usage(answer).usage
+        except msgspec.ValidationError:  # JSON of another shape: not ours to judge
+            return True
         except msgspec.DecodeError:
-            return
+            return False
         if usage is not None and usage.prompt_tokens is not None and parsed.model:
             base = self.app.registry.base_of(parsed.model)
             self.app.tokenizers.observe(base, parsed.prompt_tokens, usage.prompt_tokens)
+        return True
 
     async def _forward(
         self,
@@ -313,13 +319,15 @@ class HttpApi:
             except UpstreamError as err:
                 last_error = err
                 exclude.add(decision.engine.endpoint)
-                app.metrics.retries.labels(err.kind).inc()
+                retrying = attempt < app.config.proxy.retries
+                if retrying:
+                    app.metrics.retries.labels(err.kind).inc()
                 log.info(
                     "request %s: %s failed before the first byte (%s); %s",
                     route_request.request_id,
                     decision.engine.label,
                     err,
-                    "retrying" if attempt < app.config.proxy.retries else "giving up",
+                    "retrying" if retrying else "giving up",
                 )
         assert last_error is not None
         raise ApiError(last_error.http_status, f"engine failed: {last_error}")
@@ -394,9 +402,11 @@ class HttpApi:
                 )
             if not parsed.stream:
                 data = await self._read_all(upstream, deadline, engine, url)
+                if not self._check_tokenizer(parsed, data):
+                    app.registry.record_failure(engine)
+                    raise ApiError(502, f"the engine {engine.url} answered with invalid JSON")
                 app.registry.record_success(engine)
                 outcome.set("ok", upstream.status)
-                self._check_tokenizer(parsed, data)
                 if tap is not None:
                     data = tap.answer(data)
                 return web.Response(
@@ -446,6 +456,9 @@ class HttpApi:
         if not first:
             app.registry.record_failure(engine)
             raise UpstreamError("protocol", "the engine closed the stream without a byte")
+        if not first.startswith(_SSE_FIELDS):
+            app.registry.record_failure(engine)
+            raise UpstreamError("protocol", "the engine's stream is not server-sent events")
         deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
         app.core.loads.prefilled(ticket)
         app.metrics.ttft_seconds.observe(time.perf_counter() - started)
@@ -459,6 +472,12 @@ class HttpApi:
                 if not chunk:
                     break
                 deadlines.touch(deadline)
+                # An event starts where the last one ended: it must start with a field.
+                if tail.endswith(b"\n\n") and not chunk.startswith(_SSE_FIELDS):
+                    raise HTTPError(
+                        "the engine sent bytes that are not server-sent events",
+                        before_response=False,
+                    )
                 await out.write(tap.chunk(chunk) if tap is not None else chunk)
                 tail = chunk
         except HTTPError as exc:

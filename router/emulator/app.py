@@ -76,6 +76,10 @@ def _raw_headers(headers: dict[str, str], content_type: str) -> list[tuple[bytes
     return raw
 
 
+GARBLE = b"\x00\xffHTTP/1.1 200 OK not server-sent events\r\n\r\n"
+"""What a garbled stream sends instead of its next event (``garble_after_tokens``)."""
+
+
 class _Dropped(Response):
     """A response whose connection closes after the headers and half of ``body``."""
 
@@ -108,12 +112,14 @@ class _EventStream(Response):
         gen: Generation,
         stall_after: int | None,
         drop_after: int | None,
+        garble_after: int | None = None,
     ) -> None:
         super().__init__()
         self._state = state
         self._gen = gen
         self._stall_after = stall_after
         self._drop_after = drop_after
+        self._garble_after = garble_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self._pump(send))
@@ -153,6 +159,11 @@ class _EventStream(Response):
                 self._state.metrics.fault_injected("drop")
                 log.info("%s: dropped after %d tokens (injected)", gen.response_id, sent)
                 return  # incomplete: the server closes the connection
+            if self._garble_after is not None and sent + tokens > self._garble_after:
+                self._state.metrics.fault_injected("garble")
+                log.info("%s: garbled after %d tokens (injected)", gen.response_id, sent)
+                await send({"type": "http.response.body", "body": GARBLE, "more_body": False})
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             sent += tokens
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -176,11 +187,12 @@ def build_app(state: EmulatorState) -> Starlette:
             await asyncio.sleep(faults.extra_latency_ms / 1000)
         # Read now: changing the faults does not touch requests already in flight.
         stall_after, drop_after = faults.stall_after_tokens, faults.drop_after_tokens
+        garble_after = faults.garble_after_tokens
         base_id = request_id(request)
         req = state.parse(parse_body(await request.body()), chat)
         gen = Generation(state, state.pick_rank(request.headers), req, base_id, chat)
         if req.stream:
-            return _EventStream(state, gen, stall_after, drop_after)
+            return _EventStream(state, gen, stall_after, drop_after, garble_after)
 
         async def answer() -> dict[str, Any]:
             await gen.start()
@@ -210,6 +222,10 @@ def build_app(state: EmulatorState) -> Starlette:
         if drop_after is not None and gen.num_tokens > drop_after:
             state.metrics.fault_injected("drop")
             return _Dropped(encode_json(body), gen.headers())
+        if garble_after is not None and gen.num_tokens > garble_after:
+            state.metrics.fault_injected("garble")
+            whole = encode_json(body)
+            return Response(whole[: len(whole) // 2], 200, gen.headers(), _JSON)
         return _json(body, headers=gen.headers())
 
     async def completions(request: Request) -> Response:

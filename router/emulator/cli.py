@@ -154,6 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="close the connection after N output tokens",
     )
+    faults.add_argument(
+        "--garble-after-tokens",
+        type=int,
+        metavar="N",
+        help="after N output tokens send bytes that are not SSE (streams) or invalid JSON",
+    )
     faults.add_argument("--fail-health", action="store_true", help="/health answers 503")
     faults.add_argument(
         "--kv-events-skip",
@@ -247,6 +253,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             extra_latency_ms=args.extra_latency_ms,
             stall_after_tokens=args.stall_after_tokens,
             drop_after_tokens=args.drop_after_tokens,
+            garble_after_tokens=args.garble_after_tokens,
             fail_health=args.fail_health,
             kv_events_skip=args.kv_events_skip,
             kv_events_garbage=args.kv_events_garbage,

@@ -35,6 +35,9 @@ class Faults:
     stall_after_tokens: int | None = None
     #: Close the connection after this many output tokens.
     drop_after_tokens: int | None = None
+    #: After this many output tokens send bytes that are not server-sent events (a
+    #: stream) or cut the JSON answer short under a matching Content-Length (not).
+    garble_after_tokens: int | None = None
     #: ``/health`` answers 503.
     fail_health: bool = False
     #: The next N KV-event batches are numbered and kept for replay but not published.
@@ -53,6 +56,7 @@ class Faults:
             raise ValueError(f"extra_latency_ms must not be negative, got {self.extra_latency_ms}")
         _count("stall_after_tokens", self.stall_after_tokens, optional=True)
         _count("drop_after_tokens", self.drop_after_tokens, optional=True)
+        _count("garble_after_tokens", self.garble_after_tokens, optional=True)
         _count("kv_events_skip", self.kv_events_skip, optional=False)
         _count("kv_events_garbage", self.kv_events_garbage, optional=False)
         if not isinstance(self.fail_health, bool):

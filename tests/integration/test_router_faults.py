@@ -7,7 +7,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest_asyncio
-from support.clients import metric_sum, metrics, post
+from support.clients import metric_sum, metrics, post, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -79,7 +79,8 @@ async def test_an_engine_that_never_answers_times_out_with_504(
         )
         assert status == 504 and body["error"]["type"] == "gateway_timeout"
         samples = await metrics(http, app.url)
-        assert metric_sum(samples, "kvroute_retries_total", reason="timeout") == 2
+        # two attempts, one retry: the give-up after the last attempt is not a retry
+        assert metric_sum(samples, "kvroute_retries_total", reason="timeout") == 1
         # The engines saw their requests abandoned, and nothing is left in flight here.
         for engine in flaky_pair:
             await poll(lambda e=engine: e.state.drivers[0].model.stats().num_running == 0)
@@ -146,6 +147,48 @@ async def test_an_engine_stalling_midstream_times_out_with_an_sse_error(
             text = (await resp.read()).decode()
         assert '"gateway_timeout"' in text and text.endswith("data: [DONE]\n\n")
     finally:
+        await app.stop()
+
+
+async def test_garbled_answers_are_502_never_500(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    """Invalid JSON (not streaming), non-SSE bytes before the first event (retried on
+    the other engine, then 502) and mid-stream (an SSE error event, then [DONE])."""
+    for engine in flaky_pair:
+        await faults(http, engine, garble_after_tokens=0)
+    app = await start_router([e.url for e in flaky_pair], health={"interval_s": 30.0})
+    try:
+        reply = await post_reply(
+            http, f"{app.url}/v1/completions", {"prompt": "garble me", "max_tokens": 4}
+        )
+        assert reply.status == 502
+        assert "invalid JSON" in reply.body["error"]["message"]
+        async with http.post(
+            f"{app.url}/v1/completions",
+            json={"prompt": "garble me", "max_tokens": 4, "stream": True},
+        ) as resp:
+            assert resp.status == 502
+            assert "not server-sent events" in (await resp.json())["error"]["message"]
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_retries_total", reason="protocol") == 1
+
+        for engine in flaky_pair:
+            await faults(http, engine, garble_after_tokens=3)
+        body = {"prompt": "garble later", "max_tokens": 20, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert sum('"text"' in e for e in events) == 3
+        assert "not server-sent events" in events[-2] and events[-1] == "data: [DONE]"
+        assert "\x00" not in text
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_requests_total", status="500") == 0
+        assert app.core.loads.in_flight == 0
+    finally:
+        for engine in flaky_pair:
+            await faults(http, engine, garble_after_tokens=None)
         await app.stop()
 
 
