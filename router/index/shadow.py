@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.index.base import IndexStats, IndexUnavailable, KVIndex, Match
@@ -41,14 +41,23 @@ log = logging.getLogger("kvroute.index.shadow")
 class _Decision:
     """One routing decision as the shadow keeps it."""
 
-    __slots__ = ("at", "deadline", "engine", "keys", "written")
+    __slots__ = ("at", "deadline", "engine", "keys", "marks", "written")
 
-    def __init__(self, at: float, engine: EngineKey, keys: Sequence[int], deadline: float) -> None:
+    def __init__(
+        self,
+        at: float,
+        engine: EngineKey,
+        keys: Sequence[int],
+        deadline: float,
+        marks: Sequence[int] = (),
+    ) -> None:
         self.at = at
         self.engine = engine
         self.keys = keys
         self.deadline = deadline
         """When its record in the shared index expires (shadow clock)."""
+        self.marks = marks
+        """The keys the shadow indexes it by."""
         self.written = False
         """Whether its record reached Redis."""
 
@@ -115,18 +124,16 @@ class DecisionShadow:
     def __len__(self) -> int:
         return len(self._decisions)
 
-    def _marked(self, keys: Sequence[int]) -> Iterator[int]:
-        stride = self.stride
-        yield from keys[stride - 1 :: stride]
-        if len(keys) % stride:
-            yield keys[-1]
-
     def record(self, engine: EngineKey, keys: Sequence[int], ttl: float) -> _Decision:
         """Remember that ``engine`` was sent ``keys``; its shared record lives ``ttl`` s."""
         now = self._clock()
-        decision = _Decision(now, engine, keys, now + ttl)
+        stride = self.stride
+        marks = list(keys[stride - 1 :: stride])
+        if len(keys) % stride:
+            marks.append(keys[-1])
+        decision = _Decision(now, engine, keys, now + ttl, marks)
         self._decisions.append(decision)
-        self._marks.update(dict.fromkeys(self._marked(keys), decision))
+        self._marks.update(dict.fromkeys(marks, decision))
         self._keys += len(keys)
         self._trim(now)
         return decision
@@ -137,7 +144,7 @@ class DecisionShadow:
         while decisions and (decisions[0].at <= oldest or self._keys > self.max_keys):
             gone = decisions.popleft()
             self._keys -= len(gone.keys)
-            for key in self._marked(gone.keys):
+            for key in gone.marks:
                 if marks.get(key) is gone:
                     del marks[key]
 
@@ -234,6 +241,10 @@ class ShadowedIndex(KVIndex):
     def available(self) -> bool:
         """Whether lookups are answered by Redis (else by the shadow)."""
         return self.redis.available
+
+    def unwritten_queued(self) -> int:
+        """Decision records queued or being written to Redis right now."""
+        return len(self._queue) + len(self._sending)
 
     # ------------------------------------------------------------------ KVIndex
 
@@ -332,21 +343,41 @@ class ShadowedIndex(KVIndex):
 
     async def _write(self, decisions: list[_Decision]) -> bool:
         """Write ``decisions``' records, one script call per engine, pipelined; True if
-        Redis took them."""
+        Redis took them.
+
+        A burst of requests sharing a prefix, routed to one engine while the previous
+        pipeline was out, records that prefix once: newest first, each decision sends
+        only the keys past what a newer one for the same engine, living at least as
+        long, already covers (key *i* stands for the whole prefix up to block *i*, so
+        the overlap is a common prefix).
+        """
         now = self._clock()
         batches: dict[EngineKey, WriteBatch] = {}
+        newer: dict[tuple[EngineKey, int], list[_Decision]] = {}
         sent: list[_Decision] = []
-        for decision in decisions:
+        for decision in reversed(decisions):
             # The record lives as long as it would have had it been written at once.
             ttl = decision.deadline - now
             if ttl <= 0:
                 continue
+            sent.append(decision)
+            keys = decision.keys
+            same_root = newer.setdefault((decision.engine, keys[0]), [])
+            deadline = decision.deadline
+            covered = max(
+                (_common_prefix(keys, d.keys) for d in same_root if d.deadline >= deadline),
+                default=0,
+            )
+            same_root.append(decision)
+            if covered == len(keys):
+                continue
             batch = batches.get(decision.engine)
             if batch is None:
                 batch = batches[decision.engine] = WriteBatch(decision.engine, [])
-            batch.ops.append(ExpireOp(decision.keys, ttl))
-            sent.append(decision)
+            batch.ops.append(ExpireOp(keys[covered:] if covered else keys, ttl))
         if not batches:
+            for decision in sent:
+                decision.written = True
             return True
         try:
             await self.redis.write(list(batches.values()), timeout=self.write_timeout)

@@ -87,6 +87,21 @@ async def test_a_lookup_sees_this_routers_records_still_on_their_way(
     assert await shadowed.lookup(KEYS[:10], FLEET) == {A: Match(10)}
 
 
+async def test_a_burst_sharing_a_prefix_writes_it_once(
+    shadowed: ShadowedIndex, redis_url: str, redis_namespace: str
+) -> None:
+    prefix = list(range(9001, 9101))
+    for i in range(8):  # no await suspends between them: one flush takes all eight
+        await shadowed.add(A, [*prefix, 20_000 + i], ttl=30)
+    await until(lambda: shadowed.unwritten_queued() == 0)
+    adds = await shadowed.redis.client.zrange(f"{{{redis_namespace}}}:expiring-adds", 0, -1)
+    # The newest decision records all 101 blocks, each older one only its last block.
+    assert sorted(len(member) // 8 for member in adds) == [1] * 7 + [101]
+    for i in range(8):
+        expected = {A: Match(101)}
+        assert await redis_sees(redis_url, redis_namespace, [*prefix, 20_000 + i], expected)
+
+
 async def test_firm_records_are_written_before_add_returns(
     shadowed: ShadowedIndex, redis_url: str, redis_namespace: str
 ) -> None:
