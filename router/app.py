@@ -314,6 +314,10 @@ class RouterApp:
         await self.monitor.start()
         if self.subscriber is not None:
             await self.subscriber.wait_synced(self.config.events.replay_timeout_s * 2)
+        if self.event_writer is not None:
+            # Likewise for Redis: the replays' writes land before any decision's record.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.event_writer.drain(), EVENT_WRITE_TIMEOUT_S)
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()

@@ -143,8 +143,7 @@ async def bench_mode(
 async def _settle(index: KVIndex) -> None:
     """Wait until the off-path records queued so far are written."""
     if isinstance(index, ShadowedIndex):
-        while index.unwritten_queued():  # noqa: ASYNC110 - polling a counter is enough here
-            await asyncio.sleep(0.001)
+        await index.drain()
 
 
 async def run(url: str, decisions: int, rate: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ on a fallback needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -233,6 +234,7 @@ class ShadowedIndex(KVIndex):
         self._queue: deque[_Decision] = deque()
         self._sending: list[_Decision] = []
         self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._replay: asyncio.Task[None] | None = None
         redis.listeners.append(self._on_availability)
@@ -241,10 +243,6 @@ class ShadowedIndex(KVIndex):
     def available(self) -> bool:
         """Whether lookups are answered by Redis (else by the shadow)."""
         return self.redis.available
-
-    def unwritten_queued(self) -> int:
-        """Decision records queued or being written to Redis right now."""
-        return len(self._queue) + len(self._sending)
 
     # ------------------------------------------------------------------ KVIndex
 
@@ -305,9 +303,18 @@ class ShadowedIndex(KVIndex):
     async def stats(self) -> IndexStats:
         return await self.redis.stats()
 
+    async def drain(self) -> None:
+        """Wait until the records queued so far have been sent (written or not)."""
+        while self._queue or self._sending:
+            self._drained.clear()
+            await self._drained.wait()
+
     async def close(self) -> None:
+        """Send what is queued (for at most ``write_timeout``), then stop."""
         if self._on_availability in self.redis.listeners:
             self.redis.listeners.remove(self._on_availability)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.drain(), self.write_timeout)
         for task in (self._flusher, self._replay):
             if task is not None:
                 task.cancel()
@@ -330,6 +337,7 @@ class ShadowedIndex(KVIndex):
                     self.counters.unwritten += len(self._sending)
                 finally:
                     self._sending = []
+            self._drained.set()
 
     def _take(self) -> list[_Decision]:
         taken: list[_Decision] = []
@@ -395,13 +403,19 @@ class ShadowedIndex(KVIndex):
             # What is queued now would fail at once: leave it to the replay.
             self.counters.unwritten += len(self._queue)
             self._queue.clear()
+            self._drained.set()
             return
-        if self._replay is None or self._replay.done():
-            self._replay = asyncio.ensure_future(self._reconcile(data_lost))
+        if data_lost:
+            for decision in self.shadow.live():
+                decision.written = False
+        # A replay cut short by a flap is started over; it skips what it wrote.
+        if self._replay is not None:
+            self._replay.cancel()
+        self._replay = asyncio.ensure_future(self._reconcile())
 
-    async def _reconcile(self, data_lost: bool) -> None:
-        """Write the live decisions Redis does not have (all live ones if it lost data)."""
-        live = deque(d for d in self.shadow.live() if data_lost or not d.written)
+    async def _reconcile(self) -> None:
+        """Write the live decisions Redis does not have."""
+        live = deque(d for d in self.shadow.live() if not d.written)
         written = 0
         while live and self.redis.available:
             chunk: list[_Decision] = []

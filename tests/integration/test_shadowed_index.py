@@ -93,13 +93,23 @@ async def test_a_burst_sharing_a_prefix_writes_it_once(
     prefix = list(range(9001, 9101))
     for i in range(8):  # no await suspends between them: one flush takes all eight
         await shadowed.add(A, [*prefix, 20_000 + i], ttl=30)
-    await until(lambda: shadowed.unwritten_queued() == 0)
+    await shadowed.drain()
     adds = await shadowed.redis.client.zrange(f"{{{redis_namespace}}}:expiring-adds", 0, -1)
     # The newest decision records all 101 blocks, each older one only its last block.
     assert sorted(len(member) // 8 for member in adds) == [1] * 7 + [101]
     for i in range(8):
         expected = {A: Match(101)}
         assert await redis_sees(redis_url, redis_namespace, [*prefix, 20_000 + i], expected)
+
+
+async def test_closing_writes_the_records_still_queued(
+    redis_url: str, redis_namespace: str
+) -> None:
+    index = ShadowedIndex(RedisIndex(redis_url, redis_namespace, budget_ms=2000))
+    await index.lookup(KEYS, FLEET)  # connected, scripts loaded
+    await index.add(C, KEYS, ttl=30)
+    await index.close()
+    assert await redis_sees(redis_url, redis_namespace, KEYS, {C: Match(40)})
 
 
 async def test_firm_records_are_written_before_add_returns(
