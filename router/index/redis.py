@@ -396,6 +396,7 @@ class RedisIndex(KVIndex):
         while True:
             await asyncio.sleep(self.retry_interval)
             try:
+                await self._drop_idle_connections()
                 await _within(self._client.ping(), timeout)
                 data_lost = await _within(self._swap_incarnation(), timeout)
             except (asyncio.TimeoutError, RedisError, OSError):
@@ -407,6 +408,16 @@ class RedisIndex(KVIndex):
             )
             self._tell(True, data_lost)
             return
+
+    async def _drop_idle_connections(self) -> None:
+        # Connections made before a restart are dead, and each would fail once before
+        # the client replaced it: the probe (and the first calls after it) would need
+        # as many rounds as the pool has connections. Idle ones reconnect on next use.
+        if isinstance(self._client, RedisCluster):
+            for node in self._client.get_nodes():
+                await node.disconnect()
+        else:
+            await self._client.connection_pool.disconnect(inuse_connections=False)
 
     async def check_incarnation(self, timeout: float | None = None) -> bool:
         """Learn the namespace's incarnation marker (creating it if missing); True when

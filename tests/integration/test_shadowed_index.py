@@ -181,6 +181,28 @@ async def test_a_redis_that_restarted_empty_gets_every_live_decision_back(
             replacement.kill()
 
 
+async def test_no_call_after_a_restart_trips_on_a_connection_to_the_old_server(
+    own_server: RedisServer,
+) -> None:
+    redis = RedisIndex(own_server.url, "pool", budget_ms=500, retry_interval=0.05)
+    replacement = None
+    try:
+        await redis.add(A, KEYS)
+        # Eight connections in the pool, all to the server about to die.
+        await asyncio.gather(*(redis.lookup(KEYS, FLEET) for _ in range(8)))
+        own_server.kill()
+        with pytest.raises(IndexUnavailable):
+            await redis.lookup(KEYS, FLEET)
+        replacement = RedisServer(port=own_server.port)
+        await until(lambda: redis.available)
+        await asyncio.gather(*(redis.lookup(KEYS, FLEET) for _ in range(8)))
+        assert redis.available and redis.counters.outages == 1
+    finally:
+        await redis.close()
+        if replacement is not None:
+            replacement.kill()
+
+
 async def test_the_incarnation_tells_a_fresh_redis_from_the_same_one(
     redis_url: str, redis_namespace: str
 ) -> None:
