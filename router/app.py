@@ -97,6 +97,9 @@ class RouterApp:
         self.shared_load: SharedLoad | None = None
         self._unsynced: set[EngineKey] = set()
         """Engine streams some of whose event batches never reached Redis."""
+        self._resync_pending = False
+        self.event_resync_retry_s = 5.0
+        """After Redis refused event writes while reachable, rewrite the streams then."""
         self._index_stats: IndexStats | None = None
         self.metrics = RouterMetrics(
             StateSources(
@@ -145,8 +148,21 @@ class RouterApp:
 
     def _event_writes_lost(self, engine: EngineKey, reason: str) -> None:
         # Unfenced writes fail only when Redis does; the stream is rewritten from what
-        # the subscriber knows the engine holds once Redis answers again.
+        # the subscriber knows the engine holds once Redis answers again. If Redis
+        # answered with an error instead (out of memory, say), no return will be
+        # announced: try again a little later.
         self._unsynced.add(engine)
+        if self.redis is not None and self.redis.available and not self._resync_pending:
+            self._resync_pending = True
+            self._spawn(self._resync_later())
+
+    async def _resync_later(self) -> None:
+        try:
+            await asyncio.sleep(self.event_resync_retry_s)
+        finally:
+            self._resync_pending = False
+        if self.redis is not None and self.redis.available:
+            self._resync_event_streams(data_lost=False)
 
     def _on_index_availability(self, available: bool, data_lost: bool) -> None:
         if available:

@@ -369,6 +369,37 @@ async def test_a_replica_avoids_the_engines_another_replica_loaded(
 # --------------------------------------------------------------------------- outages
 
 
+async def test_event_writes_redis_refused_are_made_good_once_it_accepts_them(
+    fresh_fleet: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    routers: StartRouter,
+    own_server: RedisServer,
+) -> None:
+    app = await routers([e.url for e in fresh_fleet], index=redis_index(own_server.url, "oom"))
+    app.event_resync_retry_s = 0.2
+    await poll(lambda: subscribed(app))
+    admin = RedisIndex(own_server.url, "oom", budget_ms=2000)
+    try:
+        # Reachable, but refusing writes: no outage is announced.
+        await admin.client.config_set("maxmemory", 1)
+        engine = fresh_fleet[0]
+        prompt = words("refused", 320) + " end"
+        failures = app.event_writer.stats.failures
+        status, _ = await post(
+            http, f"{engine.url}/v1/completions", {"prompt": prompt, "max_tokens": 1}
+        )
+        assert status == 200
+        await poll(lambda: app.event_writer.stats.failures > failures)
+        assert app.redis.available
+        await admin.client.config_set("maxmemory", 0)
+        keys = block_keys(words_tokens(prompt), 16, seed_for(MODEL))
+        await poll(lambda: _holds(admin, keys, key_of(engine)), timeout=10)
+        assert app.event_writer.stats.resnapshots >= 1
+    finally:
+        await admin.client.config_set("maxmemory", 0)
+        await admin.close()
+
+
 @dataclass
 class Probe:
     """Turn 1 of a fresh conversation through one replica, turn 2 through the other."""
