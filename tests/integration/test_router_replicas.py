@@ -120,6 +120,26 @@ def subscribed(*apps: RouterApp) -> bool:
     return all(app.subscriber and app.subscriber.stats.replays["ok"] == 4 for app in apps)
 
 
+async def live_events(http: aiohttp.ClientSession, app: RouterApp, engine: EmulatedEngine) -> None:
+    """Wait until the router receives the engine's new batches as they are published (a
+    batch published after the initial replay but before the subscription took effect
+    shows up only with the next one): each probe, a cache reset, publishes one."""
+    assert app.subscriber is not None
+    stats = app.subscriber.stats
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while loop.time() < deadline:
+        seen = stats.batches
+        status, _ = await post(http, f"{engine.url}/reset_prefix_cache", {})
+        assert status == 200
+        probe_deadline = loop.time() + 0.1
+        while loop.time() < probe_deadline:
+            if stats.batches > seen:
+                return
+            await asyncio.sleep(0.005)
+    raise AssertionError("the router never received live events")
+
+
 @dataclass
 class Routed:
     status: int
@@ -375,14 +395,16 @@ async def test_event_writes_redis_refused_are_made_good_once_it_accepts_them(
     routers: StartRouter,
     own_server: RedisServer,
 ) -> None:
-    app = await routers([e.url for e in fresh_fleet], index=redis_index(own_server.url, "oom"))
+    app = await routers([e.url for e in fresh_fleet], index=redis_index(own_server.url, "refusing"))
     app.event_resync_retry_s = 0.2
     await poll(lambda: subscribed(app))
-    admin = RedisIndex(own_server.url, "oom", budget_ms=2000)
+    engine = fresh_fleet[0]
+    await live_events(http, app, engine)
+    admin = RedisIndex(own_server.url, "refusing", budget_ms=2000)
     try:
-        # Reachable, but refusing writes: no outage is announced.
-        await admin.client.config_set("maxmemory", 1)
-        engine = fresh_fleet[0]
+        # Reachable, but refusing writes (NOREPLICAS, here; out of memory in the wild):
+        # no outage is announced.
+        await admin.client.config_set("min-replicas-to-write", 1)
         prompt = words("refused", 320) + " end"
         failures = app.event_writer.stats.failures
         status, _ = await post(
@@ -391,12 +413,12 @@ async def test_event_writes_redis_refused_are_made_good_once_it_accepts_them(
         assert status == 200
         await poll(lambda: app.event_writer.stats.failures > failures)
         assert app.redis.available
-        await admin.client.config_set("maxmemory", 0)
+        await admin.client.config_set("min-replicas-to-write", 0)
         keys = block_keys(words_tokens(prompt), 16, seed_for(MODEL))
         await poll(lambda: _holds(admin, keys, key_of(engine)), timeout=10)
         assert app.event_writer.stats.resnapshots >= 1
     finally:
-        await admin.client.config_set("maxmemory", 0)
+        await admin.client.config_set("min-replicas-to-write", 0)
         await admin.close()
 
 
