@@ -123,9 +123,14 @@ class RouterApp:
 
     # ------------------------------------------------------------------ wiring
 
+    @property
+    def subscribes(self) -> bool:
+        """Whether this router follows the engines' KV events itself."""
+        return self.config.events.enabled and not self.config.events.via_indexer
+
     def _event_writer(self) -> RedisEventWriter | None:
         """With Redis, the subscriber's events go through a pipelining writer."""
-        if self.redis is None:
+        if self.redis is None or not self.subscribes:
             return None
         from router.events.redis_writer import RedisEventWriter
 
@@ -309,7 +314,7 @@ class RouterApp:
         self.upstream = Upstream(self.config.proxy)
         if self.redis is not None:
             await self._start_redis(self.redis)
-        if self.config.events.enabled and not self.config.events.via_indexer:
+        if self.subscribes:
             self.subscriber = KVEventSubscriber(
                 self.ingestor, replay_timeout=self.config.events.replay_timeout_s
             )

@@ -47,6 +47,7 @@ async def test_routers_fed_by_an_indexer_treat_their_engines_as_publishing_event
     try:
         assert app.core.has_events(EngineKey("10.0.0.1:8000"))
         assert not app.core.has_events(EngineKey("10.0.0.2:8000"))
-        assert app.event_writer is not None and app.shadowed is app.index
+        assert not app.subscribes and app.event_writer is None
+        assert app.shadowed is app.index
     finally:
         await app.index.close()
