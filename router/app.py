@@ -2,15 +2,25 @@
 
 ``kvroute serve`` runs one :class:`RouterApp` in one asyncio process. Tests run several
 in one process (each has its own metrics registry, index and client session).
+
+With ``index.backend: redis`` the router shares the index with its replicas: lookups and
+decision records go through a :class:`~router.index.shadow.ShadowedIndex` (records off
+the request path, a local shadow of decisions while Redis is away), its own KV-event
+subscriber (if on) writes through a :class:`~router.events.redis_writer.RedisEventWriter`,
+and a :class:`~router.engines.shared_load.SharedLoad` task exchanges in-flight load with
+the other replicas. When Redis comes back after an outage, the engine streams whose
+writes were lost (all of them, if Redis lost its data) are rewritten from what the
+subscriber knows each engine holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -23,21 +33,39 @@ from router.engines.monitor import EngineMonitor
 from router.engines.registry import Engine, EngineState, Registry
 from router.events.ingest import EventIngestor
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
-from router.index import KVIndex, MemoryIndex
-from router.index.base import IndexStats
+from router.index import KVIndex, index_from_config
+from router.index.base import IndexStats, IndexUnavailable
 from router.metrics import RouterMetrics, StateSources
 from router.policy import make_policy
 from router.proxy import Upstream, UpstreamError
 from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey
 
+if TYPE_CHECKING:
+    from router.engines.shared_load import SharedLoad
+    from router.events.redis_writer import RedisEventWriter
+    from router.index.redis import RedisIndex
+    from router.index.shadow import ShadowedIndex
+
 log = logging.getLogger("kvroute")
+
+#: Bound on one pipelined write of the router's own KV-event batches (off the request
+#: path; a frozen Redis is noticed by lookups within the budget anyway).
+EVENT_WRITE_TIMEOUT_S = 1.0
 
 
 def build_index(config: Config) -> KVIndex:
-    if config.index.backend == "memory":
-        return MemoryIndex()
-    raise NotImplementedError(f"index backend {config.index.backend!r} is not available")
+    """The index the ``index:`` section selects. A router wraps a Redis index in a
+    :class:`~router.index.shadow.ShadowedIndex` (Redis is imported only when chosen)."""
+    index = index_from_config(config.index)
+    if config.index.backend != "redis":
+        return index
+    from router.index.redis import RedisIndex
+    from router.index.shadow import DecisionShadow, ShadowedIndex
+
+    assert isinstance(index, RedisIndex)
+    shadow = DecisionShadow(config.index.shadow_window_s, config.index.shadow_max_keys)
+    return ShadowedIndex(index, shadow)
 
 
 class RouterApp:
@@ -47,6 +75,13 @@ class RouterApp:
         self.config = config
         self.tokenizers = Tokenizers(config, self._post_to_pool)
         self.index = index or build_index(config)
+        self.shadowed: ShadowedIndex | None = None
+        if config.index.backend == "redis":
+            from router.index.shadow import ShadowedIndex
+
+            if isinstance(self.index, ShadowedIndex):
+                self.shadowed = self.index
+        self.redis: RedisIndex | None = self.shadowed.redis if self.shadowed else None
         self.loads = LoadTracker(config.block_size)
         self.registry = Registry(config.health)
         for engine_cfg in config.engines:
@@ -59,8 +94,17 @@ class RouterApp:
         self.core.max_per_engine = config.limits.max_inflight_per_engine
         self.admission = Admission(config.limits)
         self.loads.on_end = self.admission.engine_freed
-        self.ingestor = EventIngestor(self.index, on_block_size_mismatch=self._block_size_mismatch)
+        self.event_writer = self._event_writer()
+        self.ingestor = self.event_writer or EventIngestor(
+            self.index, on_block_size_mismatch=self._block_size_mismatch
+        )
         self.subscriber: KVEventSubscriber | None = None
+        self.shared_load: SharedLoad | None = None
+        self._unsynced: set[EngineKey] = set()
+        """Engine streams some of whose event batches never reached Redis."""
+        self._resync_pending = False
+        self.event_resync_retry_s = 5.0
+        """After Redis refused event writes while reachable, rewrite the streams then."""
         self._index_stats: IndexStats | None = None
         self.metrics = RouterMetrics(
             StateSources(
@@ -68,6 +112,8 @@ class RouterApp:
                 registry=self.registry,
                 ingest=self.ingestor.counters,
                 index_stats=lambda: self._index_stats,
+                shadowed=self.shadowed,
+                writer=self.event_writer.stats if self.event_writer else None,
             )
         )
         self.metrics.state.sources.tokenizers = self.tokenizers
@@ -85,10 +131,73 @@ class RouterApp:
 
     # ------------------------------------------------------------------ wiring
 
+    @property
+    def subscribes(self) -> bool:
+        """Whether this router follows the engines' KV events itself."""
+        return self.config.events.enabled and not self.config.events.via_indexer
+
+    def _event_writer(self) -> RedisEventWriter | None:
+        """With Redis, the subscriber's events go through a pipelining writer."""
+        if self.redis is None or not self.subscribes:
+            return None
+        from router.events.redis_writer import RedisEventWriter
+
+        # Unfenced: several replicas may write the same engine's events; the writes are
+        # idempotent, and a standalone indexer is the fenced alternative.
+        return RedisEventWriter(
+            self.redis,
+            on_block_size_mismatch=self._block_size_mismatch,
+            on_lost=self._event_writes_lost,
+            write_timeout=EVENT_WRITE_TIMEOUT_S,
+        )
+
     def _has_events(self, key: EngineKey) -> bool:
+        if self.config.events.via_indexer:
+            engine = self.registry.engine_of(key)
+            return engine is not None and engine.wants_events
         if self.subscriber is None:
             return False
         return self.subscriber.stream_state(key) is not None
+
+    def _event_writes_lost(self, engine: EngineKey, reason: str) -> None:
+        # Unfenced writes fail only when Redis does; the stream is rewritten from what
+        # the subscriber knows the engine holds once Redis answers again. If Redis
+        # answered with an error instead (out of memory, say), no return will be
+        # announced: try again a little later.
+        self._unsynced.add(engine)
+        if self.redis is not None and self.redis.available and not self._resync_pending:
+            self._resync_pending = True
+            self._spawn(self._resync_later())
+
+    async def _resync_later(self) -> None:
+        try:
+            await asyncio.sleep(self.event_resync_retry_s)
+        finally:
+            self._resync_pending = False
+        if self.redis is not None and self.redis.available:
+            self._resync_event_streams(data_lost=False)
+
+    def _on_index_availability(self, available: bool, data_lost: bool) -> None:
+        if available:
+            self._resync_event_streams(data_lost)
+
+    def _resync_event_streams(self, data_lost: bool) -> None:
+        """Rewrite into Redis the engine streams whose writes were lost (every stream
+        this router follows, if Redis lost its data)."""
+        writer = self.event_writer
+        if self.subscriber is None or writer is None:
+            return
+        states = [s for s in self.subscriber.states() if data_lost or s.engine in self._unsynced]
+        self._unsynced.clear()
+        for state in states:
+            writer.resnapshot(state)
+        if states:
+            log.warning(
+                "Redis index: rewriting the entries of %d engine stream(s) from their "
+                "KV events (%s)",
+                len(states),
+                "Redis lost its data" if data_lost else "writes were lost in the outage",
+            )
 
     def _on_state_change(self, engine: Engine, previous: EngineState) -> None:
         if previous is EngineState.EJECTED and engine.state is EngineState.HEALTHY:
@@ -223,7 +332,8 @@ class RouterApp:
         for key in engine.keys:
             if self.subscriber is not None:
                 await self.subscriber.remove_source(key, clear=True)
-            await self.index.clear(key)
+            with contextlib.suppress(IndexUnavailable):  # Redis down: entries age out
+                await self.index.clear(key)
             self.core.forget(key)
         return engine
 
@@ -247,7 +357,9 @@ class RouterApp:
     async def start(self) -> str:
         """Start everything and listen; returns the bound URL."""
         self.upstream = Upstream(self.config.proxy)
-        if self.config.events.enabled:
+        if self.redis is not None:
+            await self._start_redis(self.redis)
+        if self.subscribes:
             self.subscriber = KVEventSubscriber(
                 self.ingestor, replay_timeout=self.config.events.replay_timeout_s
             )
@@ -268,6 +380,10 @@ class RouterApp:
         await self.monitor.start()
         if self.subscriber is not None:
             await self.subscriber.wait_synced(self.config.events.replay_timeout_s * 2)
+        if self.event_writer is not None:
+            # Likewise for Redis: the replays' writes land before any decision's record.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.event_writer.drain(), EVENT_WRITE_TIMEOUT_S)
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -281,6 +397,26 @@ class RouterApp:
         self.url = f"http://{shown}:{port}"
         self.started_at = time.time()
         return self.url
+
+    async def _start_redis(self, redis: RedisIndex) -> None:
+        from router.engines.shared_load import SharedLoad
+
+        redis.listeners.append(self._on_index_availability)
+        # Learn Redis's incarnation now, so that after an outage the router can tell a
+        # Redis that kept its data from one that restarted empty.
+        with contextlib.suppress(IndexUnavailable):
+            await redis.check_incarnation(timeout=max(redis.budget, 1.0))
+        cfg = self.config.index
+        if cfg.share_load:
+            self.shared_load = SharedLoad(
+                redis,
+                self.loads,
+                lambda key: self.registry.engine_of(key) is not None,
+                interval=cfg.load_interval_s,
+                ttl=cfg.load_ttl_s,
+            )
+            self.shared_load.start()
+            self.metrics.state.sources.shared_load = self.shared_load
 
     async def stop(self) -> None:
         self.begin_drain()
@@ -297,4 +433,13 @@ class RouterApp:
             await self.subscriber.close()
         if self.upstream is not None:
             await self.upstream.close()
+        if self.shared_load is not None:
+            await self.shared_load.stop()
+        if self.redis is not None and self._on_index_availability in self.redis.listeners:
+            self.redis.listeners.remove(self._on_index_availability)
+        if self.event_writer is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                # Write what the subscriber applied last, then stop writing.
+                await asyncio.wait_for(self.event_writer.drain(), EVENT_WRITE_TIMEOUT_S)
+            await self.event_writer.close()
         await self.index.close()

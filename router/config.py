@@ -121,6 +121,41 @@ class IndexConfig(_Section):
         description="A Redis call slower than this is abandoned; routing goes on "
         "without the index for that request.",
     )
+    shadow_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="Redis backend: how long this router remembers its own routing "
+        "decisions locally, to route on them while Redis is unavailable or over budget.",
+    )
+    shadow_max_keys: int = Field(
+        1_000_000,
+        gt=0,
+        description="Redis backend: at most this many block keys of remembered decisions "
+        "(about 50 bytes each); past it the oldest decisions go first.",
+    )
+    share_load: bool = Field(
+        True,
+        description="Redis backend: publish this replica's in-flight work per engine and "
+        "count the other replicas' in every decision.",
+    )
+    load_interval_s: float = Field(
+        0.1,
+        gt=0,
+        description="Redis backend: seconds between exchanges of in-flight load with the "
+        "other replicas (in the background, never on the request path).",
+    )
+    load_ttl_s: float = Field(
+        1.0,
+        gt=0,
+        description="Redis backend: a replica's published load counts this long without "
+        "a refresh (a replica that died stops counting after it).",
+    )
+
+    @model_validator(mode="after")
+    def _ttl_outlives_interval(self) -> IndexConfig:
+        if self.load_ttl_s <= self.load_interval_s:
+            raise ValueError("load_ttl_s must be longer than load_interval_s")
+        return self
 
 
 class ServerConfig(_Section):
@@ -274,6 +309,14 @@ class EventsConfig(_Section):
         None,
         description="Bind one SUB socket here for engines that connect to the router "
         "(llm-d central mode, topic kv@<ip>:<port>@<model>).",
+    )
+    via_indexer: bool = Field(
+        False,
+        description="A `kvroute indexer` writes the engines' KV events into the Redis "
+        "index: this router does not subscribe (whatever `enabled` says), yet treats "
+        "its engines as publishing events, so its decisions are provisional "
+        "(`policy.provisional_ttl_s`) rather than approximate; engines with "
+        "`kv_events: none` stay approximate. Needs `index.backend: redis`.",
     )
 
 
@@ -491,6 +534,12 @@ class Config(_Section):
     )
     tokenizer_guard: TokenizerGuardConfig = Field(default_factory=TokenizerGuardConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+
+    @model_validator(mode="after")
+    def _indexer_needs_redis(self) -> Config:
+        if self.events.via_indexer and self.index.backend != "redis":
+            raise ValueError("events.via_indexer needs index.backend: redis")
+        return self
 
     def model_settings(self, model: str) -> tuple[TokenizerConfig, int]:
         """The tokenizer settings and block size of a model's pool."""

@@ -9,7 +9,10 @@ After each decision under an index-using policy, the chosen engine is recorded a
 share the prefix and arrive before the engine's KV events follow the first one (and
 the load it added spreads them once that engine is busier than a recompute costs).
 Engines that publish no KV events are tracked from decisions alone, for
-``approximate_ttl_s``.
+``approximate_ttl_s``. With the Redis backend the record is queued and written in the
+background (``router/index/shadow.py``): a decision waits for one round trip, the
+lookup, and a lookup Redis cannot answer within its budget is answered from the
+router's own recent decisions.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class RoutingCore:
     async def lookup(
         self, keys: Sequence[int], candidates: Sequence[EngineKey], policy: Policy | None = None
     ) -> Mapping[EngineKey, Match]:
-        """Match depths, or none at all if the index cannot answer (route on load)."""
+        """Match depths, or none at all if the index cannot answer (route on load; the
+        Redis backend answers from its shadow instead of failing)."""
         if not keys or not (policy or self.policy).uses_index:
             return {}
         try:
@@ -113,7 +117,8 @@ class RoutingCore:
     async def record(
         self, engine: EngineKey, keys: Sequence[int], approximate: bool = False
     ) -> None:
-        """Note that ``engine`` is about to hold ``keys`` (expiring until confirmed)."""
+        """Note that ``engine`` is about to hold ``keys`` (expiring until confirmed).
+        Never waits for Redis: the Redis backend queues the write."""
         if not keys:
             return
         confirmable = not approximate and self.has_events(engine)

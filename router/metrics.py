@@ -22,9 +22,12 @@ if TYPE_CHECKING:
     from router.admission import Admission
     from router.core import RoutingCore
     from router.engines.registry import Registry
+    from router.engines.shared_load import SharedLoad
     from router.events.ingest import IngestCounters
+    from router.events.redis_writer import WriterStats
     from router.events.subscriber import SubscriberStats
     from router.index.base import IndexStats
+    from router.index.shadow import ShadowedIndex
     from router.tokenization import Tokenizers
 
 # ``*_created`` series double the output and nobody alerts on them.
@@ -76,6 +79,11 @@ class StateSources:
     index_stats: Callable[[], IndexStats | None] | None = None
     tokenizers: Tokenizers | None = None
     admission: Admission | None = None
+    shadowed: ShadowedIndex | None = None
+    """The Redis index of a router, with its shadow (absent with the memory index)."""
+    shared_load: SharedLoad | None = None
+    writer: WriterStats | None = None
+    """The router's KV-event writer into Redis."""
 
 
 class StateCollector(Collector):
@@ -98,10 +106,16 @@ class StateCollector(Collector):
             for (policy, reason), n in sorted(src.core.counters.decisions.items()):
                 decisions.add_metric([policy, reason], n)
             yield decisions
+            errors = src.core.counters.index_errors
+            if src.shadowed is not None:
+                errors += src.shadowed.counters.errors
             yield CounterMetricFamily(
-                "kvroute_index_errors",
-                "Index calls that failed or ran over budget",
-                value=src.core.counters.index_errors,
+                "kvroute_index_errors", "Index calls that failed or ran over budget", value=errors
+            )
+            yield GaugeMetricFamily(
+                "kvroute_index_available",
+                "1 while the KV-block index answers (Redis reachable within budget)",
+                value=1.0 if src.shadowed is None or src.shadowed.available else 0.0,
             )
             yield GaugeMetricFamily(
                 "kvroute_inflight_requests",
@@ -141,6 +155,20 @@ class StateCollector(Collector):
             for model, mode in sorted(src.tokenizers.modes().items()):
                 modes.add_metric([model, mode], 1)
             yield modes
+        if src.shadowed is not None:
+            yield from self._shadowed(src.shadowed)
+        if src.shared_load is not None:
+            yield GaugeMetricFamily(
+                "kvroute_load_peers",
+                "Other router replicas whose in-flight load this router counts",
+                value=src.shared_load.peers,
+            )
+        if src.writer is not None:
+            yield CounterMetricFamily(
+                "kvroute_kv_event_resnapshots",
+                "Engine streams rewritten into Redis from their state after writes were lost",
+                value=src.writer.resnapshots,
+            )
         if src.index_stats is not None:
             stats = src.index_stats()
             if stats is not None:
@@ -198,6 +226,29 @@ class StateCollector(Collector):
                 lag.add_metric([engine.label], seconds)
             yield lag
 
+    def _shadowed(self, index: ShadowedIndex) -> Iterator[CounterMetricFamily]:
+        counters = index.counters
+        yield CounterMetricFamily(
+            "kvroute_index_outages",
+            "Times Redis became unreachable or slower than the budget",
+            value=index.redis.counters.outages,
+        )
+        yield CounterMetricFamily(
+            "kvroute_index_fallbacks",
+            "Lookups answered from this router's shadow of recent decisions",
+            value=counters.fallbacks,
+        )
+        yield CounterMetricFamily(
+            "kvroute_index_unwritten_records",
+            "Decision records that did not reach Redis when made",
+            value=counters.unwritten,
+        )
+        yield CounterMetricFamily(
+            "kvroute_index_replayed_records",
+            "Decision records written to Redis from the shadow after an outage",
+            value=counters.replayed,
+        )
+
     def _engines(self, registry: Registry, core: RoutingCore) -> Iterator[GaugeMetricFamily]:
         healthy = GaugeMetricFamily(
             "kvroute_engine_healthy", "1 if the engine takes requests", labels=["engine"]
@@ -220,6 +271,16 @@ class StateCollector(Collector):
         ejections = CounterMetricFamily(
             "kvroute_engine_ejections", "Times the engine was ejected", labels=["engine"]
         )
+        peer_inflight = GaugeMetricFamily(
+            "kvroute_engine_peer_inflight_requests",
+            "Requests other router replicas have in flight there (shared through Redis)",
+            labels=["engine"],
+        )
+        peer_prefill = GaugeMetricFamily(
+            "kvroute_engine_peer_queued_prefill_tokens",
+            "Prompt tokens other router replicas sent there whose first token has not come back",
+            labels=["engine"],
+        )
         view = core.loads.view
         for engine in registry:
             healthy.add_metric([engine.endpoint], 1.0 if engine.state.value == "healthy" else 0.0)
@@ -227,13 +288,19 @@ class StateCollector(Collector):
             ejections.add_metric([engine.endpoint], engine.ejections)
             for key in engine.keys:
                 load = view.get(key)
-                inflight.add_metric([key.label], load.requests if load else 0)
-                prefill.add_metric([key.label], load.prefill_tokens if load else 0)
+                own = load.own() if load else None
+                inflight.add_metric([key.label], own.requests if own else 0)
+                prefill.add_metric([key.label], own.prefill_tokens if own else 0)
+                peer_inflight.add_metric([key.label], load.peer_requests if load else 0)
+                peer_prefill.add_metric([key.label], load.peer_prefill_tokens if load else 0)
         yield healthy
         yield refused
         yield inflight
         yield prefill
         yield ejections
+        if self.sources.shared_load is not None:
+            yield peer_inflight
+            yield peer_prefill
 
 
 class RouterMetrics:

@@ -2,17 +2,22 @@
 
 Two sources, kept apart because they age differently:
 
-* the router's own in-flight accounting (exact and instant for this replica): requests,
-  prompt tokens still to prefill, decode tokens still to generate, KV blocks pinned;
+* in-flight accounting: requests, prompt tokens still to prefill, decode tokens still
+  to generate, KV blocks pinned. This router's own part is exact and instant; with
+  replicas sharing Redis, the peers' part (``peer_*``) is added in by a background task
+  (``router/engines/shared_load.py``) about every 100 ms, so the fields every policy
+  reads are totals over the replicas and no decision merges anything;
 * values the engine reports on ``/metrics`` (waiting, running, KV usage), which include
   other routers' traffic but are as old as the last scrape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.types import EngineKey
 
@@ -41,6 +46,47 @@ class EngineLoad:
     """When the engine-reported values were scraped (router clock)."""
     routed: int = 0
     """Requests this router has sent there so far (orders otherwise equal choices)."""
+    peer_requests: int = 0
+    """The part of ``requests`` other router replicas reported (the same for the three
+    fields after it); this router's own part is the difference."""
+    peer_prefill_tokens: int = 0
+    peer_decode_tokens: int = 0
+    peer_decode_blocks: int = 0
+
+    def copy(self) -> EngineLoad:
+        return dataclasses.replace(self)
+
+    def own(self) -> InFlight:
+        """This router's own in-flight work there (the totals less the peers' part)."""
+        return InFlight(
+            self.requests - self.peer_requests,
+            self.prefill_tokens - self.peer_prefill_tokens,
+            self.decode_tokens - self.peer_decode_tokens,
+            self.decode_blocks - self.peer_decode_blocks,
+        )
+
+    def set_peers(self, peers: InFlight) -> None:
+        """Replace the peers' part of the totals."""
+        self.requests += peers.requests - self.peer_requests
+        self.prefill_tokens += peers.prefill_tokens - self.peer_prefill_tokens
+        self.decode_tokens += peers.decode_tokens - self.peer_decode_tokens
+        self.decode_blocks += peers.decode_blocks - self.peer_decode_blocks
+        self.peer_requests = peers.requests
+        self.peer_prefill_tokens = peers.prefill_tokens
+        self.peer_decode_tokens = peers.decode_tokens
+        self.peer_decode_blocks = peers.decode_blocks
+
+
+class InFlight(NamedTuple):
+    """In-flight work on one engine: what replicas exchange through Redis."""
+
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_blocks: int = 0
+
+
+NO_PEERS = InFlight()
 
 
 LoadView = Mapping[EngineKey, EngineLoad]
@@ -151,8 +197,31 @@ class LoadTracker:
         )
 
     def forget(self, engine: EngineKey) -> None:
-        """Drop an engine that left the fleet; its open tickets release into nothing."""
+        """Drop an engine that left the fleet; its open tickets release into nothing
+        (so that an engine added again under the same key starts from zero)."""
         self._loads.pop(engine, None)
+        for ticket in [t for t in self._open.values() if t.engine == engine]:
+            ticket.released = True
+            del self._open[ticket.id]
+
+    def own(self) -> dict[EngineKey, InFlight]:
+        """This router's own in-flight work per engine (engines with some)."""
+        out = {}
+        for engine, load in self._loads.items():
+            mine = load.own()
+            if any(mine):
+                out[engine] = mine
+        return out
+
+    def set_peers(self, peers: Mapping[EngineKey, InFlight]) -> None:
+        """Make the other replicas' in-flight work part of the totals: ``peers`` holds
+        it per engine; engines it leaves out have none. Engines this tracker has never
+        seen are added (the caller passes only engines of this router's fleet)."""
+        for engine, load in self._loads.items():
+            if engine not in peers:
+                load.set_peers(NO_PEERS)
+        for engine, work in peers.items():
+            self._load(engine).set_peers(work)
 
     @property
     def in_flight(self) -> int:

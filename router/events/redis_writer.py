@@ -12,7 +12,9 @@ applies it only while the token holds the engine's lease and its sequence number
 new, and records the position so that the next writer can resume there. The engine's
 own block hashes travel with stored blocks for the same reason. When Redis fails or
 refuses a stale token, the engine's queued batches are dropped and ``on_lost`` is
-told: the stream must be resumed from the position Redis recorded.
+told: the stream must be resumed from the position Redis recorded. An unfenced writer
+(a router's own subscriber) cannot resume from a position; it rewrites the engine's
+entries from what the stream's state says the engine holds (:meth:`resnapshot`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class WriterStats:
     """Batches refused because another writer holds the lease."""
     failures: int = 0
     """Pipelines that failed (Redis unavailable or slower than the write timeout)."""
+    resnapshots: int = 0
+    """Engine streams rewritten whole from their state (after writes were lost)."""
 
 
 class _Recorder(KVIndex):
@@ -145,6 +149,7 @@ class RedisEventWriter(EventIngestor):
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._failing = False
 
     async def apply(self, state: StreamState, batch: EventBatch) -> None:
         """Queue ``batch`` as one write (fenced with ``state.last_seq`` and its timestamp)."""
@@ -161,6 +166,36 @@ class RedisEventWriter(EventIngestor):
         state.forget_blocks()
         fence = None if self.token is None else Fence(self.token, None)
         await self._submit(WriteBatch(state.engine, [ClearOp()], fence))
+
+    def resnapshot(self, state: StreamState, chunk: int = 1024) -> None:
+        """Queue a rewrite of the engine's entries from ``state``: a clear, then every
+        block its stream says the engine holds, ``chunk`` keys per script call (so that
+        lookups are not held up behind one long call). Unfenced writers only.
+
+        For when some of this writer's batches never reached Redis, or Redis lost its
+        data: ``state`` is current (the stream applies every batch to it whether or not
+        the write succeeds), so the rewrite supersedes the engine's queued batches, and
+        batches applied after it is queued land on top of it.
+        """
+        if self.token is not None:
+            raise ValueError("a fenced writer resumes from the stream position instead")
+        engine = state.engine
+        self.discard(engine)
+        batches = [WriteBatch(engine, [ClearOp()])]
+        for tier, table in zip(Tier, state.hashes, strict=True):
+            held = list(table.items())
+            for start in range(0, len(held), chunk):
+                part = held[start : start + chunk]
+                hashes = [h for h, _ in part]
+                batches.append(WriteBatch(engine, [AddOp([k for _, k in part], tier, hashes)]))
+        # Queued as one unit, past max_pending: a rewrite cut short would leave the engine
+        # half cleared.
+        self._queue.extend(batches)
+        self.stats.resnapshots += 1
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
 
     def discard(self, engine: EngineKey) -> None:
         """Drop ``engine``'s queued batches (its stream stopped or moved to another writer)."""
@@ -218,10 +253,18 @@ class RedisEventWriter(EventIngestor):
             results = await self.redis.write(batches, timeout=self.write_timeout)
         except IndexUnavailable as exc:
             self.stats.failures += 1
-            log.warning("writing %d event batches to Redis failed: %s", len(batches), exc)
+            # Once per run of failures: in an outage every batch fails, at once.
+            log.log(
+                logging.DEBUG if self._failing else logging.WARNING,
+                "writing %d event batches to Redis failed: %s",
+                len(batches),
+                exc,
+            )
+            self._failing = True
             for engine in dict.fromkeys(b.engine for b in batches):
                 self._lose(engine, "unavailable")
             return
+        self._failing = False
         refused: dict[EngineKey, str] = {}
         for batch, result in zip(batches, results, strict=True):
             if result is WriteResult.APPLIED:

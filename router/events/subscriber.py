@@ -332,6 +332,11 @@ class KVEventSubscriber:
         stream = self._streams.get(engine)
         return stream.state if stream else None
 
+    def states(self) -> list[StreamState]:
+        """The state of every stream followed (connect and bind mode)."""
+        streams = {id(s): s for s in (*self._streams.values(), *self._topic_streams.values())}
+        return [s.state for s in streams.values()]
+
     # -------------------------------------------------------------- connect mode
 
     async def add_source(self, source: EventSource, state: StreamState | None = None) -> None:

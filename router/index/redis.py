@@ -13,7 +13,13 @@ stops walking at the first block no candidate holds. Time comes from the caller'
 clock (wall clock by default: replicas compare deadlines written by each other), never
 from Redis. Every call is bounded by the budget: a slower or unreachable Redis raises
 :class:`IndexUnavailable`, after which calls fail at once until a background probe
-finds Redis answering again.
+finds Redis answering again. ``listeners`` hear of both transitions; on the way back
+they learn whether Redis may have lost the namespace's data in between (a marker key,
+the *incarnation*, is gone or changed), so that routers know what to reconcile.
+
+Router replicas also exchange their in-flight load per engine here
+(:meth:`RedisIndex.share_load`): one script call that writes this replica's entry and
+returns the others'.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 import sys
 import time
 from array import array
@@ -91,7 +98,13 @@ _LOOKUP = _Script("lookup.lua")
 _WRITE = _Script("write.lua")
 _STATS = _Script("stats.lua")
 _LEASE = _Script("lease.lua")
-_SCRIPTS = (_LOOKUP, _WRITE, _STATS, _LEASE)
+_LOAD = _Script("load.lua")
+_SCRIPTS = (_LOOKUP, _WRITE, _STATS, _LEASE, _LOAD)
+
+AvailabilityListener = Callable[[bool, bool], None]
+"""Called with (available, data_lost) on every transition. ``data_lost`` is only ever
+True on the way back up: Redis may have lost what was written before the outage (its
+incarnation marker is gone or changed, or this process never learned it)."""
 
 # --------------------------------------------------------------------------- writes
 
@@ -217,6 +230,8 @@ class _Keys:
             f"{p}engine-epoch",
         )
         self.lookup = (self.fixed[0], self.fixed[2], self.fixed[6])
+        self.incarnation = f"{p}incarnation"
+        self.load = f"{p}load"
         self._engine: dict[EngineKey, tuple[str, ...]] = {}
 
     def engine(self, engine: EngineKey) -> tuple[str, ...]:
@@ -315,6 +330,9 @@ class RedisIndex(KVIndex):
         self._up = True
         self._probe: asyncio.Task[None] | None = None
         self._candidates: dict[tuple[EngineKey, ...], _CandidateIds] = {}
+        self._incarnation: str | None = None
+        self.listeners: list[AvailabilityListener] = []
+        """Told of every availability transition (see :data:`AvailabilityListener`)."""
 
     @classmethod
     def from_config(cls, config: IndexConfig, **kwargs: Any) -> RedisIndex:
@@ -356,9 +374,21 @@ class RedisIndex(KVIndex):
             return
         self._up = False
         self.counters.outages += 1
-        log.warning("Redis index unavailable (%s); routing on load until it answers", reason)
+        log.warning(
+            "Redis index unavailable (%s); routing on load and this process's recent "
+            "decisions until it answers",
+            reason,
+        )
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._probe_until_up())
+        self._tell(False, False)
+
+    def _tell(self, available: bool, data_lost: bool) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(available, data_lost)
+            except Exception:  # a listener's bug must not keep the index down
+                log.exception("Redis availability listener failed")
 
     async def _probe_until_up(self) -> None:
         # A generous timeout: the probe asks whether Redis is alive, not whether it is fast.
@@ -366,12 +396,48 @@ class RedisIndex(KVIndex):
         while True:
             await asyncio.sleep(self.retry_interval)
             try:
+                await self._drop_idle_connections()
                 await _within(self._client.ping(), timeout)
+                data_lost = await _within(self._swap_incarnation(), timeout)
             except (asyncio.TimeoutError, RedisError, OSError):
                 continue
             self._up = True
-            log.warning("Redis index reachable again")
+            log.warning(
+                "Redis index reachable again%s",
+                " (it lost its data meanwhile)" if data_lost else "",
+            )
+            self._tell(True, data_lost)
             return
+
+    async def _drop_idle_connections(self) -> None:
+        # Connections made before a restart are dead, and each would fail once before
+        # the client replaced it: the probe (and the first calls after it) would need
+        # as many rounds as the pool has connections. Idle ones reconnect on next use.
+        if isinstance(self._client, RedisCluster):
+            for node in self._client.get_nodes():
+                await node.disconnect()
+        else:
+            await self._client.connection_pool.disconnect(inuse_connections=False)
+
+    async def check_incarnation(self, timeout: float | None = None) -> bool:
+        """Learn the namespace's incarnation marker (creating it if missing); True when
+        it is not the one this process saw last, or none was seen: data written before
+        may be gone. Routers call it at start; the probe calls it after every outage.
+        ``timeout`` defaults to ``admin_timeout``."""
+        return await self._call(
+            self._swap_incarnation, self.admin_timeout if timeout is None else timeout
+        )
+
+    async def _swap_incarnation(self) -> bool:
+        # SET NX GET: the first process to find the marker missing (a Redis that
+        # restarted empty, or a fresh namespace) starts a new incarnation; the others
+        # then read it and see that it changed.
+        mine = secrets.token_hex(8)
+        old = await self._client.set(self._keys.incarnation, mine, nx=True, get=True)
+        current = mine if old is None else (old.decode() if isinstance(old, bytes) else old)
+        changed = current != self._incarnation
+        self._incarnation = current
+        return changed
 
     async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
@@ -532,6 +598,24 @@ class RedisIndex(KVIndex):
         if self._slot_owner is not None:
             owner, self._slot_owner = self._slot_owner, None
             await owner.aclose()
+
+    # ------------------------------------------------------------------ shared load
+
+    async def share_load(
+        self, replica: str, payload: bytes | None, ttl_ms: int, timeout: float | None = None
+    ) -> dict[str, bytes]:
+        """Publish this replica's load ``payload`` for ``ttl_ms`` (None: withdraw it) and
+        return the other live replicas' payloads by replica id, in one script call.
+        ``timeout`` defaults to ``admin_timeout``."""
+        args = [replica, b"" if payload is None else payload, int(ttl_ms)]
+        flat = await self._call(
+            lambda: self._evalsha(_LOAD, [self._keys.load], args),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return {
+            (k.decode() if isinstance(k, bytes) else k): v
+            for k, v in zip(flat[::2], flat[1::2], strict=True)
+        }
 
     # ------------------------------------------------------------------ leases and positions
 

@@ -238,6 +238,27 @@ async def test_an_unfenced_writer_pipelines_event_batches(index: RedisIndex) -> 
     await writer.close()
 
 
+async def test_an_unfenced_writer_rewrites_an_engine_from_its_stream_state(
+    index: RedisIndex,
+) -> None:
+    writer = RedisEventWriter(index)
+    state = StreamState(ENGINE, MODEL, BS)
+    toks = tokens(900, 3)
+    await writer.apply(state, EventBatch(0.0, [stored([1, 2, 3], toks)]))
+    await writer.drain()
+    await index.clear(ENGINE)  # as if the writes had never reached Redis
+    assert await depth(index, toks) == 0
+    writer.resnapshot(state, chunk=2)
+    await writer.drain()
+    assert await depth(index, toks) == 3
+    # Later batches apply on top of the rewrite.
+    await writer.apply(state, EventBatch(0.0, [BlockRemoved([2], "GPU")]))
+    await writer.drain()
+    assert await depth(index, toks) == 1
+    assert writer.stats.resnapshots == 1
+    await writer.close()
+
+
 # --------------------------------------------------------------------------- the command
 
 

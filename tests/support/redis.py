@@ -97,6 +97,19 @@ def delete_namespace(url: str, namespace: str) -> None:
         client.close()
 
 
+def cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) was free a moment ago too: a
+    node whose bus port is taken (say by a client socket's ephemeral port) exits."""
+    while True:
+        port = free_port(below=55536)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 @contextlib.contextmanager
 def redis_cluster(nodes: int = 3) -> Iterator[list[RedisServer]]:
     """A throw-away Redis Cluster of ``nodes`` primaries, slots split evenly between them.
@@ -107,11 +120,10 @@ def redis_cluster(nodes: int = 3) -> Iterator[list[RedisServer]]:
     servers: list[RedisServer] = []
     try:
         for _ in range(nodes):
-            # The cluster bus listens on port + 10000, which must be a valid port too.
             servers.append(
                 RedisServer(
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    port=free_port(below=55536),
+                    port=cluster_port(),
                 )
             )  # fmt: skip
         clients = [redis.Redis(port=s.port, socket_timeout=5) for s in servers]
