@@ -34,6 +34,7 @@ bench-disagg: venv
 
 bench-redis: venv
 	$(PY) -m router.bench.redis_index
+	$(PY) -m router.bench.redis_decisions
 
 # Peer routers (sglang-router, vllm-router) from PyPI, each in its own virtualenv under
 # build/compat, routing to emulated engines on loopback. Not part of `make test`.

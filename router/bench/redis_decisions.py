@@ -1,6 +1,6 @@
 """What a routing decision costs with the Redis index, beside the memory index.
 
-``python -m router.index.decision_bench [--redis-url URL] [--output FILE]`` routes the
+``python -m router.bench.redis_decisions [--redis-url URL] [--output FILE]`` routes the
 same 8,192-token prompt (512 block keys) through :class:`~router.core.RoutingCore`
 with the ``kv_cost`` policy, one decision after another, against 16 and 64 engines
 filled as in ``router.bench.redis_index`` (a quarter of them hold a prefix of the
