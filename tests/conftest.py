@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import pytest_asyncio
+from hypothesis import HealthCheck, settings
 from support.clients import post
 from support.engines import start_test_engine
 from support.hf_tokenizer import train_tiny_tokenizer
 from support.redis import delete_namespace, random_namespace, session_redis_url
 
 from router.emulator import EmulatedEngine
+
+# Property-based tests: a bounded profile in `make test`, a long one in `make fuzz`.
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "fuzz", max_examples=3_000, deadline=None, suppress_health_check=list(HealthCheck)
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_asyncio_loop_factories(

@@ -177,6 +177,8 @@ def decode_batch(payload: bytes) -> EventBatch:
         obj = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise EventDecodeError(f"not msgpack: {exc}") from None
+    except RecursionError:  # nesting past the interpreter's limit: hostile, not vLLM
+        raise EventDecodeError("payload nests too deeply") from None
     if isinstance(obj, dict):
         ts, events, rank = obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")
     elif isinstance(obj, list) and len(obj) in (2, 3):
