@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo docs bench bench-core bench-router bench-redis bench-disagg bench-compare compat lint fmt clean
+.PHONY: venv test fuzz demo docs bench bench-core bench-router bench-redis bench-disagg bench-compare compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Property-based tests and fuzzing with the long hypothesis profile (make test runs the
+# same tests with a bounded one). About 10 minutes on 2 cores.
+fuzz: venv
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/fuzz tests/unit/test_request_limits.py
 
 demo: venv
 	$(PY) -m router.demo

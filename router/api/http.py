@@ -579,7 +579,15 @@ def openapi_document() -> dict[str, Any]:
                         "description": "The engine's answer (JSON, or SSE when streaming)",
                         "content": {
                             _JSON: {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}},
+                            "text/event-stream": {
+                                "schema": {
+                                    "description": "One server-sent event: `data` holds a "
+                                    "JSON chunk, an error object, or [DONE]",
+                                    "type": "object",
+                                    "required": ["data"],
+                                    "properties": {"data": {"type": "string"}},
+                                }
+                            },
                         },
                     },
                     **errors,

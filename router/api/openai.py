@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
@@ -201,6 +201,8 @@ def _common(payload: dict[str, Any]) -> ParsedRequest:
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
+    if options and not isinstance(options.get("include_usage", False), (bool, type(None))):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
     return ParsedRequest(
         model,
         stream,
@@ -230,6 +232,11 @@ def parse_chat(payload: dict[str, Any]) -> ParsedRequest:
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad_request("each message must be an object with a 'role'", "messages")
+        content = msg.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise bad_request(
+                "a message's 'content' must be a string, a list of parts, or null", "messages"
+            )
     kwargs = payload.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -279,15 +286,14 @@ class CompletionRequest(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
-    temperature: float | None = None
     cache_salt: str | None = Field(None, description="Isolates prefix caching per tenant.")
     user: str | None = Field(None, description="Also the session key of the session policy.")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    role: str = Field(description="system, user, assistant, tool, developer, or a custom role.")
+    content: str | list[Any] | None = None
 
 
 class ChatCompletionRequest(_Body):
@@ -300,6 +306,5 @@ class ChatCompletionRequest(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
-    temperature: float | None = None
     cache_salt: str | None = None
     user: str | None = None

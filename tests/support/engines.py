@@ -49,3 +49,20 @@ async def poll(predicate: Any, timeout: float = 5.0, interval: float = 0.005) ->
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(interval)
+
+
+def poll_sync(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> Any:
+    """``poll`` for synchronous tests: call ``predicate()`` until it is truthy."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except OSError:  # a server not listening yet
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
