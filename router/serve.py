@@ -132,7 +132,11 @@ async def serve(
         task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
-    url = await app.start()
+    try:
+        url = await app.start()
+    except BaseException:
+        await app.stop()
+        raise
     print(f"kvroute serve listening on {url}", flush=True)
     log.info(
         "routing %d engine(s) with policy %s, index %s",
@@ -146,8 +150,6 @@ async def serve(
         log.info("shutting down: draining for up to %.0f s", app.config.server.drain_timeout_s)
         await app.drain(app.config.server.drain_timeout_s)
     finally:
-        if watcher is not None:
-            watcher.cancel()
         for task in (*reloads, *([watcher] if watcher else [])):
             task.cancel()
         await app.stop()

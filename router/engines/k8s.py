@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from router.config import EngineConfig, EventEndpoints, KubernetesDiscoveryConfig
+from router.config import ConfigError, EngineConfig, EventEndpoints, KubernetesDiscoveryConfig
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
 
 log = logging.getLogger("kvroute.discovery")
@@ -219,7 +219,13 @@ class KubernetesDiscovery:
         """Connect and start watching; waits up to ``sync_timeout_s`` for the first list."""
         from kubernetes_asyncio import client
 
-        self._client = await api_client(self.cfg)
+        try:
+            self._client = await api_client(self.cfg)
+        except Exception as exc:  # the loaders raise several types; all mean the same here
+            raise ConfigError(
+                f"discovery.kubernetes: no Kubernetes API credentials ({exc}); run in a pod "
+                "with a service account, or set discovery.kubernetes.kubeconfig"
+            ) from None
         self._api = client.CoreV1Api(self._client)
         self._task = asyncio.ensure_future(self._run())
         log.info(

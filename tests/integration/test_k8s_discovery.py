@@ -10,6 +10,7 @@ discovered engines serve the requests the tests send.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from support.clients import post, post_reply
+from support.clients import metric_sum, metrics, post, post_reply
+from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
 from support.kube import FakeKubeAPI, pod
 from support.routers import start_router
@@ -138,6 +140,15 @@ async def test_ready_pods_become_engines_that_serve_requests(
         assert await served_by(http, app, 4) == {key(a).label, key(b).label}
         assert kube.lists()[0]["labelSelector"] == "llm-d.ai/inference-serving=true"
         assert len(kube.lists()) == 1
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_discovery_engines", state="ready") == 2
+        assert metric_sum(samples, "kvroute_discovery_lists_total") == 1
+        exposed = {
+            re.sub(r"_(total|bucket|sum|count)$", "", n)
+            for n in samples
+            if n.startswith("kvroute_")
+        }
+        assert exposed <= documented_metrics(), exposed - documented_metrics()
     finally:
         await app.stop()
 

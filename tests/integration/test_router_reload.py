@@ -96,3 +96,27 @@ async def test_a_drain_deadline_cancels_what_is_still_running(
     finally:
         await app.stop()
         await slow.stop()
+
+
+async def test_a_changed_config_file_triggers_a_reload(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from router.serve import _watch_file
+
+    path = tmp_path / "router.yaml"
+    path.write_text("policy: {prefill_weight: 2}\n")
+    app = SimpleNamespace(config=router_config([], server={"reload_poll_s": 0.02}))
+    calls: list[int] = []
+    watcher = asyncio.ensure_future(_watch_file(str(path), app, lambda: calls.append(1)))
+    try:
+        await asyncio.sleep(0.1)
+        assert calls == []  # unchanged content: nothing to do
+        path.write_text("policy: {prefill_weight: 3}\n")
+        await poll(lambda: calls == [1])
+        path.unlink()  # a ConfigMap swap in progress: not a change
+        await asyncio.sleep(0.1)
+        path.write_text("policy: {prefill_weight: 3}\n")
+        await asyncio.sleep(0.1)
+        assert calls == [1]
+    finally:
+        watcher.cancel()

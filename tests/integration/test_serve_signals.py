@@ -186,3 +186,24 @@ async def test_json_logs_carry_the_request_id_engine_and_reason(
         assert entry["duration_ms"] > 0
     finally:
         proc.stop()
+
+
+def test_discovery_without_credentials_exits_2_saying_so(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "router.yaml"
+    missing = tmp_path / "no-kubeconfig"
+    path.write_text(
+        yaml.safe_dump({"discovery": {"kubernetes": {"enabled": True, "kubeconfig": str(missing)}}})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "router", "serve", "--port", "0", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "discovery.kubernetes: no Kubernetes API credentials" in done.stderr
+    assert "Traceback" not in done.stderr
