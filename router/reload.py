@@ -7,8 +7,8 @@ ones see the new settings. Everything else is reported as needing a restart and 
 its running value, so ``app.config`` always says what is in force.
 
 Keys applied live (:data:`LIVE`, by prefix): the routing policy (name and weights), the
-disaggregation thresholds and decode weights, ``limits.max_inflight`` and
-``limits.default_max_tokens``, the static ``engines`` list (added, removed and changed
+disaggregation thresholds and decode weights, the request limits and admission queue
+(``limits.*`` but ``max_body_bytes``), the static ``engines`` list (added, removed and changed
 engines), health thresholds and timeouts, scrape timeout, proxy timeouts and retries,
 and the ``server`` log level, log format, access log, drain timeout and reload poll.
 """
@@ -32,8 +32,7 @@ log = logging.getLogger("kvroute.reload")
 LIVE: tuple[str, ...] = (
     "policy.",
     "disaggregation.",
-    "limits.max_inflight",
-    "limits.default_max_tokens",
+    "limits.",
     "engines",
     "health.timeout_s",
     "health.eject_after_failures",
@@ -51,8 +50,14 @@ LIVE: tuple[str, ...] = (
 )
 
 
+#: Keys under a live prefix that still need a restart.
+RESTART_ONLY: tuple[str, ...] = ("limits.max_body_bytes",)
+
+
 def is_live(key: str) -> bool:
     """Whether a reload applies ``key`` (a dotted path) without a restart."""
+    if key in RESTART_ONLY:
+        return False
     return any(key == p or key.startswith(p) for p in LIVE)
 
 
@@ -145,6 +150,8 @@ class Reloader:
         app.config = config
         self._apply_policy(config, old)
         app.registry.health = config.health
+        app.admission.limits = config.limits
+        app.core.max_per_engine = config.limits.max_inflight_per_engine
         if app.monitor is not None:
             app.monitor.config = config
         if app.upstream is not None:
