@@ -84,7 +84,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             ("host", args.host),
             ("port", args.port),
             ("log_level", args.log_level),
-            ("log_format", getattr(args, "log_format", None)),
+            ("log_format", args.log_format),
         )
         if v is not None
     }
