@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs bench bench-core bench-router bench-redis bench-disagg bench-compare compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests bench bench-core bench-router bench-redis bench-disagg bench-compare compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,10 @@ compat: venv
 
 docs: venv
 	$(PY) -m router.config --update docs/configuration.md
+
+# deploy/manifests/<mode>/ from the Helm chart (helm binary, else Helm's Go SDK from the test extra).
+manifests: venv
+	$(PY) tests/support/deploy.py
 
 # kvroute vs round robin vs sglang-router and vllm-router (installed from PyPI into
 # build/compat when possible), each on 4 fresh emulated engines, on a reduced Mooncake

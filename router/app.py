@@ -19,13 +19,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from router.admission import Admission
 from router.api.http import HttpApi, openai_errors
+from router.api.observe import RequestObserver
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
@@ -42,6 +43,7 @@ from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey
 
 if TYPE_CHECKING:
+    from router.engines.k8s import KubernetesDiscovery
     from router.engines.shared_load import SharedLoad
     from router.events.redis_writer import RedisEventWriter
     from router.index.redis import RedisIndex
@@ -71,8 +73,21 @@ def build_index(config: Config) -> KVIndex:
 class RouterApp:
     """The router's components and their lifecycle."""
 
-    def __init__(self, config: Config, index: KVIndex | None = None) -> None:
+    def __init__(
+        self, config: Config, index: KVIndex | None = None, tracer_provider: Any = None
+    ) -> None:
         self.config = config
+        self.tracer: Any = None
+        """An OpenTelemetry tracer when tracing is on (``tracing.enabled``), else None."""
+        self._tracer_provider: Any = None
+        if config.tracing.enabled or tracer_provider is not None:
+            from router.tracing import tracer_of
+            from router.tracing import tracer_provider as make_provider
+
+            provider = tracer_provider or make_provider(config.tracing)
+            if tracer_provider is None:
+                self._tracer_provider = provider  # ours to flush and shut down
+            self.tracer = tracer_of(provider)
         self.tokenizers = Tokenizers(config, self._post_to_pool)
         self.index = index or build_index(config)
         self.shadowed: ShadowedIndex | None = None
@@ -88,9 +103,16 @@ class RouterApp:
             self.registry.add(Engine.from_config(engine_cfg))
         self.registry.listeners.append(self._on_state_change)
         policy = make_policy(config.policy)
-        self.core = RoutingCore(
+        core_class = RoutingCore
+        if self.tracer is not None:
+            from router.tracing import TracedRoutingCore
+
+            core_class = TracedRoutingCore
+        self.core = core_class(
             self.index, policy, config.policy, self.loads, has_events=self._has_events
         )
+        if self.tracer is not None:
+            self.core.tracer = self.tracer  # type: ignore[attr-defined]
         self.core.max_per_engine = config.limits.max_inflight_per_engine
         self.admission = Admission(config.limits)
         self.loads.on_end = self.admission.engine_freed
@@ -122,12 +144,19 @@ class RouterApp:
         self.draining = False
         self.drain_listeners: list[Callable[[], None]] = []
         """Called once when the router starts draining (health checks report not ready)."""
+        self.drain_hooks: list[Callable[[float], Awaitable[None]]] = []
+        """Awaited by ``drain`` with its timeout: other listeners (gRPC) stop accepting and
+        wait for their in-flight calls."""
         self.started_at = time.time()
         self.upstream: Upstream | None = None
         self.monitor: EngineMonitor | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.url = ""
+        self.discovery: KubernetesDiscovery | None = None
+        self.http_api: HttpApi | None = None
+        self.observer = RequestObserver(config.server.access_log, self.tracer)
+        """Counts in-flight HTTP requests (for draining) and writes the access log."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -345,18 +374,49 @@ class RouterApp:
         for listener in self.drain_listeners:
             listener()
 
+    async def drain(self, timeout_s: float) -> int:
+        """Graceful shutdown, before ``stop``: report not ready, stop accepting connections,
+        let in-flight requests (streams included) finish for up to ``timeout_s``, then
+        cancel the rest. Returns how many had to be cancelled."""
+        self.begin_drain()
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()  # new connections are refused from here on
+            server = self._runner.server
+            if server is not None and hasattr(server, "pre_shutdown"):
+                server.pre_shutdown()  # idle keep-alives close, busy ones after their answer
+        hooks = asyncio.gather(*(hook(timeout_s) for hook in self.drain_hooks))
+        inflight = self.observer.inflight
+        if inflight:
+            log.info("draining: waiting up to %.0f s for %d request(s)", timeout_s, inflight)
+        left = await self.observer.wait_idle(timeout_s)
+        await asyncio.gather(hooks, return_exceptions=True)
+        if left:
+            log.warning("drain deadline passed: cancelling %d request(s) still running", left)
+            self.observer.cancel_all()
+            await self.observer.wait_idle(5.0)
+        return left
+
     # ------------------------------------------------------------------ lifecycle
 
     def web_app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.config.limits.max_body_bytes, middlewares=[openai_errors]
+            client_max_size=self.config.limits.max_body_bytes,
+            middlewares=[self.observer.middleware, openai_errors],
         )
-        app.add_routes(HttpApi(self).routes())
+        self.http_api = HttpApi(self)
+        app.add_routes(self.http_api.routes())
         return app
 
     async def start(self) -> str:
         """Start everything and listen; returns the bound URL."""
-        self.upstream = Upstream(self.config.proxy)
+        if self.tracer is not None:
+            from router.tracing import TracedUpstream
+
+            self.upstream = TracedUpstream(self.config.proxy)
+            self.upstream.tracer = self.tracer
+        else:
+            self.upstream = Upstream(self.config.proxy)
         if self.redis is not None:
             await self._start_redis(self.redis)
         if self.subscribes:
@@ -384,6 +444,12 @@ class RouterApp:
             # Likewise for Redis: the replays' writes land before any decision's record.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.event_writer.drain(), EVENT_WRITE_TIMEOUT_S)
+        if self.config.discovery.kubernetes.enabled:
+            from router.engines.k8s import DiscoveryCollector, KubernetesDiscovery
+
+            self.discovery = KubernetesDiscovery(self, self.config.discovery.kubernetes)
+            self.metrics.registry.register(DiscoveryCollector(self.discovery))
+            await self.discovery.start()
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -424,6 +490,8 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -443,3 +511,5 @@ class RouterApp:
                 await asyncio.wait_for(self.event_writer.drain(), EVENT_WRITE_TIMEOUT_S)
             await self.event_writer.close()
         await self.index.close()
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()  # flushes spans not exported yet

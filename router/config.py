@@ -166,6 +166,28 @@ class ServerConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log verbosity; debug logs every decision's full reason."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="`text`: one human-readable line per record; `json`: one JSON object "
+        "per line (`ts`, `level`, `logger`, `msg` and the record's fields, e.g. `request_id`).",
+    )
+    access_log: bool = Field(
+        False,
+        description="Log one line per request at info level (request id, status, duration, "
+        "chosen engines, decision reason); off, the line is logged at debug level.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: how long in-flight requests (streams included) may run "
+        "after the router stops accepting connections; the rest are cancelled, then it exits.",
+    )
+    reload_poll_s: float = Field(
+        0.0,
+        ge=0,
+        description="Re-read `--config` this often and reload when its content changed "
+        "(0: only on SIGHUP). For ConfigMaps mounted as files.",
+    )
 
 
 class EventEndpoints(_Section):
@@ -448,6 +470,123 @@ class TokenizerGuardConfig(_Section):
     )
 
 
+class KubernetesDiscoveryConfig(_Section):
+    """Engines from the pods of a Kubernetes namespace (docs/operations.md).
+
+    Defaults follow llm-d's conventions: pods labelled ``llm-d.ai/inference-serving=true``,
+    their role in ``llm-d.ai/role`` (``prefill``, ``decode`` or ``both``).
+    """
+
+    enabled: bool = Field(False, description="Watch pods and route to the Ready ones.")
+    namespace: str | None = Field(
+        None,
+        description="Namespace to watch (default: the router's own, from its service "
+        "account; `default` outside a cluster).",
+    )
+    label_selector: str = Field(
+        "llm-d.ai/inference-serving=true",
+        description="Kubernetes label selector of the engine pods (`key=value,...`).",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="The engines' HTTP port on each pod.")
+    port_annotation: str = Field(
+        "kvroute.io/port",
+        description="Pod annotation that overrides `port` (e.g. decode pods whose engine "
+        "sits behind a sidecar on another port).",
+    )
+    scheme: Literal["http", "https"] = Field("http", description="Scheme of engine URLs.")
+    role_label: str = Field(
+        "llm-d.ai/role",
+        description="Pod label holding the engine's role: `prefill`, `decode` or `both`.",
+    )
+    default_role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="Role of pods without the role label."
+    )
+    models_annotation: str = Field(
+        "kvroute.io/models",
+        description="Pod annotation listing served models (comma-separated); without it "
+        "the engine's /v1/models says.",
+    )
+    model_label: str | None = Field(
+        None,
+        description="Pod label whose value is the served model name (llm-d's `llm-d.ai/model` "
+        "often names a deployment instead, and label values cannot hold `/`: off by default).",
+    )
+    dp_size_annotation: str = Field(
+        "kvroute.io/dp-size",
+        description="Pod annotation with the engine's data-parallel size (default 1, or what "
+        "its /server_info reports).",
+    )
+    kv_events_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Subscribe to KV events at tcp://<pod IP>:<this port> (llm-d uses 5557); "
+        "unset: ask each engine's /server_info.",
+    )
+    kv_events_replay_port: int | None = Field(
+        None, ge=1, le=65535, description="The engines' KV-event replay port (e.g. 5558)."
+    )
+    kv_events_annotation: str = Field(
+        "kvroute.io/kv-events",
+        description="Pod annotation that overrides KV events per pod: `none`, `auto`, or "
+        "`tcp://host:port` (`{ip}` is replaced by the pod IP).",
+    )
+    kubeconfig: str | None = Field(
+        None,
+        description="kubeconfig file (default: the in-cluster service account, else "
+        "$KUBECONFIG or ~/.kube/config).",
+    )
+    watch_timeout_s: int = Field(
+        300,
+        gt=0,
+        description="Server-side length of one watch request; the next resumes from the "
+        "last resourceVersion.",
+    )
+    sync_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="At start-up, wait this long for the first pod list before serving "
+        "(discovery goes on in the background after).",
+    )
+    backoff_initial_s: float = Field(
+        0.5, gt=0, description="First wait after a failed list or watch."
+    )
+    backoff_max_s: float = Field(30.0, gt=0, description="Longest wait (doubles up to it).")
+
+
+class DiscoveryConfig(_Section):
+    """Where engines come from besides the static `engines` list."""
+
+    kubernetes: KubernetesDiscoveryConfig = Field(default_factory=KubernetesDiscoveryConfig)
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry tracing of the request path (needs the `otel` extra)."""
+
+    enabled: bool = Field(
+        False, description="Trace requests (a server span, the routing decision, engine calls)."
+    )
+    exporter: Literal["none", "console", "otlp"] = Field(
+        "none",
+        description="`none`: spans only propagate `traceparent` to engines; `console`: "
+        "print them; `otlp`: send them over OTLP/HTTP (needs "
+        "opentelemetry-exporter-otlp-proto-http).",
+    )
+    endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint (default: $OTEL_EXPORTER_OTLP_ENDPOINT or "
+        "http://localhost:4318/v1/traces).",
+    )
+    service_name: str = Field("kvroute", min_length=1, description="`service.name` of spans.")
+    sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of new traces sampled; requests carrying a sampled "
+        "`traceparent` follow their caller's choice.",
+    )
+
+
 class IndexerEngineConfig(_Section):
     """One engine stream the standalone indexer follows (connect mode: vLLM binds its PUB)."""
 
@@ -534,6 +673,8 @@ class Config(_Section):
     )
     tokenizer_guard: TokenizerGuardConfig = Field(default_factory=TokenizerGuardConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _indexer_needs_redis(self) -> Config:

@@ -5,6 +5,11 @@ free port; the bound address is printed), ``--engine URL`` (repeatable), ``--pol
 ``--config FILE`` (YAML), ``--log-level``. Flags override the YAML file and
 ``KVROUTE_*`` environment variables. One asyncio process (uvloop); scale out with
 replicas sharing a Redis index, never with workers.
+
+Signals: SIGTERM (and SIGINT) drain: the router reports not ready, stops accepting
+connections, lets in-flight requests and streams finish for up to
+``server.drain_timeout_s``, cancels what is left and exits 0. SIGHUP reloads the
+configuration from the same file, environment and flags (:mod:`router.reload`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from router.config import Config, ConfigError, load_config
@@ -63,13 +69,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity"
     )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="log lines as text (default) or one JSON object per line",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, Any] = {}
     server = {
         k: v
-        for k, v in (("host", args.host), ("port", args.port), ("log_level", args.log_level))
+        for k, v in (
+            ("host", args.host),
+            ("port", args.port),
+            ("log_level", args.log_level),
+            ("log_format", args.log_format),
+        )
         if v is not None
     }
     if server:
@@ -92,15 +108,35 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
-async def serve(config: Config) -> int:
+async def serve(
+    config: Config,
+    source: Callable[[], Config] | None = None,
+    config_path: str | None = None,
+) -> int:
+    """Run until SIGTERM or SIGINT, then drain and exit; SIGHUP reloads from ``source``."""
     from router.app import RouterApp
+    from router.reload import ReloadCollector, Reloader
 
     app = RouterApp(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    url = await app.start()
+    reloader = Reloader(app, source or (lambda: app.config), _configure_logging)
+    app.metrics.registry.register(ReloadCollector(reloader))
+    reloads: set[asyncio.Task[Any]] = set()
+
+    def reload() -> None:
+        task = asyncio.ensure_future(reloader.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    try:
+        url = await app.start()
+    except BaseException:
+        await app.stop()
+        raise
     print(f"kvroute serve listening on {url}", flush=True)
     log.info(
         "routing %d engine(s) with policy %s, index %s",
@@ -108,11 +144,46 @@ async def serve(config: Config) -> int:
         config.policy.name,
         config.index.backend,
     )
+    watcher = asyncio.ensure_future(_watch_file(config_path, app, reload)) if config_path else None
     try:
         await stop.wait()
+        log.info("shutting down: draining for up to %.0f s", app.config.server.drain_timeout_s)
+        await app.drain(app.config.server.drain_timeout_s)
     finally:
+        for task in (*reloads, *([watcher] if watcher else [])):
+            task.cancel()
         await app.stop()
     return 0
+
+
+async def _watch_file(path: str, app: Any, reload: Callable[[], None]) -> None:
+    """Reload when the file's content changes (``server.reload_poll_s`` > 0)."""
+    import hashlib
+    from pathlib import Path
+
+    def digest() -> bytes | None:
+        try:
+            return hashlib.sha256(Path(path).read_bytes()).digest()
+        except OSError:
+            return None  # a ConfigMap being swapped: try again next time
+
+    seen = digest()
+    while True:
+        interval = app.config.server.reload_poll_s
+        await asyncio.sleep(interval or 1.0)
+        if not interval:
+            continue
+        now = digest()
+        if now is not None and now != seen:
+            seen = now
+            log.info("configuration file %s changed: reloading", path)
+            reload()
+
+
+def _configure_logging(config: Config) -> None:
+    from router.logs import configure_logging
+
+    configure_logging(config.server.log_level, config.server.log_format)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,13 +192,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not config.engines:
+    _configure_logging(config)
+    if not config.engines and not config.discovery.kubernetes.enabled:
         print(
-            "kvroute serve: no engines; pass --engine URL or list them in --config", file=sys.stderr
+            "kvroute serve: no engines; pass --engine URL, list them in --config, or enable "
+            "discovery.kubernetes",
+            file=sys.stderr,
         )
         return 2
     try:
@@ -136,4 +206,8 @@ def run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:  # uvloop is optional on platforms without it
         pass
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config, lambda: config_from_args(args), args.config))
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2

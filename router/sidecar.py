@@ -217,7 +217,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "none given: every request naming a prefiller is refused",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default info)",
     )
 
 
