@@ -10,11 +10,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.api.admin_http import AdminHttp
+from router.api.decide import Decider
 from router.api.http import HttpApi, openai_errors
+from router.api.picks import PickLedger
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
@@ -29,6 +32,9 @@ from router.policy import make_policy
 from router.proxy import Upstream, UpstreamError
 from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.grpc.server import GrpcServers
 
 log = logging.getLogger("kvroute")
 
@@ -55,6 +61,10 @@ class RouterApp:
         self.core = RoutingCore(
             self.index, policy, config.policy, self.loads, has_events=self._has_events
         )
+        self.decider = Decider(self)
+        """Every API's decision path (HTTP, gRPC Pick and Generate, ext_proc)."""
+        self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
+        """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""
         self.ingestor = EventIngestor(self.index, on_block_size_mismatch=self._block_size_mismatch)
         self.subscriber: KVEventSubscriber | None = None
         self._index_stats: IndexStats | None = None
@@ -67,6 +77,7 @@ class RouterApp:
             )
         )
         self.metrics.state.sources.tokenizers = self.tokenizers
+        self.metrics.watch_picks(self.picks)
         self._turn = 0
         self.draining = False
         self.drain_listeners: list[Callable[[], None]] = []
@@ -77,6 +88,11 @@ class RouterApp:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.url = ""
+        self.grpc: GrpcServers | None = None
+        self.grpc_port: int | None = None
+        """The gRPC API's bound port (``grpc.port``), once started."""
+        self.extproc_port: int | None = None
+        """The Envoy ext_proc listener's bound port (``extproc.port``), once started."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -237,6 +253,7 @@ class RouterApp:
             client_max_size=self.config.limits.max_body_bytes, middlewares=[openai_errors]
         )
         app.add_routes(HttpApi(self).routes())
+        app.add_routes(AdminHttp(self).routes())
         return app
 
     async def start(self) -> str:
@@ -274,6 +291,11 @@ class RouterApp:
         host, port = sockets[0].getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
+        if self.config.grpc.port is not None or self.config.extproc.port is not None:
+            from router.grpc.server import GrpcServers  # grpc loads only when asked for
+
+            self.grpc = GrpcServers(self)
+            await self.grpc.start()
         self.started_at = time.time()
         return self.url
 
@@ -283,6 +305,10 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.grpc is not None:
+            await self.grpc.stop()
+            self.grpc = None
+        self.picks.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
