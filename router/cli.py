@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("router.sidecar", "Run in front of a decode pod's engine (llm-d P/D sidecar)"),
     "indexer": ("router.indexer", "Write engines' KV events into the shared Redis index."),
     "bench": ("router.bench.cli", "Replay a workload against targets; compare them side by side"),
+    "status": ("router.status", "Show a running router's engines: state, load, index share"),
 }
 
 

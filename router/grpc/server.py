@@ -179,8 +179,8 @@ class GrpcServers:
         picks = self.app.picks
         while True:
             deadline = picks.next_deadline()
-            wait = 1.0 if deadline is None else deadline - picks.clock()
-            await asyncio.sleep(min(max(wait, 0.01), 1.0))
+            wait = picks.ttl_s if deadline is None else deadline - picks.clock()
+            await asyncio.sleep(min(max(wait, 0.01), 1.0, picks.ttl_s))
             if picks.sweep(picks.clock()):
                 log.info("expired picks that were never released")
 
