@@ -30,15 +30,14 @@ from router.api.errors import ApiError, bad_request
 from router.api.http import REQUEST_ID, HttpApi, Outcome
 from router.api.openai import decode_body, parse_chat, parse_completion, resolve_model
 from router.api.picks import DuplicatePick
+from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff import nixl, sglang
 from router.policy.base import Decision, NoCandidates, RouteRequest, request_rng
 from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.app import RouterApp
-
-from router.grpc.gen.kvroute.v1 import router_pb2 as pb
-from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.grpc")
 T = TypeVar("T")
