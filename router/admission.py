@@ -9,7 +9,8 @@ Two limits, both from ``limits.*``:
   so waiting requests are served in arrival order and never starve.
 * ``max_inflight_per_engine`` requests on one routing target. The routing core skips
   full candidates; when every candidate is full (:class:`~router.core.Saturated`) the
-  request waits for any engine's request to end, up to the same deadline, then 429.
+  request waits for any engine's request to end, up to the same deadline, then 429
+  (``router.api.decide.Decider.choose``).
 
 Nothing here grows with traffic beyond the configured queue bounds.
 """
@@ -19,18 +20,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-
-from aiohttp import web
+from collections.abc import Callable
 
 from router.api.errors import ApiError
 from router.config import LimitsConfig
-from router.core import RoutingCore, Saturated
-from router.policy.base import Decision, Policy, RouteRequest
-from router.types import EngineKey
-
-DEADLINE = web.RequestKey("kvroute.admission_deadline", float)
-"""Key of an HTTP request's admission deadline (``time.monotonic``) in its state."""
 
 
 class Overloaded(ApiError):
@@ -130,24 +123,3 @@ class Admission:
         finally:
             if waiter in self._capacity:
                 self._capacity.remove(waiter)
-
-    async def route(
-        self,
-        core: RoutingCore,
-        request: RouteRequest,
-        pool: Callable[[], Sequence[EngineKey]],
-        deadline: float,
-        policy: Policy | None = None,
-    ) -> Decision:
-        """``core.route`` over ``pool()``, waiting while every candidate is full.
-
-        Raises :class:`~router.core.NoCandidates` when the pool is empty and
-        :class:`Overloaded` when no candidate has room by ``deadline``.
-        """
-        while True:
-            try:
-                return await core.route(request, pool(), policy)
-            except Saturated as full:
-                if not await self.wait_capacity(deadline):
-                    self.rejected["engines_full"] += 1
-                    raise Overloaded(str(full)) from None

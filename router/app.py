@@ -25,8 +25,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router.admission import Admission
+from router.api.admin_http import AdminHttp
+from router.api.decide import Decider
 from router.api.http import HttpApi, openai_errors
 from router.api.observe import RequestObserver
+from router.api.picks import PickLedger
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from router.engines.k8s import KubernetesDiscovery
     from router.engines.shared_load import SharedLoad
     from router.events.redis_writer import RedisEventWriter
+    from router.grpc.server import GrpcServers
     from router.index.redis import RedisIndex
     from router.index.shadow import ShadowedIndex
 
@@ -120,6 +124,10 @@ class RouterApp:
         self.ingestor = self.event_writer or EventIngestor(
             self.index, on_block_size_mismatch=self._block_size_mismatch
         )
+        self.decider = Decider(self)
+        """Every API's decision path (HTTP, gRPC Pick and Generate, ext_proc)."""
+        self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
+        """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""
         self.subscriber: KVEventSubscriber | None = None
         self.shared_load: SharedLoad | None = None
         self._unsynced: set[EngineKey] = set()
@@ -140,6 +148,7 @@ class RouterApp:
         )
         self.metrics.state.sources.tokenizers = self.tokenizers
         self.metrics.state.sources.admission = self.admission
+        self.metrics.watch_picks(self.picks)
         self._turn = 0
         self.draining = False
         self.drain_listeners: list[Callable[[], None]] = []
@@ -157,6 +166,11 @@ class RouterApp:
         self.http_api: HttpApi | None = None
         self.observer = RequestObserver(config.server.access_log, self.tracer)
         """Counts in-flight HTTP requests (for draining) and writes the access log."""
+        self.grpc: GrpcServers | None = None
+        self.grpc_port: int | None = None
+        """The gRPC API's bound port (``grpc.port``), once started."""
+        self.extproc_port: int | None = None
+        """The Envoy ext_proc listener's bound port (``extproc.port``), once started."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -406,6 +420,7 @@ class RouterApp:
         )
         self.http_api = HttpApi(self)
         app.add_routes(self.http_api.routes())
+        app.add_routes(AdminHttp(self).routes())
         return app
 
     async def start(self) -> str:
@@ -461,6 +476,11 @@ class RouterApp:
         host, port = sockets[0].getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
+        if self.config.grpc.port is not None or self.config.extproc.port is not None:
+            from router.grpc.server import GrpcServers  # grpc loads only when asked for
+
+            self.grpc = GrpcServers(self)
+            await self.grpc.start()
         self.started_at = time.time()
         return self.url
 
@@ -492,6 +512,10 @@ class RouterApp:
         self._tasks = []
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.grpc is not None:
+            await self.grpc.stop()
+            self.grpc = None
+        self.picks.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

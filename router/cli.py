@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "indexer": ("router.indexer", "Write engines' KV events into the shared Redis index."),
     "bench": ("router.bench.cli", "Replay a workload against targets; compare them side by side"),
     "config": ("router.config_cli", "Check a configuration file and print the effective values"),
+    "status": ("router.status", "Show a running router's engines: state, load, index share"),
 }
 
 

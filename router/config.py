@@ -190,6 +190,45 @@ class ServerConfig(_Section):
     )
 
 
+class GrpcConfig(_Section):
+    """The gRPC API (kvroute.v1 Router and Admin, health, reflection; docs/grpc.md)."""
+
+    host: str | None = Field(None, description="Address to bind (default: `server.host`).")
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the gRPC listener (`--grpc-port`); 0 picks a free one; "
+        "unset: no gRPC listener.",
+    )
+    pick_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="A Pick that is never released holds its engines' load this long, "
+        "then expires (longer than your longest request).",
+    )
+
+
+class ExtProcConfig(_Section):
+    """The Envoy ext_proc endpoint picker (Gateway API Inference Extension; docs/grpc.md)."""
+
+    host: str | None = Field(None, description="Address to bind (default: `server.host`).")
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the ext_proc listener (`--extproc-port`); 0 picks a free "
+        "one; unset: no ext_proc listener.",
+    )
+    fallbacks: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Endpoints listed after the chosen one in "
+        "`x-gateway-destination-endpoint`, cheapest first, for the gateway to retry on.",
+    )
+
+
 class EventEndpoints(_Section):
     """Where an engine publishes KV events (vLLM's ``--kv-events-config``)."""
 
@@ -675,6 +714,8 @@ class Config(_Section):
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    extproc: ExtProcConfig = Field(default_factory=ExtProcConfig)
 
     @model_validator(mode="after")
     def _indexer_needs_redis(self) -> Config:

@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -20,6 +26,7 @@ from router import __version__
 
 if TYPE_CHECKING:
     from router.admission import Admission
+    from router.api.picks import PickLedger
     from router.core import RoutingCore
     from router.engines.registry import Registry
     from router.engines.shared_load import SharedLoad
@@ -84,6 +91,7 @@ class StateSources:
     shared_load: SharedLoad | None = None
     writer: WriterStats | None = None
     """The router's KV-event writer into Redis."""
+    picks: PickLedger | None = None
 
 
 class StateCollector(Collector):
@@ -180,6 +188,15 @@ class StateCollector(Collector):
                     "(block, engine, tier) records in the index",
                     value=stats.entries,
                 )
+        if src.picks is not None:
+            ended = CounterMetricFamily(
+                "kvroute_picks_ended",
+                "Picks whose load was released, by how (released, expired, stream_end)",
+                labels=["how"],
+            )
+            for how in ("released", "expired", "stream_end"):
+                ended.add_metric([how], src.picks.counters.ended.get(how, 0))
+            yield ended
         if src.ingest is not None:
             events = CounterMetricFamily(
                 "kvroute_kv_events", "KV events applied, by type", labels=["type"]
@@ -387,5 +404,35 @@ class RouterMetrics:
             "the client left before the decode leg pulled them",
             registry=r,
         )
+        self.grpc_requests = Counter(
+            "kvroute_grpc_requests",
+            "gRPC API calls by method and status code",
+            ["method", "code"],
+            registry=r,
+        )
+        self.picks = Counter(
+            "kvroute_picks",
+            "Requests routed for a gateway that forwards them itself, by API (grpc, extproc) "
+            "and mode (aggregated, local, split)",
+            ["api", "mode"],
+            registry=r,
+        )
+        self.picks_open = Gauge(
+            "kvroute_picks_open",
+            "Picks holding their engines' load until released (gRPC Pick, ext_proc)",
+            registry=r,
+        )
+        self.extproc_requests = Counter(
+            "kvroute_extproc_requests",
+            "Requests the ext_proc endpoint picker saw, by outcome (routed, client_error, "
+            "rejected, no_engine) and the status sent (200 when routed)",
+            ["outcome", "status"],
+            registry=r,
+        )
         self.state = StateCollector(sources or StateSources())
         r.register(self.state)
+
+    def watch_picks(self, picks: PickLedger) -> None:
+        """Export the pick ledger's open count and endings at scrape time."""
+        self.picks_open.set_function(lambda: picks.open_count)
+        self.state.sources.picks = picks

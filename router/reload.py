@@ -177,12 +177,10 @@ class Reloader:
             elif not same:
                 app.core.policy = make_policy(config.policy)
             app.core.config = config.policy
-        if app.http_api is not None and (
-            config.policy != old.policy or config.disaggregation != old.disaggregation
-        ):
-            from router.api.pd import PDForwarder
+        if config.policy != old.policy or config.disaggregation != old.disaggregation:
+            from router.api.decide import Decider
 
-            app.http_api.pd = PDForwarder(app.http_api)  # decode choice from the new weights
+            app.decider = Decider(app)  # the decode choice from the new weights
 
     async def _apply_engines(self, old: list[EngineConfig], new: list[EngineConfig]) -> None:
         """Removed and changed engines go (with their index entries), new ones come."""

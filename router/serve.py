@@ -2,9 +2,10 @@
 
 Stable quick-start flags (outside checks use them): ``--host``, ``--port`` (0 picks a
 free port; the bound address is printed), ``--engine URL`` (repeatable), ``--policy``,
-``--config FILE`` (YAML), ``--log-level``. Flags override the YAML file and
-``KVROUTE_*`` environment variables. One asyncio process (uvloop); scale out with
-replicas sharing a Redis index, never with workers.
+``--config FILE`` (YAML), ``--log-level``, ``--grpc-port`` and ``--extproc-port`` (the
+gRPC API and the Envoy ext_proc endpoint picker; their bound addresses are printed too).
+Flags override the YAML file and ``KVROUTE_*`` environment variables. One asyncio
+process (uvloop); scale out with replicas sharing a Redis index, never with workers.
 
 Signals: SIGTERM (and SIGINT) drain: the router reports not ready, stops accepting
 connections, lets in-flight requests and streams finish for up to
@@ -74,6 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["text", "json"],
         help="log lines as text (default) or one JSON object per line",
     )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        metavar="N",
+        help="also serve the gRPC API (kvroute.v1) on this port; 0 picks a free one",
+    )
+    parser.add_argument(
+        "--extproc-port",
+        type=int,
+        metavar="N",
+        help="also serve the Envoy ext_proc endpoint picker on this port; 0 picks a free one",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -96,6 +109,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["block_size"] = args.block_size
     if args.handoff:
         overrides["disaggregation"] = {"handoff": args.handoff}
+    if args.grpc_port is not None:
+        overrides["grpc"] = {"port": args.grpc_port}
+    if args.extproc_port is not None:
+        overrides["extproc"] = {"port": args.extproc_port}
     config = load_config(args.config, overrides)
     added = [
         *({"url": url, "role": "both"} for url in args.engine),
@@ -138,6 +155,14 @@ async def serve(
         await app.stop()
         raise
     print(f"kvroute serve listening on {url}", flush=True)
+    for name, port, host in (
+        ("gRPC API", app.grpc_port, config.grpc.host),
+        ("ext_proc", app.extproc_port, config.extproc.host),
+    ):
+        if port is not None:
+            shown = host or config.server.host
+            shown = f"[{shown}]" if ":" in shown else shown
+            print(f"kvroute serve {name} listening on {shown}:{port}", flush=True)
     log.info(
         "routing %d engine(s) with policy %s, index %s",
         len(app.registry),

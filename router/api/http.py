@@ -1,9 +1,13 @@
 """The OpenAI-compatible HTTP API (aiohttp.web: it measured fastest, docs/benchmarks.md).
 
 The request path: read and decode the body, tokenize the prompt, compute its block
-keys, ask the routing core for an engine, forward the original bytes unchanged, and
-relay the answer. A failure before the first byte reaches the client (connection
-refused, 5xx, 429, timeout) is retried on another engine; after it, a stream ends with
+keys, ask the routing core for an engine (:mod:`router.api.decide`, shared with the gRPC
+and ext_proc front ends), forward the original bytes unchanged, and relay the answer.
+The answer goes through a :class:`~router.api.downstream.Downstream`, so gRPC
+``Generate`` runs this same forwarding code (:meth:`HttpApi.handle`).
+
+A failure before the first byte reaches the client (connection refused, 5xx, 429,
+timeout) is retried on another engine; after it, a stream ends with
 an SSE error event and ``[DONE]``. A client that leaves cancels the handler, which
 closes the upstream connection (the engine aborts) and releases the load it held.
 """
@@ -22,7 +26,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.admission import DEADLINE as _DEADLINE
+from router.api.downstream import Downstream
 from router.api.errors import ApiError
 from router.api.openai import (
     ChatCompletionRequest,
@@ -34,15 +38,12 @@ from router.api.openai import (
     parse_chat,
     parse_completion,
     resolve_model,
-    tokenize,
 )
 from router.api.usage import UsageTap
 from router.engines.load import Ticket
-from router.hashing import block_keys, seed_for
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
-from router.tokenization import TokenizerUnavailable
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ _JSON = "application/json"
 _SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
 """What an event of a server-sent event stream starts with."""
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+"""What a request id may look like (it goes into headers and logs)."""
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -72,7 +74,40 @@ def error_response(err: ApiError, request_id: str | None = None) -> web.Response
     return web.Response(body=err.body(), status=err.status, content_type=_JSON, headers=headers)
 
 
-class _Outcome:
+class HttpDownstream:
+    """An aiohttp client as the :class:`Downstream` of a request."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def headers(self) -> Any:
+        return self.request.headers
+
+    async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.response = web.Response(body=body, status=status, headers=headers)
+
+    async def begin(self, status: int, headers: dict[str, str]) -> None:
+        out = web.StreamResponse(status=status, headers=headers)
+        await out.prepare(self.request)
+        self.response = out
+
+    async def write(self, chunk: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(chunk)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            raise asyncio.CancelledError from None  # the client left while we wrote
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
+class Outcome:
     """What finally happened to one request, for the requests metric."""
 
     __slots__ = ("outcome", "status")
@@ -83,6 +118,15 @@ class _Outcome:
 
     def set(self, outcome: str, status: int) -> None:
         self.outcome, self.status = outcome, status
+
+    def failed(self, err: ApiError) -> None:
+        """The request ended with ``err`` before any answer."""
+        if err.status == 429:
+            self.set("rejected", 429)
+        else:
+            self.set(
+                "client_error" if err.status < 500 else _server_outcome(err.status), err.status
+            )
 
 
 @web.middleware
@@ -169,11 +213,11 @@ class HttpApi:
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
-        outcome = _Outcome()
+        outcome = Outcome()
         app = self.app
         admitted = False
         try:
-            if not _REQUEST_ID.fullmatch(request_id):
+            if not REQUEST_ID.fullmatch(request_id):
                 bad = request_id
                 request_id = os.urandom(16).hex()
                 raise ApiError(
@@ -181,44 +225,22 @@ class HttpApi:
                 )
             if app.draining:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
+            # Admitted before the body is read: a waiting request holds no body in memory.
             deadline = app.admission.deadline(time.monotonic())
-            request[_DEADLINE] = deadline
             await app.admission.enter(deadline)
             admitted = True
-            limits = app.config.limits
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise ApiError(
-                    413, f"request body is larger than {limits.max_body_bytes} bytes"
+                    413, f"request body is larger than {app.config.limits.max_body_bytes} bytes"
                 ) from None
-            payload = decode_body(body, limits.max_json_depth)
-            parsed = (parse_chat if route == "chat" else parse_completion)(payload)
-            check_limits(parsed, limits)
-            model = resolve_model(parsed.model, app.registry.models())
-            parsed.model = model
-            route_request = await self._route_request(request, request_id, model, parsed)
-            check_prompt_tokens(parsed, limits)
-            if app.registry.is_disaggregated(model):
-                return await self.pd.forward(
-                    request,
-                    _PATHS[route],
-                    parsed,
-                    route_request,
-                    payload,
-                    body,
-                    started,
-                    outcome,
-                )
-            return await self._forward(
-                request, route, model, parsed, route_request, body, started, outcome
-            )
+            sink = HttpDownstream(request)
+            await self.handle(sink, route, request_id, body, started, outcome, deadline)
+            assert sink.response is not None
+            return sink.response
         except ApiError as err:
-            outcome.set(
-                "client_error" if err.status < 500 else _server_outcome(err.status), err.status
-            )
-            if err.status == 429:
-                outcome.outcome = "rejected"
+            outcome.failed(err)
             return error_response(err, request_id)
         finally:
             if admitted:
@@ -226,40 +248,41 @@ class HttpApi:
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    async def _route_request(
-        self, request: web.Request, request_id: str, model: str, parsed: ParsedRequest
-    ) -> RouteRequest:
-        """Tokenize with the model's pool tokenizer and compute the prompt's block keys."""
+    async def handle(
+        self,
+        sink: Downstream,
+        route: str,
+        request_id: str,
+        body: bytes,
+        started: float,
+        outcome: Outcome,
+        deadline: float | None = None,
+    ) -> None:
+        """Serve a completion (``route`` ``completions``) or chat (``chat``) request whose
+        body has been read: parse, decide, forward, relay the answer into ``sink``.
+
+        ``deadline`` (``time.monotonic``): how long the request may wait for an engine
+        with room (``limits.max_inflight_per_engine``); None: 429 at once.
+        Raises :class:`ApiError` while nothing has reached ``sink``.
+        """
         app = self.app
-        base = app.registry.base_of(model)
-        tokenizer = app.tokenizers.for_model(base)
-        bs = app.block_size_for(base)
-        approximate = not tokenizer.exact
-        try:
-            parsed.prompts = await tokenize(parsed, tokenizer)
-            tokens = parsed.routing_prompt
-            keys = block_keys(tokens, bs, seed_for(model, parsed.cache_salt))
-            prompt_tokens = len(tokens)
-        except TokenizerUnavailable as exc:
-            # Route on load alone rather than fail: nothing about the prefix is known.
-            log.warning("request %s: tokenizer unavailable (%s)", request_id, exc)
-            approximate, keys = True, []
-            prompt_tokens = len(body_text(parsed)) // 4
-            parsed.prompts = [[0] * prompt_tokens]
-        max_tokens = (
-            parsed.max_tokens
-            if parsed.max_tokens is not None
-            else app.config.limits.default_max_tokens
+        limits = app.config.limits
+        payload = decode_body(body, limits.max_json_depth)
+        parsed = (parse_chat if route == "chat" else parse_completion)(payload)
+        check_limits(parsed, limits)
+        model = resolve_model(parsed.model, app.registry.models())
+        parsed.model = model
+        route_request = await app.decider.prepare(
+            request_id, model, parsed, sink.headers.get("x-session-id")
         )
-        return RouteRequest(
-            request_id,
-            keys,
-            prompt_tokens,
-            bs,
-            max_tokens * parsed.n,
-            session=request.headers.get("x-session-id") or parsed.user,
-            approximate=approximate,
-        )
+        check_prompt_tokens(parsed, limits)
+        route_request.wait_until = deadline
+        if app.registry.is_disaggregated(model):
+            await self.pd.forward(
+                sink, _PATHS[route], parsed, route_request, payload, body, started, outcome
+            )
+        else:
+            await self._forward(sink, route, model, parsed, route_request, body, started, outcome)
 
     def _check_tokenizer(self, parsed: ParsedRequest, answer: bytes) -> bool:
         """Compare our prompt-token count with the engine's ``usage`` (a JSON answer);
@@ -277,26 +300,23 @@ class HttpApi:
 
     async def _forward(
         self,
-        request: web.Request,
+        sink: Downstream,
         route: str,
         model: str,
         parsed: ParsedRequest,
         route_request: RouteRequest,
         body: bytes,
         started: float,
-        outcome: _Outcome,
-    ) -> web.StreamResponse:
+        outcome: Outcome,
+    ) -> None:
         app = self.app
         path = _PATHS[route]
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1 + app.config.proxy.retries):
             try:
-                decision = await app.admission.route(
-                    app.core,
-                    route_request,
-                    lambda: app.registry.candidates(model, exclude=exclude),
-                    request[_DEADLINE],
+                decision = await app.decider.choose(
+                    route_request, app.decider.candidates(model, exclude=exclude)
                 )
             except NoCandidates:
                 if last_error is not None:
@@ -314,7 +334,7 @@ class HttpApi:
                     log.debug("request %s: %s", route_request.request_id, decision.describe())
             try:
                 return await self._attempt(
-                    request, path, parsed, route_request, decision, body, started, outcome
+                    sink, path, parsed, route_request, decision, body, started, outcome
                 )
             except UpstreamError as err:
                 last_error = err
@@ -333,32 +353,32 @@ class HttpApi:
         raise ApiError(last_error.http_status, f"engine failed: {last_error}")
 
     def upstream_headers(
-        self, request: web.Request, request_id: str, engine: Any, key: EngineKey
+        self, sink: Downstream, request_id: str, engine: Any, key: EngineKey
     ) -> dict[str, str]:
         """Headers every request to an engine carries."""
         headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
         if engine.dp_size > 1:
             headers["X-data-parallel-rank"] = str(key.rank)
-        auth = request.headers.get("Authorization")
+        auth = sink.headers.get("authorization")
         if auth:
             headers["Authorization"] = auth
         return headers
 
     async def _attempt(
         self,
-        request: web.Request,
+        sink: Downstream,
         path: str,
         parsed: ParsedRequest,
         route_request: RouteRequest,
         decision: Decision,
         body: bytes,
         started: float,
-        outcome: _Outcome,
+        outcome: Outcome,
         *,
         cached_tokens: int | None = None,
         tap: UsageTap | None = None,
         extra_headers: dict[str, str] | None = None,
-    ) -> web.StreamResponse:
+    ) -> None:
         """One try on one engine. Raises UpstreamError while nothing reached the client.
 
         ``cached_tokens`` overrides the decision's estimate in the load accounting (a
@@ -374,7 +394,7 @@ class HttpApi:
             decision.cached_tokens if cached_tokens is None else cached_tokens,
             route_request.max_tokens,
         )
-        headers = self.upstream_headers(request, route_request.request_id, engine, decision.engine)
+        headers = self.upstream_headers(sink, route_request.request_id, engine, decision.engine)
         ours = {
             "x-request-id": route_request.request_id,
             "x-kvroute-engine": decision.engine.label,
@@ -397,9 +417,8 @@ class HttpApi:
                 app.registry.record_success(engine)
                 outcome.set("client_error", upstream.status)
                 ctype = upstream.headers.get("content-type", _JSON)
-                return web.Response(
-                    body=data, status=upstream.status, headers={**ours, "Content-Type": ctype}
-                )
+                await sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
+                return
             if not parsed.stream:
                 data = await self._read_all(upstream, deadline, engine, url)
                 if not self._check_tokenizer(parsed, data):
@@ -409,11 +428,10 @@ class HttpApi:
                 outcome.set("ok", upstream.status)
                 if tap is not None:
                     data = tap.answer(data)
-                return web.Response(
-                    body=data, status=upstream.status, headers={**ours, "Content-Type": _JSON}
-                )
-            return await self._relay(
-                request, parsed, upstream, deadline, engine, ticket, ours, started, outcome, tap
+                await sink.whole(upstream.status, {**ours, "Content-Type": _JSON}, data)
+                return
+            await self._relay(
+                sink, parsed, upstream, deadline, engine, ticket, ours, started, outcome, tap
             )
         finally:
             app.upstream.finish(upstream, deadline)
@@ -430,7 +448,7 @@ class HttpApi:
 
     async def _relay(
         self,
-        request: web.Request,
+        sink: Downstream,
         parsed: ParsedRequest,
         upstream: Response,
         deadline: Deadline,
@@ -438,9 +456,9 @@ class HttpApi:
         ticket: Ticket,
         ours: dict[str, str],
         started: float,
-        outcome: _Outcome,
+        outcome: Outcome,
         tap: UsageTap | None = None,
-    ) -> web.StreamResponse:
+    ) -> None:
         """Stream the engine's SSE answer through, chunk by chunk."""
         app = self.app
         deadlines = app.upstream.deadlines
@@ -462,9 +480,8 @@ class HttpApi:
         deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
         app.core.loads.prefilled(ticket)
         app.metrics.ttft_seconds.observe(time.perf_counter() - started)
-        out = web.StreamResponse(status=upstream.status, headers={**ours, **_SSE_HEADERS})
-        await out.prepare(request)
-        await out.write(tap.chunk(first) if tap is not None else first)
+        await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
+        await sink.write(tap.chunk(first) if tap is not None else first)
         tail = first
         try:
             while True:
@@ -478,7 +495,7 @@ class HttpApi:
                         "the engine sent bytes that are not server-sent events",
                         before_response=False,
                     )
-                await out.write(tap.chunk(chunk) if tap is not None else chunk)
+                await sink.write(tap.chunk(chunk) if tap is not None else chunk)
                 tail = chunk
         except HTTPError as exc:
             app.registry.record_failure(engine)
@@ -488,19 +505,16 @@ class HttpApi:
                 else ApiError(502, f"the engine's stream broke: {exc}")
             )
             outcome.set("stream_error", err.status)
-            await out.write(err.sse())
-            await out.write_eof()
-            return out
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            raise asyncio.CancelledError from None  # the client left while we wrote
+            await sink.write(err.sse())
+            await sink.end()
+            return
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
-        await out.write_eof()
+        await sink.end()
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
                 self._check_tokenizer(parsed, tail[usage_at + 6 :].split(b"\n\n", 1)[0])
-        return out
 
 
 class _Usage(msgspec.Struct):
@@ -512,13 +526,6 @@ class _WithUsage(msgspec.Struct):
 
 
 _decode_usage = msgspec.json.Decoder(_WithUsage).decode
-
-
-def body_text(parsed: ParsedRequest) -> str:
-    """The request's prompt text, for estimates when it could not be tokenized."""
-    if parsed.messages is not None:
-        return " ".join(str(m.get("content") or "") for m in parsed.messages)
-    return " ".join(p if isinstance(p, str) else " " * len(p) * 4 for p in parsed.texts or [])
 
 
 def _server_outcome(status: int) -> str:

@@ -35,20 +35,17 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import msgspec
-from aiohttp import web
 
-from router.admission import DEADLINE as _DEADLINE
+from router.api.downstream import Downstream
 from router.api.errors import ApiError
 from router.api.usage import UsageTap
 from router.handoff import nixl, sglang
-from router.policy import make_policy
-from router.policy.base import Decision, NoCandidates, Policy, RouteRequest, request_rng
-from router.policy.disagg import SplitDecision, decide_split
-from router.policy.kv_cost import DecodeCostPolicy
+from router.policy.base import Decision, NoCandidates, RouteRequest, request_rng
+from router.policy.disagg import SplitDecision
 from router.proxy import UpstreamError
 
 if TYPE_CHECKING:
-    from router.api.http import HttpApi, _Outcome
+    from router.api.http import HttpApi, Outcome
     from router.api.openai import ParsedRequest
 
 log = logging.getLogger("kvroute.pd")
@@ -62,63 +59,34 @@ class PDForwarder:
     def __init__(self, api: HttpApi) -> None:
         self.api = api
         self.app = api.app
-        cfg = self.app.config.disaggregation
-        # Cache-aware routers choose decode engines by their own cost; a baseline policy
-        # (round_robin, random, ...) chooses both legs, each leg with its own instance so
-        # that, e.g., round robin rotates prefill and decode engines independently.
-        base = self.app.core.policy
-        self.decode_policy: Policy = (
-            DecodeCostPolicy.for_disaggregation(
-                self.app.config.policy,
-                cfg.decode_weight,
-                cfg.decode_queue_weight,
-                cfg.decode_prefix_weight,
-            )
-            if base.uses_index
-            else make_policy(self.app.config.policy)  # its own state: pairs rotate freely
-        )
 
     async def forward(
         self,
-        request: web.Request,
+        sink: Downstream,
         path: str,
         parsed: ParsedRequest,
         route_request: RouteRequest,
         payload: dict[str, Any],
         body: bytes,
         started: float,
-        outcome: _Outcome,
-    ) -> web.StreamResponse:
+        outcome: Outcome,
+    ) -> None:
         app = self.app
+        decider = app.decider
         model = parsed.model
         assert model is not None
         failed_decode: set[str] = set()
         last_error: UpstreamError | None = None
         for _attempt in range(1 + app.config.proxy.retries):
             try:
-                decode = await app.admission.route(
-                    app.core,
-                    route_request,
-                    lambda: app.registry.candidates(
-                        model, ("decode", "both"), exclude=failed_decode
-                    ),
-                    request[_DEADLINE],
-                    self.decode_policy,
-                )
+                decode = await decider.choose_decode(route_request, model, exclude=failed_decode)
             except NoCandidates:
                 break
-            prefill_pool = app.registry.candidates(model, ("prefill",))
-            split = decide_split(
-                route_request.prompt_tokens,
-                decode.cached_tokens,
-                bool(prefill_pool),
-                app.config.disaggregation,
-            )
+            split, prefill_pool = decider.split(route_request, model, decode)
             try:
                 if not split.split:
-                    app.metrics.disagg.labels("local", split.reason).inc()
                     return await self.api._attempt(
-                        request,
+                        sink,
                         path,
                         parsed,
                         route_request,
@@ -128,10 +96,9 @@ class PDForwarder:
                         outcome,
                         extra_headers={"x-kvroute-mode": f"local:{split.reason}"},
                     )
-                app.metrics.disagg.labels("split", split.reason).inc()
                 if app.config.disaggregation.handoff == "sglang":
                     return await self._sglang(
-                        request,
+                        sink,
                         path,
                         parsed,
                         route_request,
@@ -143,7 +110,7 @@ class PDForwarder:
                         outcome,
                     )
                 return await self._nixl(
-                    request,
+                    sink,
                     path,
                     parsed,
                     route_request,
@@ -172,7 +139,7 @@ class PDForwarder:
 
     async def _nixl(
         self,
-        request: web.Request,
+        sink: Downstream,
         path: str,
         parsed: ParsedRequest,
         route_request: RouteRequest,
@@ -181,8 +148,8 @@ class PDForwarder:
         decode: Decision,
         split: SplitDecision,
         started: float,
-        outcome: _Outcome,
-    ) -> web.StreamResponse:
+        outcome: Outcome,
+    ) -> None:
         app = self.app
         cfg = app.config.disaggregation
         model = parsed.model
@@ -192,18 +159,13 @@ class PDForwarder:
         answer: dict[str, Any] | None = None
         prefill: Decision | None = None
         for _ in range(2):  # the chosen prefill engine, then one other
-            try:
-                prefill = await app.admission.route(
-                    app.core,
-                    route_request,
-                    lambda: app.registry.candidates(model, ("prefill",), exclude=tried),
-                    request[_DEADLINE],
-                )
-            except NoCandidates:
+            pool = app.decider.candidates(model, ("prefill",), exclude=tried)
+            if not pool:
                 break
+            prefill = await app.decider.choose(route_request, pool)
             try:
                 status, answer = await self._prefill_leg(
-                    request, path, route_request, prefill, prefill_bytes
+                    sink, path, route_request, prefill, prefill_bytes
                 )
             except UpstreamError as err:
                 tried.add(prefill.engine.endpoint)
@@ -218,16 +180,18 @@ class PDForwarder:
                 continue
             if status >= 400:  # the engine refused the request itself: the client's error
                 outcome.set("client_error", status)
-                return web.json_response(
-                    answer, status=status, headers={"x-request-id": route_request.request_id}
-                )
+                headers = {
+                    "x-request-id": route_request.request_id,
+                    "Content-Type": "application/json",
+                }
+                return await sink.whole(status, headers, _encode(answer))
             break
         if answer is None:
             app.metrics.handoffs.labels("nixl", "prefill_failed").inc()
             if not cfg.fallback_to_decode:
                 raise ApiError(502, "no prefill engine could prefill this request")
             return await self.api._attempt(
-                request,
+                sink,
                 path,
                 parsed,
                 route_request,
@@ -242,7 +206,7 @@ class PDForwarder:
         if params is None:
             app.metrics.handoffs.labels("nixl", "no_params").inc()
             return await self.api._attempt(
-                request,
+                sink,
                 path,
                 parsed,
                 route_request,
@@ -291,8 +255,8 @@ class PDForwarder:
         app.metrics.transfer_bytes.inc(split.uncached_tokens * cfg.kv_bytes_per_token)
         sent = time.perf_counter()
         try:
-            response = await self.api._attempt(
-                request,
+            await self.api._attempt(
+                sink,
                 path,
                 parsed,
                 route_request,
@@ -312,11 +276,10 @@ class PDForwarder:
                 app.metrics.abandoned_tokens.inc(prompt_tokens)
             raise
         app.metrics.decode_leg_first_byte_seconds.observe(time.perf_counter() - sent)
-        return response
 
     async def _prefill_leg(
         self,
-        request: web.Request,
+        sink: Downstream,
         path: str,
         route_request: RouteRequest,
         prefill: Decision,
@@ -329,9 +292,7 @@ class PDForwarder:
         ticket = app.core.loads.begin(
             prefill.engine, route_request.prompt_tokens, prefill.cached_tokens, 1
         )
-        headers = self.api.upstream_headers(
-            request, route_request.request_id, engine, prefill.engine
-        )
+        headers = self.api.upstream_headers(sink, route_request.request_id, engine, prefill.engine)
         url = engine.url + path
         sent = time.perf_counter()
         try:
@@ -361,7 +322,7 @@ class PDForwarder:
 
     async def _sglang(
         self,
-        request: web.Request,
+        sink: Downstream,
         path: str,
         parsed: ParsedRequest,
         route_request: RouteRequest,
@@ -370,12 +331,10 @@ class PDForwarder:
         prefill_pool: list[Any],
         split: SplitDecision,
         started: float,
-        outcome: _Outcome,
-    ) -> web.StreamResponse:
+        outcome: Outcome,
+    ) -> None:
         app = self.app
-        prefill = await app.admission.route(
-            app.core, route_request, lambda: prefill_pool, request[_DEADLINE]
-        )
+        prefill = await app.decider.choose(route_request, prefill_pool)
         prefill_engine = app.registry.engine_of(prefill.engine)
         assert prefill_engine is not None
         port = prefill_engine.bootstrap_port
@@ -389,7 +348,7 @@ class PDForwarder:
         )
         prefill_task = asyncio.ensure_future(
             self._prefill_leg(
-                request,
+                sink,
                 path,
                 route_request,
                 prefill,
@@ -398,7 +357,7 @@ class PDForwarder:
         )
         decode_task = asyncio.ensure_future(
             self.api._attempt(
-                request,
+                sink,
                 path,
                 parsed,
                 route_request,
@@ -423,7 +382,7 @@ class PDForwarder:
                     await asyncio.gather(decode_task, return_exceptions=True)
                     app.metrics.handoffs.labels("sglang", "prefill_failed").inc()
                     raise prefill_task.exception()  # type: ignore[misc]
-            response = await decode_task
+            await decode_task
         except BaseException:
             for task in (prefill_task, decode_task):
                 if not task.done():
@@ -433,7 +392,6 @@ class PDForwarder:
         app.metrics.handoffs.labels("sglang", "pulled").inc()
         if not prefill_task.done():
             await asyncio.gather(prefill_task, return_exceptions=True)
-        return response
 
 
 def _prefill_only(payload: dict[str, Any]) -> dict[str, Any]:

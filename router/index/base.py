@@ -90,5 +90,10 @@ class KVIndex(ABC):
     async def stats(self) -> IndexStats:
         """Current sizes."""
 
+    async def held_blocks(self) -> Mapping[EngineKey, int] | None:
+        """Blocks each engine holds firmly, in any tier (the admin view); None when the
+        backend cannot count them cheaply."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook for backends with resources
         """Release resources held by the backend."""

@@ -267,6 +267,13 @@ class MemoryIndex(KVIndex):
     async def stats(self) -> IndexStats:
         return self.stats_now()
 
+    async def held_blocks(self) -> Mapping[EngineKey, int]:
+        held: dict[EngineKey, int] = {}
+        for engine, idx in self._ids.items():
+            gpu, off = self._held[idx]
+            held[engine] = len(gpu) + len(off - gpu)
+        return held
+
     def stats_now(self) -> IndexStats:
         """Synchronous :meth:`stats`."""
         self._sweep(self._clock())

@@ -38,6 +38,9 @@ class RouteRequest:
     """Affinity key for the ``session`` policy (header or ``user`` field)."""
     approximate: bool = False
     """Keys come from an approximate tokenizer: no KV event will ever confirm them."""
+    wait_until: float | None = None
+    """When every candidate is at its in-flight limit, wait for room until this
+    ``time.monotonic()``; None: fail at once (429 / RESOURCE_EXHAUSTED)."""
 
 
 class Score(msgspec.Struct, gc=False):

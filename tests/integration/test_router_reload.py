@@ -42,7 +42,7 @@ async def test_reload_applies_policy_and_engines_and_keeps_restart_keys(
         assert app.config.index.namespace == "kvroute"  # still what runs
         assert app.config.limits.max_inflight == 7
         assert app.core.policy.name == "round_robin"
-        assert app.http_api.pd.decode_policy.name == "round_robin"
+        assert app.decider.decode_policy.name == "round_robin"
         assert app.registry.get(endpoint_of(engine.url)) is None
         await poll(
             lambda: (

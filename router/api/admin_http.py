@@ -1,0 +1,83 @@
+"""The admin endpoints on the router's HTTP listener (the layer is :mod:`router.admin`).
+
+* ``GET /admin/engines``: every engine's URL, role, state, models, DP ranks, in-flight
+  load, index blocks held and share of the index;
+* ``POST /admin/engines``: add an engine (a body like an ``engines[]`` config entry);
+* ``DELETE /admin/engines/{endpoint}``: remove one;
+* ``POST /admin/engines/{endpoint}/drain`` and ``.../undrain``.
+
+``{endpoint}`` is ``host:port``. Bad input is a 400 and an unknown engine a 404, in
+OpenAI's error form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from router import admin
+from router.api.errors import ApiError
+from router.api.http import error_response
+
+if TYPE_CHECKING:
+    from router.app import RouterApp
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+class AdminHttp:
+    """Admin handlers bound to one running router."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/admin/engines", self.list),
+            web.post("/admin/engines", self.add),
+            web.delete("/admin/engines/{endpoint}", self.remove),
+            web.post("/admin/engines/{endpoint}/drain", self.drain),
+            web.post("/admin/engines/{endpoint}/undrain", self.undrain),
+        ]
+
+    async def _call(
+        self, request: web.Request, action: Callable[[], Awaitable[Any]], status: int = 200
+    ) -> web.Response:
+        try:
+            admin.authorize(self.app, request.headers.get("Authorization"))
+            result = await action()
+        except admin.AdminError as err:
+            return error_response(ApiError(err.status, err.message))
+        return web.Response(body=_encode(result), status=status, content_type="application/json")
+
+    async def list(self, request: web.Request) -> web.Response:
+        async def action() -> dict[str, Any]:
+            return {"engines": await admin.engines(self.app)}
+
+        return await self._call(request, action)
+
+    async def add(self, request: web.Request) -> web.Response:
+        async def action() -> dict[str, Any]:
+            try:
+                entry = _decode(await request.read())
+            except msgspec.DecodeError as exc:
+                raise admin.AdminError(400, f"request body is not valid JSON: {exc}") from None
+            return await admin.add_engine(self.app, entry)
+
+        return await self._call(request, action, status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        endpoint = request.match_info["endpoint"]
+        return await self._call(request, lambda: admin.remove_engine(self.app, endpoint))
+
+    async def drain(self, request: web.Request) -> web.Response:
+        endpoint = request.match_info["endpoint"]
+        return await self._call(request, lambda: admin.drain(self.app, endpoint))
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        endpoint = request.match_info["endpoint"]
+        return await self._call(request, lambda: admin.undrain(self.app, endpoint))

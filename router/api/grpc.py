@@ -1,0 +1,537 @@
+"""kvroute.v1 over gRPC: the Router service (Pick, Generate, Release) and Admin.
+
+``Pick`` prepares and decides exactly as the HTTP API does (:mod:`router.api.decide`)
+and holds the chosen engines' load until ``Release`` (or expiry, :mod:`router.api.picks`).
+``Generate`` is the HTTP API's own forwarding path (:meth:`HttpApi.handle`) writing into
+the call's stream. Admin calls go through :mod:`router.admin`, like ``/admin/engines``.
+
+Errors are gRPC status codes with a message: the HTTP API's 400 is INVALID_ARGUMENT,
+404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 502/503 UNAVAILABLE, 504 DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+import msgspec
+from grpc import aio
+
+from router import admin
+from router.admin import AdminError, endpoint_key
+from router.api.decide import Plan
+from router.api.errors import ApiError, bad_request
+from router.api.http import REQUEST_ID, HttpApi, Outcome
+from router.api.openai import decode_body, parse_chat, parse_completion, resolve_model
+from router.api.picks import DuplicatePick
+from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+from router.handoff import nixl, sglang
+from router.policy.base import Decision, NoCandidates, RouteRequest, request_rng
+from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.app import RouterApp
+
+log = logging.getLogger("kvroute.grpc")
+T = TypeVar("T")
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ALREADY_EXISTS,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+_MODES = {"aggregated": pb.MODE_AGGREGATED, "local": pb.MODE_LOCAL, "split": pb.MODE_SPLIT}
+_ROUTES = {pb.ENDPOINT_COMPLETIONS: "completions", pb.ENDPOINT_CHAT_COMPLETIONS: "chat"}
+_encode = msgspec.json.Encoder().encode
+
+
+def status_code(http_status: int) -> grpc.StatusCode:
+    """The gRPC code of an HTTP API status."""
+    return _CODES.get(http_status, grpc.StatusCode.UNAVAILABLE)
+
+
+def _metadata(context: aio.ServicerContext) -> dict[str, str]:
+    return {
+        key.lower(): value
+        for key, value in (context.invocation_metadata() or ())
+        if isinstance(value, str)
+    }
+
+
+async def _call(app: RouterApp, method: str, context: aio.ServicerContext, work: Awaitable[T]) -> T:
+    """Run one RPC: count it, and turn a refusal into its status code and message."""
+    try:
+        result = await work
+    except (ApiError, AdminError) as err:
+        code = status_code(err.status)
+        app.metrics.grpc_requests.labels(method, code.name).inc()
+        await context.abort(code, err.message)
+        raise AssertionError("unreachable") from None  # abort raises
+    except NoCandidates as exc:
+        app.metrics.grpc_requests.labels(method, "UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        raise AssertionError("unreachable") from None
+    except Exception:  # a bug: log it, answer like the HTTP API's 503, never a trace
+        log.exception("unexpected error serving %s", method)
+        app.metrics.grpc_requests.labels(method, "UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the router failed to serve this call")
+        raise AssertionError("unreachable") from None
+    app.metrics.grpc_requests.labels(method, "OK").inc()
+    return result
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _decision(decision: Decision) -> pb.Decision:
+    return pb.Decision(
+        policy=decision.policy,
+        reason=decision.reason,
+        summary=decision.summary(),
+        matched_blocks=decision.matched_blocks,
+        cached_tokens=decision.cached_tokens,
+        scores=[
+            pb.Score(
+                endpoint=s.engine.endpoint,
+                dp_rank=s.engine.rank,
+                matched_blocks=s.matched_blocks,
+                cached_tokens=s.cached_tokens,
+                queue=s.queue,
+                prefill=s.prefill,
+                decode=s.decode,
+                reported=s.reported,
+                total=s.total,
+            )
+            for s in decision.scores
+        ],
+    )
+
+
+def _target(app: RouterApp, decision: Decision) -> pb.Target:
+    engine = app.registry.engine_of(decision.engine)
+    return pb.Target(
+        endpoint=decision.engine.endpoint,
+        url=engine.url if engine else "",
+        dp_rank=decision.engine.rank,
+        dp_size=engine.dp_size if engine else 1,
+        role=engine.role if engine else "",
+        decision=_decision(decision),
+    )
+
+
+def routing_headers(app: RouterApp, plan: Plan) -> dict[str, str]:
+    """Headers a request sent to the plan's serving engine carries."""
+    headers = {"x-request-id": plan.route.request_id}
+    engine = app.registry.engine_of(plan.decode.engine)
+    if engine is not None and engine.dp_size > 1:
+        headers["X-data-parallel-rank"] = str(plan.decode.engine.rank)
+    if plan.prefill is not None:
+        headers["x-prefiller-host-port"] = plan.prefill.engine.endpoint
+    return headers
+
+
+def _handoff(app: RouterApp, plan: Plan) -> pb.Handoff | None:
+    if plan.prefill is None:
+        return None
+    dialect = app.config.disaggregation.handoff
+    if dialect == "nixl":
+        params = _encode(nixl.REMOTE_DECODE_PARAMS).decode()
+        return pb.Handoff(dialect=dialect, prefill_kv_transfer_params_json=params)
+    engine = app.registry.engine_of(plan.prefill.engine)
+    return pb.Handoff(
+        dialect=dialect,
+        bootstrap_host=(urlsplit(engine.url).hostname or "") if engine else "",
+        bootstrap_port=(engine.bootstrap_port or 0) if engine else 0,
+        bootstrap_room=sglang.new_room(request_rng(plan.route.request_id)),
+    )
+
+
+def pick_response(app: RouterApp, plan: Plan, fallbacks: list[str]) -> pb.PickResponse:
+    response = pb.PickResponse(
+        request_id=plan.route.request_id,
+        model=plan.model,
+        mode=_MODES[plan.mode],
+        decode=_target(app, plan.decode),
+        headers=routing_headers(app, plan),
+        fallbacks=fallbacks,
+        prompt_tokens=plan.load_tokens,
+        approximate=plan.route.approximate,
+        expires_in_s=app.picks.ttl_s,
+    )
+    if plan.prefill is not None:
+        response.prefill.CopyFrom(_target(app, plan.prefill))
+    if plan.split is not None:
+        s = plan.split
+        response.split.CopyFrom(
+            pb.Split(
+                split=s.split,
+                reason=s.reason,
+                uncached_tokens=s.uncached_tokens,
+                transfer_s=s.transfer_s,
+                saved_s=s.saved_s,
+            )
+        )
+    handoff = _handoff(app, plan)
+    if handoff is not None:
+        response.handoff.CopyFrom(handoff)
+    return response
+
+
+def fallbacks(plan: Plan, candidates: list[EngineKey], limit: int) -> list[str]:
+    """Other engines the request could go to (``host:port``), cheapest first."""
+    chosen = plan.decode.engine.endpoint
+    order = (
+        [s.engine for s in sorted(plan.decode.scores, key=lambda s: s.total)]
+        if plan.decode.scores
+        else candidates
+    )
+    out: list[str] = []
+    for key in order:
+        if key.endpoint != chosen and key.endpoint not in out:
+            out.append(key.endpoint)
+            if len(out) >= limit:
+                break
+    return out
+
+
+def _engine_status(entry: Mapping[str, Any]) -> pb.EngineStatus:
+    status = pb.EngineStatus(
+        endpoint=entry["endpoint"],
+        url=entry["url"],
+        role=entry["role"],
+        state=entry["state"],
+        models=entry["models"],
+        dp_size=entry["dp_size"],
+        inflight_requests=entry["inflight_requests"],
+        refused_reason=entry["refused_reason"],
+        discovered=entry["discovered"],
+    )
+    if entry["index_blocks"] is not None:
+        status.index_blocks = entry["index_blocks"]
+        status.index_share = entry["index_share"]
+    for rank in entry["ranks"]:
+        r = status.ranks.add(
+            rank=rank["rank"],
+            inflight_requests=rank["inflight_requests"],
+            queued_prefill_tokens=max(rank["queued_prefill_tokens"], 0),
+            decode_blocks=max(rank["decode_blocks"], 0),
+        )
+        if rank["index_blocks"] is not None:
+            r.index_blocks = rank["index_blocks"]
+            r.index_share = rank["index_share"]
+    return status
+
+
+# --------------------------------------------------------------------------- Generate
+
+
+class GrpcDownstream:
+    """A ``Generate`` call as the :class:`~router.api.downstream.Downstream` of a request.
+
+    The head (status and headers) travels in the first chunk, with the first bytes.
+    """
+
+    __slots__ = ("_context", "_head", "headers")
+
+    def __init__(self, context: aio.ServicerContext, headers: Mapping[str, str]) -> None:
+        self._context = context
+        self.headers = headers
+        self._head: pb.GenerateChunk | None = None
+
+    async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        await self._context.write(
+            pb.GenerateChunk(status=status, headers=_lower(headers), data=body)
+        )
+
+    async def begin(self, status: int, headers: dict[str, str]) -> None:
+        self._head = pb.GenerateChunk(status=status, headers=_lower(headers))
+
+    async def write(self, chunk: bytes) -> None:
+        head, self._head = self._head, None
+        if head is not None:
+            head.data = chunk
+            await self._context.write(head)
+        else:
+            await self._context.write(pb.GenerateChunk(data=chunk))
+
+    async def end(self) -> None:
+        head, self._head = self._head, None
+        if head is not None:
+            await self._context.write(head)
+
+
+def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+# --------------------------------------------------------------------------- services
+
+
+class RouterService(pb_grpc.RouterServicer):
+    """kvroute.v1.Router."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self.api = HttpApi(app)
+
+    # ------------------------------------------------------------------ Pick
+
+    async def Pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
+        return await _call(self.app, "Pick", context, self._pick(request, context))
+
+    def _admit(self, request_id: str) -> None:
+        """The checks the HTTP API makes before it reads a request."""
+        app = self.app
+        if not REQUEST_ID.fullmatch(request_id):
+            raise bad_request(
+                f"request_id must be 1-128 printable ASCII characters, got {request_id[:40]!r}",
+                "request_id",
+            )
+        if app.draining:
+            raise ApiError(503, "the router is shutting down", retry_after=1)
+        if app.core.loads.in_flight >= app.config.limits.max_inflight:
+            raise ApiError(429, "too many requests in flight", retry_after=1)
+
+    async def _pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
+        app = self.app
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
+        self._admit(request_id)
+        if app.picks.get(request_id) is not None:
+            raise ApiError(409, f"a pick with request id {request_id!r} is open; release it first")
+        subset = {endpoint_key(e) for e in request.subset} or None
+        session = request.session or headers.get("x-session-id")
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise bad_request(
+                "a prompt is required: text, token_ids, messages, block_keys or body", "prompt"
+            )
+        if kind == "block_keys":
+            model = resolve_model(request.model or None, app.registry.models())
+            route, load_tokens = self._keyed(request, request_id, model, session)
+        else:
+            payload = self._payload(request, kind)
+            parsed = (parse_chat if "messages" in payload else parse_completion)(payload)
+            model = resolve_model(parsed.model, app.registry.models())
+            parsed.model = model
+            route = await app.decider.prepare(request_id, model, parsed, session)
+            load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+        try:
+            plan = await app.decider.plan(model, route, load_tokens, subset)
+        except NoCandidates:
+            within = " within the requested subset" if subset else ""
+            raise ApiError(
+                503, f"no healthy engine serves model '{model}'{within}", retry_after=1
+            ) from None
+        try:
+            app.picks.hold(plan)
+        except DuplicatePick:
+            raise ApiError(
+                409, f"a pick with request id {request_id!r} is open; release it first"
+            ) from None
+        app.metrics.picks.labels("grpc", plan.mode).inc()
+        roles = ("decode", "both") if plan.split is not None else ("both",)
+        others = fallbacks(plan, app.decider.candidates(model, roles, subset=subset), 16)
+        return pick_response(app, plan, others)
+
+    def _payload(self, request: pb.PickRequest, kind: str) -> dict[str, Any]:
+        """The prompt fields as the OpenAI body the HTTP API would have read."""
+        if kind == "body":
+            limit = self.app.config.limits.max_body_bytes
+            if len(request.body) > limit:
+                raise ApiError(413, f"request body is larger than {limit} bytes")
+            return decode_body(request.body)
+        payload: dict[str, Any] = {}
+        if kind == "text":
+            payload["prompt"] = request.text
+        elif kind == "token_ids":
+            payload["prompt"] = list(request.token_ids.ids)
+        else:
+            payload["messages"] = [
+                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in request.messages.messages
+            ]
+            if request.messages.HasField("add_generation_prompt"):
+                payload["add_generation_prompt"] = request.messages.add_generation_prompt
+        if request.model:
+            payload["model"] = request.model
+        if request.HasField("max_tokens"):
+            payload["max_tokens"] = request.max_tokens
+        if request.n:
+            payload["n"] = request.n
+        if request.cache_salt:
+            payload["cache_salt"] = request.cache_salt
+        return payload
+
+    def _keyed(
+        self, request: pb.PickRequest, request_id: str, model: str, session: str | None
+    ) -> tuple[RouteRequest, int]:
+        """Routing facts from precomputed block keys."""
+        app = self.app
+        bs = app.block_size_for(app.registry.base_of(model))
+        keys = list(request.block_keys.keys)
+        prompt_tokens = request.block_keys.prompt_tokens or len(keys) * bs
+        if prompt_tokens < len(keys) * bs:
+            raise bad_request(
+                f"prompt_tokens ({prompt_tokens}) is shorter than {len(keys)} blocks of "
+                f"{bs} tokens",
+                "block_keys",
+            )
+        max_tokens = (
+            request.max_tokens
+            if request.HasField("max_tokens")
+            else app.config.limits.default_max_tokens
+        )
+        n = request.n or 1
+        route = RouteRequest(request_id, keys, prompt_tokens, bs, max_tokens * n, session=session)
+        return route, prompt_tokens * n
+
+    # ------------------------------------------------------------------ Release
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        return await _call(self.app, "Release", context, self._release(request))
+
+    async def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        picks = self.app.picks
+        lease = picks.get(request.request_id)
+        if lease is None:
+            raise ApiError(
+                404, f"no open pick with request id {request.request_id!r} (released or expired)"
+            )
+        served = endpoint_key(request.served_endpoint) if request.served_endpoint else ""
+        if served and served != lease.endpoint and self.app.registry.get(served) is not None:
+            picks.move(lease, EngineKey(served, 0))
+        if request.prefilled:
+            picks.prefilled(lease)
+            return pb.ReleaseResponse(held_s=picks.clock() - lease.opened_at)
+        return pb.ReleaseResponse(held_s=picks.end(lease, "released"))
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> None:
+        app = self.app
+        started = time.perf_counter()
+        outcome = Outcome()
+        route = _ROUTES.get(request.endpoint, "")
+        try:
+            headers = {**_metadata(context), **{k.lower(): v for k, v in request.headers.items()}}
+            request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
+            self._admit(request_id)
+            limit = app.config.limits.max_body_bytes
+            if len(request.body) > limit:
+                raise ApiError(413, f"request body is larger than {limit} bytes")
+            if not route:
+                route = "chat" if "messages" in decode_body(request.body) else "completions"
+            await self.api.handle(
+                GrpcDownstream(context, headers),
+                route,
+                request_id,
+                request.body,
+                started,
+                outcome,
+            )
+        except ApiError as err:
+            outcome.failed(err)
+            code = status_code(err.status)
+            app.metrics.grpc_requests.labels("Generate", code.name).inc()
+            await context.abort(code, err.message)
+        except asyncio.CancelledError:  # the caller cancelled: the engine's request is gone
+            app.metrics.grpc_requests.labels("Generate", "CANCELLED").inc()
+            raise
+        except aio.AbortError:
+            raise
+        except Exception:  # a bug: log it, answer like the HTTP API's 503, never a trace
+            log.exception("unexpected error serving Generate")
+            outcome.set("engine_error", 503)
+            app.metrics.grpc_requests.labels("Generate", "UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router failed to serve this call")
+        else:
+            app.metrics.grpc_requests.labels("Generate", "OK").inc()
+        finally:
+            app.metrics.requests.labels(
+                route or "completions", outcome.outcome, outcome.status
+            ).inc()
+            app.metrics.request_seconds.observe(time.perf_counter() - started)
+
+
+class AdminService(pb_grpc.AdminServicer):
+    """kvroute.v1.Admin: the engines at run time (the same layer as /admin/engines)."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+
+    async def _admin(self, method: str, context: aio.ServicerContext, work: Any) -> pb.EngineStatus:
+        async def run() -> pb.EngineStatus:
+            admin.authorize(self.app, _metadata(context).get("authorization"))
+            return _engine_status(await work())
+
+        return await _call(self.app, method, context, run())
+
+    async def ListEngines(
+        self, request: pb.ListEnginesRequest, context: aio.ServicerContext
+    ) -> pb.ListEnginesResponse:
+        async def run() -> pb.ListEnginesResponse:
+            admin.authorize(self.app, _metadata(context).get("authorization"))
+            entries = await admin.engines(self.app)
+            return pb.ListEnginesResponse(engines=[_engine_status(e) for e in entries])
+
+        return await _call(self.app, "ListEngines", context, run())
+
+    async def AddEngine(
+        self, request: pb.AddEngineRequest, context: aio.ServicerContext
+    ) -> pb.EngineStatus:
+        entry: dict[str, Any] = {"url": request.url}
+        if request.role:
+            entry["role"] = request.role
+        if request.models:
+            entry["models"] = list(request.models)
+        if request.dp_size:
+            entry["dp_size"] = request.dp_size
+        if request.HasField("bootstrap_port"):
+            entry["bootstrap_port"] = request.bootstrap_port
+        if request.kv_events in ("auto", "none"):
+            entry["kv_events"] = request.kv_events
+        elif request.kv_events:
+            entry["kv_events"] = {
+                "endpoint": request.kv_events,
+                "replay_endpoint": request.kv_events_replay or None,
+                "topic": request.kv_events_topic,
+            }
+        return await self._admin("AddEngine", context, lambda: admin.add_engine(self.app, entry))
+
+    async def RemoveEngine(
+        self, request: pb.EngineRef, context: aio.ServicerContext
+    ) -> pb.EngineStatus:
+        return await self._admin(
+            "RemoveEngine", context, lambda: admin.remove_engine(self.app, request.endpoint)
+        )
+
+    async def DrainEngine(
+        self, request: pb.EngineRef, context: aio.ServicerContext
+    ) -> pb.EngineStatus:
+        return await self._admin(
+            "DrainEngine", context, lambda: admin.drain(self.app, request.endpoint)
+        )
+
+    async def UndrainEngine(
+        self, request: pb.EngineRef, context: aio.ServicerContext
+    ) -> pb.EngineStatus:
+        return await self._admin(
+            "UndrainEngine", context, lambda: admin.undrain(self.app, request.endpoint)
+        )

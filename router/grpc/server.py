@@ -1,0 +1,203 @@
+"""The router's gRPC listeners, on the router's own event loop (grpc.aio).
+
+* the API listener (``grpc.port``, ``--grpc-port``): ``kvroute.v1.Router`` and
+  ``kvroute.v1.Admin``;
+* the ext_proc listener (``extproc.port``, ``--extproc-port``):
+  ``envoy.service.ext_proc.v3.ExternalProcessor``.
+
+Each serves ``grpc.health.v1`` and server reflection. Health, per service: ``liveness``
+(ext_proc listener) is SERVING while the process runs; every other service, and the
+server as a whole (``""``), is SERVING while the router is not draining and has a
+healthy engine, NOT_SERVING otherwise. A drain listener and engine state changes update
+it at once; a one-second refresh catches engines added or removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from router.api.extproc import SERVICE_NAME as EXTPROC_SERVICE
+from router.api.extproc import ExtProcService
+from router.api.grpc import AdminService, RouterService
+from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from router.app import RouterApp
+    from router.engines.registry import Engine, EngineState
+
+log = logging.getLogger("kvroute.grpc")
+
+ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
+ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+#: Health services of the ext_proc listener (the Gateway API Inference Extension's names).
+LIVENESS, READINESS = "liveness", "readiness"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_STOP_GRACE_S = 2.0
+
+
+class Listener:
+    """One grpc.aio server: some services, their health, reflection."""
+
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        services: dict[str, Callable[[aio.Server], None]],
+        health: tuple[str, ...],
+        always_serving: tuple[str, ...],
+        max_message_bytes: int,
+    ) -> None:
+        """``services``: full name -> adds its servicer; ``health``: health service names
+        that follow the router's readiness (with ``""``); ``always_serving``: the rest."""
+        self.name = name
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = 0
+        self.health = health_aio.HealthServicer()
+        self.always_serving = always_serving
+        self.followers = ("", *health)
+        self.server = aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        for add in services.values():
+            add(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
+
+    async def start(self) -> int:
+        port = self.server.add_insecure_port(self.address)
+        if not port:
+            raise OSError(f"{self.name}: cannot listen on {self.address}")
+        self.port = port
+        await self.server.start()
+        return port
+
+    async def set_ready(self, ready: bool) -> None:
+        for service in self.always_serving:
+            await self.health.set(service, _SERVING)
+        for service in self.followers:
+            await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(_STOP_GRACE_S)
+
+
+class GrpcServers:
+    """The gRPC listeners a router's configuration asks for, and their health."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self.listeners: list[Listener] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._refresher: asyncio.Task[None] | None = None
+        self._expirer: asyncio.Task[None] | None = None
+
+    def _ready(self) -> bool:
+        return not self.app.draining and self.app.registry.healthy_count() > 0
+
+    async def refresh(self) -> None:
+        ready = self._ready()
+        for listener in self.listeners:
+            await listener.set_ready(ready)
+
+    def _refresh_soon(self, *_: Any) -> None:
+        task = asyncio.ensure_future(self.refresh())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_engine(self, engine: Engine, previous: EngineState) -> None:
+        self._refresh_soon()
+
+    async def start(self) -> None:
+        app = self.app
+        cfg = app.config
+        limit = cfg.limits.max_body_bytes + 65_536
+        if cfg.grpc.port is not None:
+            services = {
+                ROUTER_SERVICE: lambda s: pb_grpc.add_RouterServicer_to_server(
+                    RouterService(app), s
+                ),
+                ADMIN_SERVICE: lambda s: pb_grpc.add_AdminServicer_to_server(AdminService(app), s),
+            }
+            api = Listener(
+                "gRPC API",
+                cfg.grpc.host or cfg.server.host,
+                cfg.grpc.port,
+                services,
+                (ROUTER_SERVICE, ADMIN_SERVICE),
+                (),
+                limit,
+            )
+            app.grpc_port = await api.start()
+            self.listeners.append(api)
+            self._expirer = asyncio.ensure_future(self._expire())
+        if cfg.extproc.port is not None:
+            services = {
+                EXTPROC_SERVICE: lambda s: ep_grpc.add_ExternalProcessorServicer_to_server(
+                    ExtProcService(app), s
+                ),
+            }
+            extproc = Listener(
+                "ext_proc",
+                cfg.extproc.host or cfg.server.host,
+                cfg.extproc.port,
+                services,
+                (EXTPROC_SERVICE, READINESS),
+                (LIVENESS,),
+                limit,
+            )
+            app.extproc_port = await extproc.start()
+            self.listeners.append(extproc)
+        app.drain_listeners.append(self._refresh_soon)
+        app.registry.listeners.append(self._on_engine)
+        await self.refresh()
+        self._refresher = asyncio.ensure_future(self._refresh_every(1.0))
+
+    async def _refresh_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            await self.refresh()
+
+    async def _expire(self) -> None:
+        """Expire picks that were never released, soon after their deadline."""
+        picks = self.app.picks
+        while True:
+            deadline = picks.next_deadline()
+            wait = picks.ttl_s if deadline is None else deadline - picks.clock()
+            await asyncio.sleep(min(max(wait, 0.01), 1.0, picks.ttl_s))
+            if picks.sweep(picks.clock()):
+                log.info("expired picks that were never released")
+
+    async def stop(self) -> None:
+        for task in (self._refresher, self._expirer, *self._tasks):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *(t for t in (self._refresher, self._expirer, *self._tasks) if t is not None),
+            return_exceptions=True,
+        )
+        if self._on_engine in self.app.registry.listeners:
+            self.app.registry.listeners.remove(self._on_engine)
+        if self._refresh_soon in self.app.drain_listeners:
+            self.app.drain_listeners.remove(self._refresh_soon)
+        await asyncio.gather(*(listener.stop() for listener in self.listeners))
+        self.listeners = []
+
+
+__all__ = ["ADMIN_SERVICE", "LIVENESS", "READINESS", "ROUTER_SERVICE", "GrpcServers"]

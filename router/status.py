@@ -1,0 +1,104 @@
+"""``kvroute status URL``: a running router's engines, their state, load and index share.
+
+Reads ``GET URL/admin/engines`` and prints a table (one row per engine, and one per
+data-parallel rank when an engine has several), or the JSON itself with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "url", metavar="URL", help="the router's HTTP address, e.g. http://127.0.0.1:8000"
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON answer as it is")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+
+
+def fetch(url: str, timeout: float) -> dict[str, Any]:
+    """The router's ``/admin/engines`` answer; raises RuntimeError with a clear reason."""
+    request = urllib.request.Request(url.rstrip("/") + "/admin/engines")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise RuntimeError(f"{url} answered {exc.code}: {message}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RuntimeError(f"cannot reach {url}: {reason}") from None
+    except ValueError:
+        raise RuntimeError(f"{url} did not answer JSON; is it a kvroute router?") from None
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def table(engines: list[dict[str, Any]]) -> str:
+    """The engines as an aligned text table."""
+    head = ("ENGINE", "ROLE", "STATE", "MODELS", "INFLIGHT", "PREFILL_Q", "INDEX_BLOCKS", "SHARE")
+    rows: list[tuple[str, ...]] = [head]
+    for e in engines:
+        ranks = e.get("ranks") or []
+        rows.append(
+            (
+                e["endpoint"],
+                e["role"],
+                e["state"],
+                ",".join(e["models"]) or "-",
+                str(e["inflight_requests"]),
+                str(sum(r["queued_prefill_tokens"] for r in ranks)),
+                _count(e["index_blocks"]),
+                _share(e["index_share"]),
+            )
+        )
+        if len(ranks) > 1:
+            for r in ranks:
+                rows.append(
+                    (
+                        f"  dp{r['rank']}",
+                        "",
+                        "",
+                        "",
+                        str(r["inflight_requests"]),
+                        str(r["queued_prefill_tokens"]),
+                        _count(r["index_blocks"]),
+                        _share(r["index_share"]),
+                    )
+                )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if not engines:
+        lines.append("(no engines)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        answer = fetch(args.url, args.timeout)
+    except RuntimeError as exc:
+        print(f"kvroute status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(table(answer.get("engines", [])))
+    return 0
