@@ -293,8 +293,9 @@ class RouterService(pb_grpc.RouterServicer):
     async def Pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
         return await _call(self.app, "Pick", context, self._pick(request, context))
 
-    def _admit(self, request_id: str) -> None:
-        """The checks the HTTP API makes before it reads a request."""
+    def _admit(self, request_id: str, count_inflight: bool = True) -> None:
+        """The checks the HTTP API makes before it reads a request (``count_inflight``:
+        refuse at ``limits.max_inflight`` picks and requests in flight)."""
         app = self.app
         if not REQUEST_ID.fullmatch(request_id):
             raise bad_request(
@@ -303,7 +304,7 @@ class RouterService(pb_grpc.RouterServicer):
             )
         if app.draining:
             raise ApiError(503, "the router is shutting down", retry_after=1)
-        if app.core.loads.in_flight >= app.config.limits.max_inflight:
+        if count_inflight and app.core.loads.in_flight >= app.config.limits.max_inflight:
             raise ApiError(429, "too many requests in flight", retry_after=1)
 
     async def _pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
@@ -429,10 +430,14 @@ class RouterService(pb_grpc.RouterServicer):
         started = time.perf_counter()
         outcome = Outcome()
         route = _ROUTES.get(request.endpoint, "")
+        admitted = False
         try:
             headers = {**_metadata(context), **{k.lower(): v for k, v in request.headers.items()}}
             request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
-            self._admit(request_id)
+            self._admit(request_id, count_inflight=False)
+            deadline = app.admission.deadline(time.monotonic())
+            await app.admission.enter(deadline)  # the same queue as the HTTP API's
+            admitted = True
             limit = app.config.limits.max_body_bytes
             if len(request.body) > limit:
                 raise ApiError(413, f"request body is larger than {limit} bytes")
@@ -445,6 +450,7 @@ class RouterService(pb_grpc.RouterServicer):
                 request.body,
                 started,
                 outcome,
+                deadline,
             )
         except ApiError as err:
             outcome.failed(err)
@@ -464,6 +470,8 @@ class RouterService(pb_grpc.RouterServicer):
         else:
             app.metrics.grpc_requests.labels("Generate", "OK").inc()
         finally:
+            if admitted:
+                app.admission.leave()
             app.metrics.requests.labels(
                 route or "completions", outcome.outcome, outcome.status
             ).inc()

@@ -585,3 +585,37 @@ async def test_kvroute_serve_flags_start_the_grpc_listeners(
             assert await health_status(stubs.health, "readiness") == "SERVING"
     finally:
         await asyncio.to_thread(server.stop)
+
+
+async def test_generate_shares_the_http_admission_queue() -> None:
+    """One slot (limits.max_inflight 1): a Generate waits while an HTTP stream holds it
+    and is served once it ends; with no queue it gets RESOURCE_EXHAUSTED at once."""
+    slow = await start_test_engine(engine_id="grpc-slow", time_scale=1.0)
+    app = await start_router(
+        [slow.url], grpc={"port": 0}, limits={"max_inflight": 1, "admission_timeout_s": 30}
+    )
+    try:
+        async with aiohttp.ClientSession() as http, connect(app.grpc_port) as stubs:
+            body = {"prompt": "hold the slot " * 10, "max_tokens": 30, "stream": True}
+            async with http.post(f"{app.url}/v1/completions", json=body) as holder:
+                await holder.content.readany()
+                waiting = asyncio.ensure_future(
+                    generate(stubs.router, {"prompt": "queued", "max_tokens": 2})
+                )
+                await poll(lambda: app.admission.waiting == 1)
+                assert not waiting.done()
+                await holder.read()
+            out = await waiting
+            assert out.status == 200
+            app.config.limits.admission_queue = 0
+            async with http.post(f"{app.url}/v1/completions", json=body) as holder:
+                await holder.content.readany()
+                got, message = await rpc_error(
+                    generate(stubs.router, {"prompt": "shed", "max_tokens": 2})
+                )
+                assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in message
+                await holder.read()
+        assert app.admission.in_flight == 0
+    finally:
+        await app.stop()
+        await slow.stop()
