@@ -53,6 +53,9 @@ from router.types import EngineKey
 log = logging.getLogger("kvroute.events")
 
 _PENDING_LIMIT = 100_000
+MAX_TOPICS = 4_096
+"""Bound on the (topic, rank) streams of a bound socket: publishers choose topics, and
+messages on topics past it are dropped as unknown."""
 
 
 @dataclass(slots=True)
@@ -432,6 +435,8 @@ class KVEventSubscriber:
         def route(topic: str, rank: int | None) -> _Stream | None:
             stream = self._topic_streams.get((topic, rank))
             if stream is None:
+                if len(self._topic_streams) >= MAX_TOPICS:  # topics are the peer's to choose
+                    return None
                 source = resolver(topic, rank)
                 if source is None:
                     return None
