@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from router.config import EngineConfig
 from router.engines.registry import Engine, EngineState
+from router.security import AuthError, engine_allowed
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -30,15 +31,15 @@ class AdminError(Exception):
         self.message = message
 
 
-def authorize(app: RouterApp, credential: str | None) -> None:
+def authorize(app: RouterApp, credential: str | None, peer: str | None) -> None:
     """Every admin call passes here first, with the caller's ``Authorization`` value (HTTP
-    header or gRPC metadata), before anything is read or changed.
-
-    ADMIN CREDENTIAL CHECK: the security work adds the admin credential here (raise
-    ``AdminError(401, ...)`` without one, ``AdminError(403, ...)`` for a wrong one).
-    Until then admin calls are open, like the rest of the API on the router's listeners.
-    """
-    del app, credential
+    header or gRPC metadata) and address, before anything is read or changed: an admin
+    key (401 without one, 403 for a client key), or, with no admin keys configured, a
+    caller on loopback (403 otherwise)."""
+    try:
+        app.credentials.check_admin(credential, peer)
+    except AuthError as exc:
+        raise AdminError(exc.status, exc.message) from None
 
 
 def endpoint_key(text: str) -> str:
@@ -148,6 +149,9 @@ async def add_engine(app: RouterApp, entry: Any) -> dict[str, Any]:
         cfg = EngineConfig.model_validate(dict(entry))
     except ValidationError as exc:
         raise AdminError(400, _config_error(exc)) from None
+    refused = await engine_allowed(cfg.url, app.config.auth.engine_cidrs)
+    if refused is not None:
+        raise AdminError(403, f"engine {cfg.url} refused: {refused}")
     engine = app.add_engine(cfg)
     return await describe(app, engine)
 
@@ -165,6 +169,18 @@ async def drain(app: RouterApp, endpoint: str) -> dict[str, Any]:
         raise AdminError(400, f"engine {engine.endpoint} is refused: {engine.refused_reason}")
     app.registry.drain(engine)
     return await describe(app, engine)
+
+
+async def reload(app: RouterApp) -> dict[str, Any]:
+    """Re-read the configuration and key files (as SIGHUP does)."""
+    if app.reloader is None:
+        raise AdminError(400, "this router was not started from a configuration (kvroute serve)")
+    result = await app.reloader.reload()
+    if result is None:
+        raise AdminError(
+            400, "the new configuration is invalid; the running one stays (see the log)"
+        )
+    return {"applied": sorted(result.applied), "restart": sorted(result.restart)}
 
 
 async def undrain(app: RouterApp, endpoint: str) -> dict[str, Any]:

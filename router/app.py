@@ -27,7 +27,8 @@ from aiohttp import web
 from router.admission import Admission
 from router.api.admin_http import AdminHttp
 from router.api.decide import Decider
-from router.api.http import HttpApi, openai_errors
+from router.api.errors import ApiError
+from router.api.http import HttpApi, error_response, openai_errors
 from router.api.observe import RequestObserver
 from router.api.picks import PickLedger
 from router.config import Config, EngineConfig
@@ -42,6 +43,7 @@ from router.index.base import IndexStats, IndexUnavailable
 from router.metrics import RouterMetrics, StateSources
 from router.policy import make_policy
 from router.proxy import Upstream, UpstreamError
+from router.security import AuthError, Credentials, ServerTLS
 from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey
 
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from router.grpc.server import GrpcServers
     from router.index.redis import RedisIndex
     from router.index.shadow import ShadowedIndex
+    from router.reload import Reloader
 
 log = logging.getLogger("kvroute")
 
@@ -165,6 +168,11 @@ class RouterApp:
         self.discovery: KubernetesDiscovery | None = None
         self.http_api: HttpApi | None = None
         self.observer = RequestObserver(config.server.access_log, self.tracer)
+        self.credentials = Credentials(config.auth)
+        """Client and admin keys in force (``auth.*``; reloaded on SIGHUP)."""
+        self.server_tls: ServerTLS | None = None
+        self.reloader: Reloader | None = None
+        """Set by ``kvroute serve``: re-reads the configuration (SIGHUP, admin reload)."""
         """Counts in-flight HTTP requests (for draining) and writes the access log."""
         self.grpc: GrpcServers | None = None
         self.grpc_port: int | None = None
@@ -413,10 +421,26 @@ class RouterApp:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Client keys on the client API (/v1/*, and /metrics when asked); admin calls
+        are checked by the admin layer, probes and the OpenAPI document stay open."""
+        path = request.path
+        if path.startswith("/v1/") or (path == "/metrics" and self.credentials.metrics_need_key):
+            try:
+                self.credentials.check_client(request.headers.get("Authorization"))
+            except AuthError as exc:
+                return error_response(
+                    ApiError(exc.status, exc.message, code="invalid_api_key"),
+                    None,
+                    extra_headers={"WWW-Authenticate": 'Bearer realm="kvroute"'},
+                )
+        return await handler(request)
+
     def web_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.limits.max_body_bytes,
-            middlewares=[self.observer.middleware, openai_errors],
+            middlewares=[self.observer.middleware, openai_errors, self._authenticate],
         )
         self.http_api = HttpApi(self)
         app.add_routes(self.http_api.routes())
@@ -432,6 +456,7 @@ class RouterApp:
             self.upstream.tracer = self.tracer
         else:
             self.upstream = Upstream(self.config.proxy)
+        self.upstream.own_authorization = self.credentials.upstream_authorization(None)
         if self.redis is not None:
             await self._start_redis(self.redis)
         if self.subscribes:
@@ -468,14 +493,23 @@ class RouterApp:
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
+        ssl_context = None
+        if self.config.tls.on("http"):
+            self.server_tls = ServerTLS(self.config.tls)
+            ssl_context = self.server_tls.context
+            self._spawn(self.server_tls.watch())
         site = web.TCPSite(
-            self._runner, self.config.server.host, self.config.server.port, backlog=1024
+            self._runner,
+            self.config.server.host,
+            self.config.server.port,
+            backlog=1024,
+            ssl_context=ssl_context,
         )
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         host, port = sockets[0].getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{port}"
+        self.url = f"{'https' if ssl_context else 'http'}://{shown}:{port}"
         if self.config.grpc.port is not None or self.config.extproc.port is not None:
             from router.grpc.server import GrpcServers  # grpc loads only when asked for
 

@@ -8,6 +8,7 @@ flags. Validation happens once at start-up and every error names its field.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -310,6 +312,18 @@ class ProxyConfig(_Section):
         gt=0,
         description="Idle connections to engines older than this are closed, not reused "
         "(keep it under the engines' own keep-alive: uvicorn, and so vLLM, use 5 s).",
+    )
+    ca_file: Path | None = Field(
+        None,
+        description="PEM CA bundle that signs engines' certificates (engines with https "
+        "URLs); default: the system's trust store.",
+    )
+    client_cert_file: Path | None = Field(
+        None, description="PEM certificate the router presents to https engines (mutual TLS)."
+    )
+    client_key_file: Path | None = Field(None, description="PEM key of `client_cert_file`.")
+    verify_tls: bool = Field(
+        True, description="Verify https engines' certificates and host names (keep it on)."
     )
 
 
@@ -689,6 +703,114 @@ class IndexerConfig(_Section):
         return renew_ms
 
 
+DEFAULT_ENGINE_CIDRS = (
+    "127.0.0.0/8",
+    "::1/128",
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "fc00::/7",
+)
+"""Where engines may live by default: loopback and private ranges (never link-local
+addresses such as cloud metadata services)."""
+
+
+class AuthConfig(_Section):
+    """Credentials of the client and admin APIs, and what engines are sent (docs/security.md).
+
+    Keys are compared in constant time and never logged. Prefer the ``*_file`` keys
+    (a Kubernetes Secret mounted as a file, one key per line) to keys in the YAML file.
+    """
+
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Client keys (`Authorization: Bearer KEY`) for /v1/* and the gRPC Router "
+        "service; empty with no `api_keys_file`: the client API is open.",
+    )
+    api_keys_file: Path | None = Field(
+        None, description="A file of client keys, one per line (re-read on SIGHUP)."
+    )
+    admin_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Admin keys for /admin/* and the gRPC Admin service (a client key is "
+        "refused there with 403); none: admin calls are accepted from loopback only.",
+    )
+    admin_keys_file: Path | None = Field(
+        None, description="A file of admin keys, one per line (re-read on SIGHUP)."
+    )
+    metrics_need_key: bool = Field(
+        False, description="/metrics asks for a client or admin key too (off: open, as usual)."
+    )
+    upstream: Literal["pass", "drop", "token"] = Field(
+        "pass",
+        description="`Authorization` sent to engines: `pass` the client's, `drop` it, or "
+        "`token`: `Bearer upstream_token` (engines started with --api-key).",
+    )
+    upstream_token: SecretStr | None = Field(None, description="The engines' key (`token`).")
+    upstream_token_file: Path | None = Field(
+        None, description="A file holding the engines' key (`token`)."
+    )
+    engine_cidrs: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_ENGINE_CIDRS),
+        description="Engines added at run time (admin API, Kubernetes discovery) must "
+        "resolve into these networks; the default is loopback and private ranges.",
+    )
+
+    @field_validator("engine_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not a network (e.g. 10.0.0.0/8)") from None
+        return value
+
+    @model_validator(mode="after")
+    def _token(self) -> AuthConfig:
+        if self.upstream == "token" and not (self.upstream_token or self.upstream_token_file):
+            raise ValueError("auth.upstream: token needs upstream_token or upstream_token_file")
+        return self
+
+
+class TlsConfig(_Section):
+    """TLS on the router's listeners (docs/security.md). Certificate files are re-read
+    when they change, so cert-manager rotations need no restart."""
+
+    cert_file: Path | None = Field(
+        None, description="PEM certificate chain; with `key_file`, the listeners speak TLS."
+    )
+    key_file: Path | None = Field(None, description="PEM private key of `cert_file`.")
+    client_ca_file: Path | None = Field(
+        None,
+        description="PEM CA bundle: gRPC and ext_proc clients must present a certificate "
+        "it signed (mutual TLS); also HTTP clients with `client_auth_http`.",
+    )
+    client_auth_http: bool = Field(
+        False, description="Require client certificates on the HTTP listener too."
+    )
+    listeners: list[Literal["http", "grpc", "extproc"]] = Field(
+        default_factory=lambda: ["http", "grpc", "extproc"],
+        description="Which listeners use TLS once a certificate is set.",
+    )
+    reload_interval_s: float = Field(
+        10.0, gt=0, description="How often certificate files are checked for changes."
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls.cert_file and tls.key_file go together")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError("tls.client_ca_file needs tls.cert_file and tls.key_file")
+        return self
+
+    def on(self, listener: str) -> bool:
+        """Whether ``listener`` (http, grpc, extproc) speaks TLS."""
+        return self.cert_file is not None and listener in self.listeners
+
+
 class Config(_Section):
     """Everything ``kvroute serve`` reads."""
 
@@ -716,6 +838,8 @@ class Config(_Section):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     extproc: ExtProcConfig = Field(default_factory=ExtProcConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    tls: TlsConfig = Field(default_factory=TlsConfig)
 
     @model_validator(mode="after")
     def _indexer_needs_redis(self) -> Config:

@@ -16,6 +16,7 @@ import sys
 import yaml
 
 from router.config import ConfigError, load_config
+from router.security import redacted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.quiet:
         return 0
-    values = config.model_dump(mode="json")
+    values = config.model_dump(mode="json")  # secrets print as '**********'
+    values["index"]["url"] = redacted(values["index"]["url"])
     if args.format == "json":
         print(json.dumps(values, indent=2))
     else:

@@ -28,7 +28,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 import zmq
 import zmq.asyncio
@@ -40,6 +39,7 @@ from router.events.subscriber import EventSource, KVEventSubscriber
 from router.events.vllm import END_SEQ, EventDecodeError, decode_batch, decode_seq, encode_seq
 from router.index.base import IndexUnavailable
 from router.index.redis import RedisIndex, StreamPosition
+from router.security import redacted
 from router.types import EngineKey
 
 log = logging.getLogger("kvroute.indexer")
@@ -237,15 +237,6 @@ def sources_from_config(config: Config) -> list[EventSource]:
         )
         for e in config.indexer.engines
     ]
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -95,8 +95,13 @@ class Upstream:
     """The client every request to an engine goes through."""
 
     def __init__(self, config: ProxyConfig) -> None:
+        from router.security import client_tls
+
         self.config = config
-        self.client = Client(config.connect_timeout_s, config.keepalive_s)
+        self.client = Client(config.connect_timeout_s, config.keepalive_s, client_tls(config))
+        self.own_authorization: str | None = None
+        """``Authorization`` of the router's own calls (discovery, probes, scrapes,
+        tokenization): the engines' key when ``auth.upstream`` is ``token``."""
         shortest = min(config.first_byte_timeout_s, config.idle_timeout_s)
         self.deadlines = Deadlines(resolution=min(max(shortest / 20, 0.01), 0.5))
 
@@ -151,7 +156,9 @@ class Upstream:
         """A small whole exchange (status, body); raises UpstreamError on failure."""
         deadline = self.deadlines.start(timeout)
         response: Response | None = None
-        headers = {"Content-Type": "application/json"} if body else None
+        headers = {"Content-Type": "application/json"} if body else {}
+        if self.own_authorization:
+            headers["Authorization"] = self.own_authorization
         try:
             response = await self.client.request(method, url, body, headers, deadline)
             return response.status, await response.read()

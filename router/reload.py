@@ -47,6 +47,7 @@ LIVE: tuple[str, ...] = (
     "server.access_log",
     "server.drain_timeout_s",
     "server.reload_poll_s",
+    "auth.",
 )
 
 
@@ -72,8 +73,9 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, A
 
 def changed_keys(old: Config, new: Config) -> dict[str, tuple[Any, Any]]:
     """Every dotted key whose value differs: key -> (old value, new value)."""
-    before = dict(_flatten(old.model_dump(mode="json")))
-    after = dict(_flatten(new.model_dump(mode="json")))
+    # Python mode: secrets stay SecretStr, which compare by value and print masked.
+    before = dict(_flatten(old.model_dump()))
+    after = dict(_flatten(new.model_dump()))
     return {
         k: (before.get(k), after.get(k))
         for k in sorted(before.keys() | after.keys())
@@ -112,6 +114,8 @@ class Reloader:
         """Reload now; None (and the running configuration kept) if the new one is invalid."""
         try:
             new = self.source()
+            # Key files may have changed under the same paths: read them on every reload.
+            self.app.credentials.reload(new.auth)
         except ConfigError as exc:
             self.counts["failed"] += 1
             log.error("configuration reload failed, keeping the running one: %s", exc)
@@ -137,7 +141,7 @@ class Reloader:
         app = self.app
         old = app.config
         result = ReloadResult()
-        effective = new.model_dump(mode="json")
+        effective = new.model_dump()
         for key, (before, after) in changed_keys(old, new).items():
             if is_live(key):
                 result.applied[key] = (before, after)
@@ -156,6 +160,7 @@ class Reloader:
             app.monitor.config = config
         if app.upstream is not None:
             app.upstream.config = config.proxy
+            app.upstream.own_authorization = app.credentials.upstream_authorization(None)
         app.observer.access_log_info = config.server.access_log
         if any(k.startswith("server.log") for k in result.applied):
             self.on_logging(config)

@@ -140,6 +140,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     reloader = Reloader(app, source or (lambda: app.config), _configure_logging)
+    app.reloader = reloader  # POST /admin/reload and gRPC Admin/Reload
     app.metrics.registry.register(ReloadCollector(reloader))
     reloads: set[asyncio.Task[Any]] = set()
 

@@ -42,13 +42,14 @@ class AdminHttp:
             web.delete("/admin/engines/{endpoint}", self.remove),
             web.post("/admin/engines/{endpoint}/drain", self.drain),
             web.post("/admin/engines/{endpoint}/undrain", self.undrain),
+            web.post("/admin/reload", self.reload),
         ]
 
     async def _call(
         self, request: web.Request, action: Callable[[], Awaitable[Any]], status: int = 200
     ) -> web.Response:
         try:
-            admin.authorize(self.app, request.headers.get("Authorization"))
+            admin.authorize(self.app, request.headers.get("Authorization"), request.remote)
             result = await action()
         except admin.AdminError as err:
             return error_response(ApiError(err.status, err.message))
@@ -81,3 +82,6 @@ class AdminHttp:
     async def undrain(self, request: web.Request) -> web.Response:
         endpoint = request.match_info["endpoint"]
         return await self._call(request, lambda: admin.undrain(self.app, endpoint))
+
+    async def reload(self, request: web.Request) -> web.Response:
+        return await self._call(request, lambda: admin.reload(self.app))

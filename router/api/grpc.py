@@ -486,7 +486,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def _admin(self, method: str, context: aio.ServicerContext, work: Any) -> pb.EngineStatus:
         async def run() -> pb.EngineStatus:
-            admin.authorize(self.app, _metadata(context).get("authorization"))
+            admin.authorize(self.app, _metadata(context).get("authorization"), context.peer())
             return _engine_status(await work())
 
         return await _call(self.app, method, context, run())
@@ -495,7 +495,7 @@ class AdminService(pb_grpc.AdminServicer):
         self, request: pb.ListEnginesRequest, context: aio.ServicerContext
     ) -> pb.ListEnginesResponse:
         async def run() -> pb.ListEnginesResponse:
-            admin.authorize(self.app, _metadata(context).get("authorization"))
+            admin.authorize(self.app, _metadata(context).get("authorization"), context.peer())
             entries = await admin.engines(self.app)
             return pb.ListEnginesResponse(engines=[_engine_status(e) for e in entries])
 
@@ -543,3 +543,13 @@ class AdminService(pb_grpc.AdminServicer):
         return await self._admin(
             "UndrainEngine", context, lambda: admin.undrain(self.app, request.endpoint)
         )
+
+    async def Reload(
+        self, request: pb.ReloadRequest, context: aio.ServicerContext
+    ) -> pb.ReloadResponse:
+        async def run() -> pb.ReloadResponse:
+            admin.authorize(self.app, _metadata(context).get("authorization"), context.peer())
+            result = await admin.reload(self.app)
+            return pb.ReloadResponse(applied=result["applied"], restart=result["restart"])
+
+        return await _call(self.app, "Reload", context, run())

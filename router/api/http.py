@@ -65,8 +65,10 @@ def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
     return web.Response(body=_encode(payload), status=status, content_type=_JSON, headers=headers)
 
 
-def error_response(err: ApiError, request_id: str | None = None) -> web.Response:
-    headers: dict[str, str] = {}
+def error_response(
+    err: ApiError, request_id: str | None = None, extra_headers: dict[str, str] | None = None
+) -> web.Response:
+    headers: dict[str, str] = dict(extra_headers or {})
     if request_id:
         headers["x-request-id"] = request_id
     if err.retry_after is not None:
@@ -359,7 +361,7 @@ class HttpApi:
         headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
         if engine.dp_size > 1:
             headers["X-data-parallel-rank"] = str(key.rank)
-        auth = sink.headers.get("authorization")
+        auth = self.app.credentials.upstream_authorization(sink.headers.get("authorization"))
         if auth:
             headers["Authorization"] = auth
         return headers

@@ -249,6 +249,12 @@ def parse_chat(payload: dict[str, Any]) -> ParsedRequest:
 
 def resolve_model(requested: str | None, served: Sequence[str]) -> str:
     """The model to route for: the requested one if served, the only one if omitted."""
+    if not served:  # no engine reached yet: not the client's mistake
+        raise ApiError(
+            503,
+            "no engine serves any model yet (engines unreachable or still starting)",
+            retry_after=1,
+        )
     if requested is None:
         if len(served) == 1:
             return served[0]

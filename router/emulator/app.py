@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 from typing import Any
@@ -355,6 +356,36 @@ def build_app(state: EmulatorState) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error}
     )
+    if cfg.api_key:
+        return _ApiKey(app, cfg.api_key)  # type: ignore[return-value]
+    return app
+
+
+class _ApiKey:
+    """vLLM's ``--api-key``: /v1/* needs ``Authorization: Bearer KEY`` (else 401)."""
+
+    def __init__(self, app: Starlette, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = b'{"error":"Unauthorized"}'
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

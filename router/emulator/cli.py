@@ -110,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="wall seconds one SGLang leg waits for the other to arrive",
     )
+    security = parser.add_argument_group("security (as vLLM's --api-key, --ssl-certfile)")
+    security.add_argument("--api-key", help="/v1/* answers 401 without 'Bearer API_KEY'")
+    security.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this PEM chain")
+    security.add_argument("--ssl-keyfile", metavar="FILE", help="the PEM key of --ssl-certfile")
     handoff.add_argument(
         "--handoff-failure",
         choices=HANDOFF_FAILURES,
@@ -248,6 +252,9 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         bootstrap_port=args.bootstrap_port,
         bootstrap_timeout_s=args.bootstrap_timeout,
         handoff_failure=args.handoff_failure,
+        tls_cert_file=args.ssl_certfile,
+        tls_key_file=args.ssl_keyfile,
+        api_key=args.api_key,
         faults=Faults(
             fail_rate=args.fail_rate,
             extra_latency_ms=args.extra_latency_ms,

@@ -55,6 +55,11 @@ class EmulatorConfig:
     bootstrap_timeout_s: float = 300.0
     handoff_failure: HandoffFailure = "recompute"
     faults: Faults = field(default_factory=Faults)
+    tls_cert_file: str | None = None
+    """Serve HTTPS with this PEM certificate chain (and ``tls_key_file``)."""
+    tls_key_file: str | None = None
+    api_key: str | None = None
+    """Like vLLM's ``--api-key``: /v1/* answers 401 without ``Bearer api_key``."""
 
     def __post_init__(self) -> None:
         if not self.model or any(c.isspace() for c in self.model):
@@ -78,6 +83,8 @@ class EmulatorConfig:
             raise ValueError("lora_modules must be distinct and differ from the model name")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, got {self.dp_size}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
         for name in ("side_channel_port", "bootstrap_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:

@@ -264,7 +264,8 @@ async def start_engine(config: EmulatorConfig) -> EmulatedEngine:
     """Bind, start serving and return once ``config``'s engine accepts requests."""
     sock = _listen(config.host, config.port)
     port = sock.getsockname()[1]
-    url = f"http://{_url_host(config.host)}:{port}"
+    scheme = "https" if config.tls_cert_file else "http"
+    url = f"{scheme}://{_url_host(config.host)}:{port}"
     zmq_ctx = zmq.asyncio.Context()
     publishers: list[KVEventPublisher] = []
     listeners: list[wire.Listener] = []
@@ -307,6 +308,8 @@ async def start_engine(config: EmulatorConfig) -> EmulatedEngine:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=1,
+            ssl_certfile=config.tls_cert_file,
+            ssl_keyfile=config.tls_key_file,
         )
         server = _Server(uv_config)
     except BaseException:

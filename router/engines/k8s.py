@@ -35,8 +35,15 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from router.config import ConfigError, EngineConfig, EventEndpoints, KubernetesDiscoveryConfig
+from router.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    EventEndpoints,
+    KubernetesDiscoveryConfig,
+)
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
+from router.security import engine_allowed
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -49,6 +56,7 @@ class Fleet(Protocol):
     """What discovery changes: a running router (``RouterApp``)."""
 
     registry: Registry
+    config: Config
 
     def add_engine(self, cfg: EngineConfig) -> Engine: ...
 
@@ -443,6 +451,10 @@ class KubernetesDiscovery:
                 log.warning(
                     "pod %s: %s is already a configured engine; left as it is", key, endpoint
                 )
+                return
+            refused = await engine_allowed(state.engine.url, self.fleet.config.auth.engine_cidrs)
+            if refused is not None:
+                log.warning("pod %s: not an engine: %s", key, refused)
                 return
             self.fleet.add_engine(state.engine)
             tracked.registered = True

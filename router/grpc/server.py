@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +31,7 @@ from router.api.extproc import ExtProcService
 from router.api.grpc import AdminService, RouterService
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+from router.security import AuthError, grpc_credentials
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -58,6 +60,8 @@ class Listener:
         health: tuple[str, ...],
         always_serving: tuple[str, ...],
         max_message_bytes: int,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: tuple[aio.ServerInterceptor, ...] = (),
     ) -> None:
         """``services``: full name -> adds its servicer; ``health``: health service names
         that follow the router's readiness (with ``""``); ``always_serving``: the rest."""
@@ -67,11 +71,13 @@ class Listener:
         self.health = health_aio.HealthServicer()
         self.always_serving = always_serving
         self.followers = ("", *health)
+        self.credentials = credentials
         self.server = aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         for add in services.values():
             add(self.server)
@@ -80,7 +86,10 @@ class Listener:
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
 
     async def start(self) -> int:
-        port = self.server.add_insecure_port(self.address)
+        if self.credentials is not None:
+            port = self.server.add_secure_port(self.address, self.credentials)
+        else:
+            port = self.server.add_insecure_port(self.address)
         if not port:
             raise OSError(f"{self.name}: cannot listen on {self.address}")
         self.port = port
@@ -96,6 +105,59 @@ class Listener:
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(_STOP_GRACE_S)
+
+
+class ClientKeys(aio.ServerInterceptor):
+    """The client key (``auth.api_keys``) on every call of ``kvroute.v1.Router``, from
+    the ``authorization`` metadata; refused calls end UNAUTHENTICATED before the
+    servicer runs. Admin calls are checked by the admin layer; health and reflection
+    stay open for probes."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self.prefix = f"/{ROUTER_SERVICE}/"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        credentials = self.app.credentials
+        if handler is None or credentials.client_open or not details.method.startswith(self.prefix):
+            return handler
+        metadata = {
+            k.lower(): v for k, v in details.invocation_metadata or () if isinstance(v, str)
+        }
+        try:
+            credentials.check_client(metadata.get("authorization"))
+        except AuthError as exc:
+            method = details.method[len(self.prefix) :]
+            self.app.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
+            return _refusal(handler, exc.message)
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED."""
+
+    async def refuse(request: Any, context: aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kinds = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }
+    for kind, make in kinds.items():
+        if getattr(handler, kind) is not None:
+            return make(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
 
 
 class GrpcServers:
@@ -143,6 +205,8 @@ class GrpcServers:
                 (ROUTER_SERVICE, ADMIN_SERVICE),
                 (),
                 limit,
+                grpc_credentials(cfg.tls) if cfg.tls.on("grpc") else None,
+                (ClientKeys(app),),
             )
             app.grpc_port = await api.start()
             self.listeners.append(api)
@@ -161,6 +225,7 @@ class GrpcServers:
                 (EXTPROC_SERVICE, READINESS),
                 (LIVENESS,),
                 limit,
+                grpc_credentials(cfg.tls) if cfg.tls.on("extproc") else None,
             )
             app.extproc_port = await extproc.start()
             self.listeners.append(extproc)

@@ -27,6 +27,18 @@ ENDPOINT_UNSPECIFIED: Endpoint
 ENDPOINT_COMPLETIONS: Endpoint
 ENDPOINT_CHAT_COMPLETIONS: Endpoint
 
+class ReloadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("applied", "restart")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    applied: _containers.RepeatedScalarFieldContainer[str]
+    restart: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, applied: _Optional[_Iterable[str]] = ..., restart: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class PickRequest(_message.Message):
     __slots__ = ("request_id", "model", "text", "token_ids", "messages", "block_keys", "body", "max_tokens", "n", "cache_salt", "session", "headers", "subset")
     class HeadersEntry(_message.Message):

@@ -234,6 +234,11 @@ class AdminStub:
                 request_serializer=kvroute_dot_v1_dot_router__pb2.EngineRef.SerializeToString,
                 response_deserializer=kvroute_dot_v1_dot_router__pb2.EngineStatus.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/kvroute.v1.Admin/Reload',
+                request_serializer=kvroute_dot_v1_dot_router__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=kvroute_dot_v1_dot_router__pb2.ReloadResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -274,6 +279,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """Re-read the configuration (file, environment, flags) and key files, as SIGHUP does;
+        INVALID_ARGUMENT when the new configuration is invalid (the running one stays).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +314,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UndrainEngine,
                     request_deserializer=kvroute_dot_v1_dot_router__pb2.EngineRef.FromString,
                     response_serializer=kvroute_dot_v1_dot_router__pb2.EngineStatus.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=kvroute_dot_v1_dot_router__pb2.ReloadRequest.FromString,
+                    response_serializer=kvroute_dot_v1_dot_router__pb2.ReloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +457,33 @@ class Admin:
             '/kvroute.v1.Admin/UndrainEngine',
             kvroute_dot_v1_dot_router__pb2.EngineRef.SerializeToString,
             kvroute_dot_v1_dot_router__pb2.EngineStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvroute.v1.Admin/Reload',
+            kvroute_dot_v1_dot_router__pb2.ReloadRequest.SerializeToString,
+            kvroute_dot_v1_dot_router__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,315 @@
+"""Credentials, network allow-lists and TLS contexts (docs/security.md).
+
+* :class:`Credentials`: the client and admin keys (``auth.*``), checked in constant
+  time, and the ``Authorization`` engines are sent. Keys never reach logs, metrics or
+  error messages: they live here as bytes and are only ever compared.
+* :func:`engine_allowed`: whether an engine URL added at run time resolves into
+  ``auth.engine_cidrs`` (the admin API and Kubernetes discovery ask before adding).
+* :class:`ServerTLS` / :func:`grpc_credentials`: TLS for the HTTP, gRPC and ext_proc
+  listeners, with certificate files re-read when they change; :func:`client_tls` for
+  engines with https URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import grpc
+
+from router.config import AuthConfig, ConfigError, ProxyConfig, TlsConfig
+
+log = logging.getLogger("kvroute.security")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class AuthError(Exception):
+    """A refused credential: 401 (none or unknown) or 403 (known, not allowed here)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def read_keys(inline: Iterable[object], path: Path | None) -> list[bytes]:
+    """Keys from the configuration and from a file (one per line, ``#`` comments)."""
+    keys = [_secret(k).encode() for k in inline]
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
+        keys += [
+            line.strip().encode()
+            for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+    return [k for k in keys if k]
+
+
+def _secret(value: object) -> str:
+    getter = getattr(value, "get_secret_value", None)
+    return getter() if getter is not None else str(value)
+
+
+def bearer(authorization: str | None) -> bytes | None:
+    """The token of ``Authorization: Bearer TOKEN`` (scheme case-insensitive)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
+
+
+def _matches(token: bytes, keys: list[bytes]) -> bool:
+    """Constant time in the token and the number of keys (every key is compared)."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found
+
+
+def is_loopback(peer: str | None) -> bool:
+    """Whether a peer address (``127.0.0.1``, ``::1``, gRPC's ``ipv4:127.0.0.1:5000``,
+    ``ipv6:[::1]:5000``, ``unix:...``) is this host."""
+    if not peer:
+        return False
+    if peer.startswith("unix:"):
+        return True
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer[5:]
+        host = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class Credentials:
+    """The keys in force; ``reload`` swaps them (SIGHUP) without a restart."""
+
+    def __init__(self, auth: AuthConfig) -> None:
+        self.reload(auth)
+
+    def reload(self, auth: AuthConfig) -> None:
+        """Read every key (raises ConfigError for an unreadable file, changing nothing)."""
+        client = read_keys(auth.api_keys, auth.api_keys_file)
+        admin = read_keys(auth.admin_keys, auth.admin_keys_file)
+        token = read_keys([auth.upstream_token] if auth.upstream_token else [], None)
+        if auth.upstream_token_file is not None:
+            token = read_keys([], auth.upstream_token_file)[:1]
+        self.client, self.admin = client, admin
+        self._upstream = f"Bearer {token[0].decode()}" if token else None
+        self.upstream_mode = auth.upstream
+        self.metrics_need_key = auth.metrics_need_key
+
+    @property
+    def client_open(self) -> bool:
+        """No client keys: the client API needs no credential."""
+        return not self.client
+
+    def check_client(self, authorization: str | None) -> None:
+        """A client call: any client or admin key (raises :class:`AuthError` 401)."""
+        if not self.client:
+            return
+        token = bearer(authorization)
+        if token is None:
+            raise AuthError(401, "missing API key: send 'Authorization: Bearer <key>'")
+        if not (_matches(token, self.client) | _matches(token, self.admin)):
+            raise AuthError(401, "invalid API key")
+
+    def check_admin(self, authorization: str | None, peer: str | None) -> None:
+        """An admin call: an admin key (a client key is 403), or, with no admin keys
+        configured, a caller on loopback."""
+        if not self.admin:
+            if is_loopback(peer):
+                return
+            raise AuthError(
+                403,
+                "admin calls are accepted from loopback only until auth.admin_keys (or "
+                "auth.admin_keys_file) is set",
+            )
+        token = bearer(authorization)
+        if token is None:
+            raise AuthError(401, "missing admin key: send 'Authorization: Bearer <key>'")
+        if _matches(token, self.admin):
+            return
+        if _matches(token, self.client):
+            raise AuthError(403, "this key may not make admin calls")
+        raise AuthError(401, "invalid admin key")
+
+    def upstream_authorization(self, client: str | None) -> str | None:
+        """The ``Authorization`` header engines are sent (``auth.upstream``)."""
+        if self.upstream_mode == "pass":
+            return client
+        if self.upstream_mode == "token":
+            return self._upstream
+        return None
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (Redis URLs carry one), for logs and printouts."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+# --------------------------------------------------------------------------- networks
+
+
+def networks(cidrs: Iterable[str]) -> list[Network]:
+    return [ipaddress.ip_network(c, strict=False) for c in cidrs]
+
+
+async def engine_allowed(url: str, cidrs: Iterable[str]) -> str | None:
+    """None if every address ``url``'s host resolves to lies in ``cidrs``, else why not."""
+    host = urlsplit(url).hostname
+    if not host:
+        return f"{url!r} has no host"
+    allowed = networks(cidrs)
+    try:
+        addresses = [ipaddress.ip_address(host)]
+    except ValueError:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, None, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            return f"cannot resolve {host!r}: {exc.strerror or exc}"
+        addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
+    for address in addresses:
+        if not any(address in net for net in allowed if net.version == address.version):
+            return f"{host} ({address}) is outside auth.engine_cidrs"
+    return None
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+def _mtimes(paths: Iterable[Path | None]) -> tuple[float, ...]:
+    out = []
+    for path in paths:
+        try:
+            out.append(os.stat(path).st_mtime if path is not None else 0.0)
+        except OSError:
+            out.append(-1.0)
+    return tuple(out)
+
+
+class ServerTLS:
+    """An ``ssl.SSLContext`` for the HTTP listener whose certificate follows its files.
+
+    ``load_cert_chain`` on the live context changes what new handshakes present;
+    connections already open keep theirs.
+    """
+
+    def __init__(self, cfg: TlsConfig) -> None:
+        assert cfg.cert_file is not None and cfg.key_file is not None
+        self.cfg = cfg
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if cfg.client_ca_file is not None and cfg.client_auth_http:
+            self.context.verify_mode = ssl.CERT_REQUIRED
+            self.context.load_verify_locations(cafile=str(cfg.client_ca_file))
+        self._files = (cfg.cert_file, cfg.key_file)
+        self._seen: tuple[float, ...] = ()
+        self.reloads = 0
+        self.load()
+
+    def load(self) -> None:
+        try:
+            self.context.load_cert_chain(str(self.cfg.cert_file), str(self.cfg.key_file))
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load tls.cert_file / tls.key_file: {exc}") from None
+        self._seen = _mtimes(self._files)
+
+    def maybe_reload(self) -> bool:
+        """Re-read the files if they changed; keep the old certificate if they are bad."""
+        if _mtimes(self._files) == self._seen:
+            return False
+        try:
+            self.load()
+        except ConfigError as exc:
+            log.error("%s; still serving the previous certificate", exc)
+            self._seen = _mtimes(self._files)
+            return False
+        self.reloads += 1
+        log.info("TLS certificate reloaded from %s", self.cfg.cert_file)
+        return True
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.reload_interval_s)
+            self.maybe_reload()
+
+
+def grpc_credentials(cfg: TlsConfig) -> grpc.ServerCredentials:
+    """Server credentials whose certificate follows its files (checked per handshake,
+    at most every ``reload_interval_s``); client certificates required when
+    ``client_ca_file`` is set."""
+    assert cfg.cert_file is not None and cfg.key_file is not None
+    files = (cfg.cert_file, cfg.key_file, cfg.client_ca_file)
+
+    def configuration() -> grpc.ServerCertificateConfiguration:
+        try:
+            pair = (Path(cfg.key_file).read_bytes(), Path(cfg.cert_file).read_bytes())  # type: ignore[arg-type]
+            roots = Path(cfg.client_ca_file).read_bytes() if cfg.client_ca_file else None
+        except OSError as exc:
+            raise ConfigError(f"cannot read TLS files: {exc}") from None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=roots)
+
+    state = {"seen": _mtimes(files), "checked": 0.0}
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        now = time.monotonic()
+        if now - state["checked"] < cfg.reload_interval_s:  # type: ignore[operator]
+            return None
+        state["checked"] = now
+        seen = _mtimes(files)
+        if seen == state["seen"]:
+            return None
+        state["seen"] = seen
+        try:
+            new = configuration()
+        except ConfigError as exc:
+            log.error("%s; the gRPC listeners keep the previous certificate", exc)
+            return None
+        log.info("gRPC TLS certificate reloaded from %s", cfg.cert_file)
+        return new
+
+    return grpc.dynamic_ssl_server_credentials(
+        configuration(), fetch, require_client_authentication=cfg.client_ca_file is not None
+    )
+
+
+def client_tls(proxy: ProxyConfig) -> ssl.SSLContext:
+    """The context for engines with https URLs (``proxy.ca_file``, ``verify_tls``,
+    ``client_cert_file``)."""
+    try:
+        context = ssl.create_default_context(
+            cafile=str(proxy.ca_file) if proxy.ca_file is not None else None
+        )
+        if proxy.client_cert_file is not None:
+            key = proxy.client_key_file or proxy.client_cert_file
+            context.load_cert_chain(str(proxy.client_cert_file), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS files of proxy.*: {exc}") from None
+    if not proxy.verify_tls:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context

@@ -1,0 +1,353 @@
+"""Authentication, TLS and allow-lists on real listeners (HTTP, gRPC) in front of
+emulated engines; certificates are made by the test (``support.tls``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+from grpc import aio
+from support.clients import post_reply
+from support.engines import poll, start_test_engine
+from support.grpc_clients import rpc_error
+from support.routers import start_router
+from support.tls import TestCA
+
+from router.emulator import EmulatedEngine
+from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+
+CLIENT_KEY = "sk-client-Zx81tQ"
+ADMIN_KEY = "sk-admin-Qm44pL"
+ENGINE_KEY = "sk-engine-Wr27nK"
+SECRETS = (CLIENT_KEY, ADMIN_KEY, ENGINE_KEY)
+BODY = {"model": "kvroute-emulated", "prompt": "secure hello", "max_tokens": 2}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def locked_engine() -> AsyncIterator[EmulatedEngine]:
+    """An engine that, like vLLM with --api-key, wants its own key on /v1/*."""
+    engine = await start_test_engine(engine_id="locked", api_key=ENGINE_KEY)
+    yield engine
+    await engine.stop()
+
+
+async def test_client_keys_guard_the_client_api_and_probes_stay_open(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    app = await start_router(
+        [engine.url], auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]}
+    )
+    try:
+        url = f"{app.url}/v1/completions"
+        for headers in ({}, bearer("wrong"), {"Authorization": CLIENT_KEY}):
+            reply = await post_reply(http, url, BODY, headers)
+            assert reply.status == 401, headers
+            assert reply.body["error"]["type"] == "authentication_error"
+            assert reply.headers["www-authenticate"].startswith("Bearer")
+        assert (await post_reply(http, url, BODY, bearer(CLIENT_KEY))).status == 200
+        assert (await post_reply(http, url, BODY, bearer(ADMIN_KEY))).status == 200
+        async with http.get(f"{app.url}/v1/models") as resp:
+            assert resp.status == 401
+        for probe in ("/health", "/ready", "/metrics", "/openapi.json"):
+            async with http.get(f"{app.url}{probe}") as resp:
+                assert resp.status == 200, probe
+    finally:
+        await app.stop()
+
+
+async def test_metrics_can_ask_for_a_key(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    app = await start_router(
+        [engine.url], auth={"api_keys": [CLIENT_KEY], "metrics_need_key": True}
+    )
+    try:
+        async with http.get(f"{app.url}/metrics") as resp:
+            assert resp.status == 401
+        async with http.get(f"{app.url}/metrics", headers=bearer(CLIENT_KEY)) as resp:
+            assert resp.status == 200
+    finally:
+        await app.stop()
+
+
+async def test_admin_calls_need_the_admin_key(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    app = await start_router(
+        [engine.url], auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]}
+    )
+    try:
+        url = f"{app.url}/admin/engines"
+        for headers, status in (({}, 401), (bearer("nope"), 401), (bearer(CLIENT_KEY), 403)):
+            async with http.get(url, headers=headers) as resp:
+                assert resp.status == status, headers
+                assert "error" in await resp.json()
+        async with http.get(url, headers=bearer(ADMIN_KEY)) as resp:
+            assert resp.status == 200
+            assert len((await resp.json())["engines"]) == 1
+        async with http.post(f"{app.url}/admin/reload", headers=bearer(CLIENT_KEY)) as resp:
+            assert resp.status == 403
+        async with http.post(f"{app.url}/admin/reload", headers=bearer(ADMIN_KEY)) as resp:
+            assert resp.status == 400  # not started by kvroute serve: nothing to re-read
+    finally:
+        await app.stop()
+
+
+async def test_engines_added_at_run_time_must_be_in_the_allowed_networks(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([engine.url], auth={"engine_cidrs": ["127.0.0.0/8"]})
+    try:
+        url = f"{app.url}/admin/engines"
+        for target in ("http://169.254.169.254:80", "http://10.1.2.3:8000", "http://[::1]:9"):
+            async with http.post(url, json={"url": target}) as resp:
+                assert resp.status == 403, target
+                assert "engine_cidrs" in (await resp.json())["error"]["message"]
+        async with http.post(url, json={"url": "http://localhost:9"}) as resp:
+            assert resp.status == 201  # localhost resolves to loopback only
+        assert app.registry.get("localhost:9") is not None
+    finally:
+        await app.stop()
+
+
+async def test_upstream_credentials(
+    locked_engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """`token`: the router sends the engines' key (its own calls too, so discovery works);
+    `pass`: the client's header goes through; `drop`: nothing, and the engine refuses."""
+    token = await start_router(
+        [locked_engine.url],
+        auth={"api_keys": [CLIENT_KEY], "upstream": "token", "upstream_token": ENGINE_KEY},
+    )
+    # Without a key of their own the routers cannot list the engine's models: configured.
+    static = [{"url": locked_engine.url, "models": ["kvroute-emulated"]}]
+    passing = await start_router(static, auth={"upstream": "pass"})
+    dropping = await start_router(static, auth={"upstream": "drop"})
+    try:
+        await poll(lambda: token.registry.models())
+        reply = await post_reply(http, f"{token.url}/v1/completions", BODY, bearer(CLIENT_KEY))
+        assert reply.status == 200
+        reply = await post_reply(http, f"{passing.url}/v1/completions", BODY, bearer(ENGINE_KEY))
+        assert reply.status == 200
+        reply = await post_reply(http, f"{dropping.url}/v1/completions", BODY, bearer(ENGINE_KEY))
+        assert reply.status == 401  # the engine's own refusal, passed on
+    finally:
+        for app in (token, passing, dropping):
+            await app.stop()
+
+
+async def test_grpc_client_and_admin_keys(engine: EmulatedEngine) -> None:
+    app = await start_router(
+        [engine.url],
+        grpc={"port": 0},
+        auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]},
+    )
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            router = pb_grpc.RouterStub(channel)
+            admin = pb_grpc.AdminStub(channel)
+            pick = pb.PickRequest(text="grpc secure", model="kvroute-emulated")
+            got, message = await rpc_error(router.Pick(pick))
+            assert got == grpc.StatusCode.UNAUTHENTICATED and "API key" in message
+            got, _ = await rpc_error(router.Pick(pick, metadata=[("authorization", "Bearer x")]))
+            assert got == grpc.StatusCode.UNAUTHENTICATED
+            got, _ = await rpc_error(
+                router.Generate(
+                    pb.GenerateRequest(body=b'{"prompt": "x", "max_tokens": 1, "model": "m"}')
+                ).read()
+            )
+            assert got == grpc.StatusCode.UNAUTHENTICATED
+            client_md = [("authorization", f"Bearer {CLIENT_KEY}")]
+            picked = await router.Pick(pick, metadata=client_md)
+            await router.Release(
+                pb.ReleaseRequest(request_id=picked.request_id), metadata=client_md
+            )
+            got, _ = await rpc_error(admin.ListEngines(pb.ListEnginesRequest(), metadata=client_md))
+            assert got == grpc.StatusCode.PERMISSION_DENIED
+            admin_md = [("authorization", f"Bearer {ADMIN_KEY}")]
+            listed = await admin.ListEngines(pb.ListEnginesRequest(), metadata=admin_md)
+            assert len(listed.engines) == 1
+            got, message = await rpc_error(admin.Reload(pb.ReloadRequest(), metadata=admin_md))
+            assert got == grpc.StatusCode.INVALID_ARGUMENT and "configuration" in message
+    finally:
+        await app.stop()
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
+    return TestCA(tmp_path_factory.mktemp("pki"))
+
+
+def client_context(ca: TestCA) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca.path))
+
+
+async def test_https_listener_and_certificate_reload(
+    engine: EmulatedEngine, ca: TestCA, tmp_path: Path
+) -> None:
+    first = ca.issue("router-1")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(first.cert.read_bytes())
+    key.write_bytes(first.key.read_bytes())
+    app = await start_router(
+        [engine.url], tls={"cert_file": str(cert), "key_file": str(key), "reload_interval_s": 0.05}
+    )
+    try:
+        assert app.url.startswith("https://")
+        context = client_context(ca)
+        async with aiohttp.ClientSession() as https:
+            async with https.post(f"{app.url}/v1/completions", json=BODY, ssl=context) as resp:
+                assert resp.status == 200
+            with pytest.raises(aiohttp.ClientError):  # plain HTTP to the TLS port
+                async with https.get(app.url.replace("https", "http") + "/health") as resp:
+                    await resp.read()
+
+        async def serial() -> int:
+            host, port = app.url.removeprefix("https://").rsplit(":", 1)
+            _, writer = await asyncio.open_connection(host, int(port), ssl=context)
+            der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            writer.close()
+            from cryptography import x509
+
+            return x509.load_der_x509_certificate(der).serial_number
+
+        assert await serial() == first.serial
+        second = ca.issue("router-2")
+        key.write_bytes(second.key.read_bytes())
+        cert.write_bytes(second.cert.read_bytes())
+        os.utime(cert, (cert.stat().st_mtime + 5,) * 2)
+        await poll(serial_is(serial, second.serial), timeout=5)
+    finally:
+        await app.stop()
+
+
+def serial_is(serial: object, expected: int) -> object:
+    async def check() -> bool:
+        return await serial() == expected  # type: ignore[operator]
+
+    return check
+
+
+async def test_grpc_mutual_tls(engine: EmulatedEngine, ca: TestCA) -> None:
+    server = ca.issue("grpc-server")
+    client = ca.issue("grpc-client", client=True)
+    app = await start_router(
+        [engine.url],
+        grpc={"port": 0},
+        tls={
+            "cert_file": str(server.cert),
+            "key_file": str(server.key),
+            "client_ca_file": str(ca.path),
+            "listeners": ["grpc"],
+        },
+    )
+    try:
+        assert app.url.startswith("http://")  # only the gRPC listener was asked for
+        target = f"localhost:{app.grpc_port}"
+        roots = ca.path.read_bytes()
+        anonymous = grpc.ssl_channel_credentials(root_certificates=roots)
+        async with aio.secure_channel(target, anonymous) as channel:
+            got, _ = await rpc_error(
+                pb_grpc.RouterStub(channel).Pick(
+                    pb.PickRequest(text="x", model="kvroute-emulated"), timeout=5
+                )
+            )
+            assert got == grpc.StatusCode.UNAVAILABLE  # the handshake is refused
+        mutual = grpc.ssl_channel_credentials(
+            root_certificates=roots,
+            private_key=client.key.read_bytes(),
+            certificate_chain=client.cert.read_bytes(),
+        )
+        async with aio.secure_channel(target, mutual) as channel:
+            picked = await pb_grpc.RouterStub(channel).Pick(
+                pb.PickRequest(text="x", model="kvroute-emulated"), timeout=5
+            )
+            assert picked.decode.endpoint
+        async with aio.insecure_channel(target) as channel:
+            got, _ = await rpc_error(
+                pb_grpc.RouterStub(channel).Pick(
+                    pb.PickRequest(text="x", model="kvroute-emulated"), timeout=5
+                )
+            )
+            assert got == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await app.stop()
+
+
+async def test_tls_to_engines_with_https_urls(ca: TestCA, http: aiohttp.ClientSession) -> None:
+    issued = ca.issue("engine-tls")
+    engine = await start_test_engine(
+        engine_id="tls", tls_cert_file=str(issued.cert), tls_key_file=str(issued.key)
+    )
+    trusting = await start_router([engine.url], proxy={"ca_file": str(ca.path)})
+    distrusting = await start_router([engine.url])
+    try:
+        assert engine.url.startswith("https://")
+        await poll(lambda: trusting.registry.models())
+        reply = await post_reply(http, f"{trusting.url}/v1/completions", BODY)
+        assert reply.status == 200
+        # The system trust store does not know the test CA: the engine is unreachable.
+        reply = await post_reply(http, f"{distrusting.url}/v1/completions", BODY)
+        assert reply.status == 503
+    finally:
+        await trusting.stop()
+        await distrusting.stop()
+        await engine.stop()
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+async def test_no_secret_in_logs_metrics_errors_or_admin_views(
+    locked_engine: EmulatedEngine,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "admin.keys"
+    keys.write_text(f"# admin keys\n{ADMIN_KEY}\n")
+    caplog.set_level(logging.DEBUG)
+    app = await start_router(
+        [locked_engine.url],
+        server={"access_log": True},
+        auth={
+            "api_keys": [CLIENT_KEY],
+            "admin_keys_file": str(keys),
+            "upstream": "token",
+            "upstream_token": ENGINE_KEY,
+        },
+    )
+    try:
+        seen: list[str] = []
+        for headers in ({}, bearer(CLIENT_KEY), bearer(CLIENT_KEY + "x"), bearer(ADMIN_KEY)):
+            async with http.post(f"{app.url}/v1/completions", json=BODY, headers=headers) as r:
+                seen.append(await r.text())
+                seen.append(str(r.headers))
+            async with http.get(f"{app.url}/admin/engines", headers=headers) as r:
+                seen.append(await r.text())
+        async with http.get(f"{app.url}/metrics") as r:
+            seen.append(await r.text())
+        seen.append(repr(app.config))
+        seen.append(app.config.model_dump_json())
+        seen.append(caplog.text)
+        for text in seen:
+            for secret in SECRETS:
+                assert secret not in text
+    finally:
+        await app.stop()

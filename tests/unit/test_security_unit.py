@@ -1,0 +1,86 @@
+"""Credential checks and peer parsing without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import AuthConfig
+from router.security import AuthError, Credentials, bearer, engine_allowed, is_loopback
+
+
+@pytest.mark.parametrize(
+    ("peer", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("ipv4:127.0.0.1:5000", True),
+        ("ipv6:[::1]:5000", True),
+        ("unix:/tmp/sock", True),
+        ("10.0.0.1", False),
+        ("ipv4:10.1.2.3:443", False),
+        ("ipv6:[fe80::1%eth0]:80", False),
+        ("", False),
+        (None, False),
+        ("garbage", False),
+    ],
+)
+def test_loopback_peers(peer: str | None, loopback: bool) -> None:
+    assert is_loopback(peer) is loopback
+
+
+def test_bearer_tokens() -> None:
+    assert bearer("Bearer abc") == b"abc"
+    assert bearer("bearer  abc ") == b"abc"
+    assert bearer("Basic abc") is None
+    assert bearer("Bearer ") is None
+    assert bearer(None) is None
+
+
+def test_without_admin_keys_only_loopback_may_administer() -> None:
+    creds = Credentials(AuthConfig())
+    creds.check_admin(None, "ipv4:127.0.0.1:1")
+    with pytest.raises(AuthError) as err:
+        creds.check_admin("Bearer anything", "ipv4:10.0.0.7:1")
+    assert err.value.status == 403 and "admin_keys" in err.value.message
+    creds.check_client(None)  # no client keys: open
+
+
+def test_key_files_comments_and_reload(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nalpha\n\n  beta  \n")
+    creds = Credentials(AuthConfig(api_keys_file=keys, admin_keys=["root"]))
+    creds.check_client("Bearer beta")
+    creds.check_client("Bearer root")  # an admin key is also a client key
+    with pytest.raises(AuthError):
+        creds.check_client("Bearer # clients")
+    keys.write_text("gamma\n")
+    creds.reload(AuthConfig(api_keys_file=keys, admin_keys=["root"]))
+    with pytest.raises(AuthError):
+        creds.check_client("Bearer beta")
+    creds.check_client("Bearer gamma")
+
+
+def test_upstream_modes() -> None:
+    assert Credentials(AuthConfig()).upstream_authorization("Bearer c") == "Bearer c"
+    assert Credentials(AuthConfig(upstream="drop")).upstream_authorization("Bearer c") is None
+    token = Credentials(AuthConfig(upstream="token", upstream_token="e"))
+    assert token.upstream_authorization("Bearer c") == "Bearer e"
+    assert token.upstream_authorization(None) == "Bearer e"
+    with pytest.raises(ValueError, match="upstream_token"):
+        AuthConfig(upstream="token")
+
+
+def test_secrets_print_masked() -> None:
+    cfg = AuthConfig(api_keys=["sk-visible-not"], upstream="token", upstream_token="tok-123")
+    assert "sk-visible-not" not in repr(cfg) and "tok-123" not in cfg.model_dump_json()
+
+
+async def test_engine_networks() -> None:
+    cidrs = ["127.0.0.0/8", "10.0.0.0/8"]
+    assert await engine_allowed("http://127.0.0.1:8000", cidrs) is None
+    assert await engine_allowed("http://10.2.3.4:8000", cidrs) is None
+    assert "outside" in (await engine_allowed("http://169.254.169.254/", cidrs) or "")
+    assert "outside" in (await engine_allowed("http://[::1]:80", cidrs) or "")
+    assert await engine_allowed("http://localhost:80", ["127.0.0.0/8", "::1/128"]) is None
+    assert "resolve" in (await engine_allowed("http://no-such-host.invalid:80", cidrs) or "")
