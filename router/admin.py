@@ -31,7 +31,7 @@ class AdminError(Exception):
         self.message = message
 
 
-def authorize(app: RouterApp, credential: str | None, peer: str | None) -> None:
+def authorize(app: RouterApp, credential: str | None, peer: str | None, api: str) -> None:
     """Every admin call passes here first, with the caller's ``Authorization`` value (HTTP
     header or gRPC metadata) and address, before anything is read or changed: an admin
     key (401 without one, 403 for a client key), or, with no admin keys configured, a
@@ -39,6 +39,7 @@ def authorize(app: RouterApp, credential: str | None, peer: str | None) -> None:
     try:
         app.credentials.check_admin(credential, peer)
     except AuthError as exc:
+        app.metrics.auth_refusals.labels(api, "admin", str(exc.status)).inc()
         raise AdminError(exc.status, exc.message) from None
 
 

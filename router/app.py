@@ -430,6 +430,7 @@ class RouterApp:
             try:
                 self.credentials.check_client(request.headers.get("Authorization"))
             except AuthError as exc:
+                self.metrics.auth_refusals.labels("http", "client", str(exc.status)).inc()
                 return error_response(
                     ApiError(exc.status, exc.message, code="invalid_api_key"),
                     None,

@@ -332,6 +332,12 @@ class RouterMetrics:
             ["route", "outcome", "status"],
             registry=r,
         )
+        self.auth_refusals = Counter(
+            "kvroute_auth_refusals",
+            "Calls refused for their credential, by API, kind and status",
+            ["api", "kind", "status"],
+            registry=r,
+        )
         self.retries = Counter(
             "kvroute_retries",
             "Requests retried on another engine before the first byte",

@@ -49,7 +49,7 @@ class AdminHttp:
         self, request: web.Request, action: Callable[[], Awaitable[Any]], status: int = 200
     ) -> web.Response:
         try:
-            admin.authorize(self.app, request.headers.get("Authorization"), request.remote)
+            admin.authorize(self.app, request.headers.get("Authorization"), request.remote, "http")
             result = await action()
         except admin.AdminError as err:
             return error_response(ApiError(err.status, err.message))

@@ -486,7 +486,9 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def _admin(self, method: str, context: aio.ServicerContext, work: Any) -> pb.EngineStatus:
         async def run() -> pb.EngineStatus:
-            admin.authorize(self.app, _metadata(context).get("authorization"), context.peer())
+            admin.authorize(
+                self.app, _metadata(context).get("authorization"), context.peer(), "grpc"
+            )
             return _engine_status(await work())
 
         return await _call(self.app, method, context, run())
@@ -495,7 +497,9 @@ class AdminService(pb_grpc.AdminServicer):
         self, request: pb.ListEnginesRequest, context: aio.ServicerContext
     ) -> pb.ListEnginesResponse:
         async def run() -> pb.ListEnginesResponse:
-            admin.authorize(self.app, _metadata(context).get("authorization"), context.peer())
+            admin.authorize(
+                self.app, _metadata(context).get("authorization"), context.peer(), "grpc"
+            )
             entries = await admin.engines(self.app)
             return pb.ListEnginesResponse(engines=[_engine_status(e) for e in entries])
 
@@ -548,7 +552,9 @@ class AdminService(pb_grpc.AdminServicer):
         self, request: pb.ReloadRequest, context: aio.ServicerContext
     ) -> pb.ReloadResponse:
         async def run() -> pb.ReloadResponse:
-            admin.authorize(self.app, _metadata(context).get("authorization"), context.peer())
+            admin.authorize(
+                self.app, _metadata(context).get("authorization"), context.peer(), "grpc"
+            )
             result = await admin.reload(self.app)
             return pb.ReloadResponse(applied=result["applied"], restart=result["restart"])
 

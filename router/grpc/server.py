@@ -134,6 +134,7 @@ class ClientKeys(aio.ServerInterceptor):
         except AuthError as exc:
             method = details.method[len(self.prefix) :]
             self.app.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
+            self.app.metrics.auth_refusals.labels("grpc", "client", str(exc.status)).inc()
             return _refusal(handler, exc.message)
         return handler
 
