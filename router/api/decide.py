@@ -25,10 +25,9 @@ from router.admission import Overloaded
 from router.api.openai import ParsedRequest, tokenize
 from router.core import Saturated
 from router.hashing import block_keys, seed_for
-from router.policy import make_policy
+from router.policy import make_decode_policy
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest
 from router.policy.disagg import SplitDecision, decide_split
-from router.policy.kv_cost import DecodeCostPolicy
 from router.tokenization import TokenizerUnavailable
 from router.types import EngineKey
 
@@ -83,19 +82,8 @@ class Decider:
 
     def __init__(self, app: RouterApp) -> None:
         self.app = app
-        cfg = app.config.disaggregation
-        # Cache-aware routers choose decode engines by their own cost; a baseline policy
-        # (round_robin, random, ...) chooses both legs, each leg with its own instance so
-        # that, e.g., round robin rotates prefill and decode engines independently.
-        self.decode_policy: Policy = (
-            DecodeCostPolicy.for_disaggregation(
-                app.config.policy,
-                cfg.decode_weight,
-                cfg.decode_queue_weight,
-                cfg.decode_prefix_weight,
-            )
-            if app.core.policy.uses_index
-            else make_policy(app.config.policy)
+        self.decode_policy: Policy = make_decode_policy(
+            app.config.policy, app.config.disaggregation, app.core.policy
         )
 
     async def prepare(

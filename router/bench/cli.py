@@ -107,9 +107,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     what.add_argument("--model", help="model field of each request (default: the target's first)")
 
+    add_workload_arguments(parser)
+
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--output", default="bench-results/bench", metavar="DIR", help="where files go"
+    )
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument(
+        "--sample-interval", type=float, default=1.0, help="seconds between engine scrapes"
+    )
+    out.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before a request is given up"
+    )
+    out.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def add_workload_arguments(
+    parser: argparse.ArgumentParser, *, trace_alias: bool = False, prompt_format: str = "text"
+) -> None:
+    """The workload flags, shared with ``kvroute simulate`` and ``kvroute plan`` so that a
+    simulated run replays exactly what a live one sends (``--trace`` is an alias of
+    ``--workload`` there)."""
     load = parser.add_argument_group("workload")
     load.add_argument(
         "--workload",
+        *(["--trace"] if trace_alias else []),
+        dest="workload",
         default="mooncake-conversation",
         metavar="NAME|PATH",
         help=f"{', '.join(BUNDLED_TRACES)}, {', '.join(GENERATED)}, or a trace file "
@@ -142,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--prompt-format",
         choices=["text", "tokens"],
-        default="text",
+        default=prompt_format,
         help="trace prompts as words or token ids (routers other than kvroute need text)",
     )
     load.add_argument(
@@ -173,19 +197,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--question-tokens", type=int, default=100, help="question length (both workloads)"
     )
     gen.add_argument("--output-tokens", type=int, default=64, help="answer length (both workloads)")
-
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--output", default="bench-results/bench", metavar="DIR", help="where files go"
-    )
-    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    out.add_argument(
-        "--sample-interval", type=float, default=1.0, help="seconds between engine scrapes"
-    )
-    out.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds before a request is given up"
-    )
-    out.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 @dataclass(slots=True)

@@ -211,8 +211,14 @@ def fmt(value: float | None, kind: str) -> str:
     return f"{value:,.1f}"
 
 
-def table_rows(summaries: Sequence[dict[str, Any]], baseline: str) -> list[list[str]]:
-    """Header and rows: one column per target, then each target's ratio to the baseline."""
+def table_rows(
+    summaries: Sequence[dict[str, Any]],
+    baseline: str,
+    spec: Sequence[tuple[str, str, str, str]] = ROWS,
+) -> list[list[str]]:
+    """Header and rows: one column per target, then each target's ratio to the baseline.
+
+    ``spec`` lists the rows (label, key path, format, which way is better)."""
     base = next(s for s in summaries if s["name"] == baseline)
     others = [s for s in summaries if s is not base]
     header = [
@@ -221,7 +227,7 @@ def table_rows(summaries: Sequence[dict[str, Any]], baseline: str) -> list[list[
         *(f"{s['name']}/{baseline}" for s in others),
     ]
     rows = [header]
-    for label, path, kind, better in ROWS:
+    for label, path, kind, better in spec:
         if path == "ceiling":
             # One workload, one ceiling: show it once (targets differ only by timing noise).
             cells = [fmt(lookup(summaries[0], path), kind)] + [""] * (len(summaries) - 1)

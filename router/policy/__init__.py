@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from router.config import PolicyConfig
+from router.config import DisaggregationConfig, PolicyConfig
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest, Score
 from router.policy.baselines import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, Session
-from router.policy.kv_cost import KVCostPolicy
+from router.policy.kv_cost import DecodeCostPolicy, KVCostPolicy
 from router.policy.sglang import CacheAwareSGLang
 
 #: Every policy name ``--policy`` accepts; ``default`` is an alias of ``kv_cost``.
@@ -43,6 +43,29 @@ def make_policy(config: PolicyConfig, clock: Callable[[], float] = time.monotoni
     return simple[name]()
 
 
+def make_decode_policy(
+    config: PolicyConfig,
+    disaggregation: DisaggregationConfig,
+    router_policy: Policy,
+    clock: Callable[[], float] = time.monotonic,
+) -> Policy:
+    """The policy that picks decode engines of a disaggregated pool.
+
+    Cache-aware routers choose decode engines by their own cost; a baseline policy
+    (round_robin, random, ...) chooses both legs, each leg with its own instance so
+    that, e.g., round robin rotates prefill and decode engines independently.
+    """
+    if router_policy.uses_index:
+        return DecodeCostPolicy.for_disaggregation(
+            config,
+            disaggregation.decode_weight,
+            disaggregation.decode_queue_weight,
+            disaggregation.decode_prefix_weight,
+            clock,
+        )
+    return make_policy(config, clock)
+
+
 __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
@@ -51,5 +74,6 @@ __all__ = [
     "Policy",
     "RouteRequest",
     "Score",
+    "make_decode_policy",
     "make_policy",
 ]

@@ -1,0 +1,257 @@
+"""``kvroute simulate``: replay a workload on a simulated fleet, one run per policy and fleet.
+
+Examples::
+
+    # the Mooncake conversation trace on 8 engines with Dynamo's mocker geometry
+    kvroute simulate --trace mooncake-conversation --engines 8 --preset dynamo-mocker \\
+        --policy kv_cost --policy round_robin --policy cache_aware_sglang
+
+    # colocated vs disaggregated on the same 8 GPUs, unbounded caches
+    kvroute simulate --trace mooncake-synthetic --fleet 8 --fleet 2P+6D --infinite-cache
+
+    # a generated workload on 1,000 engines
+    kvroute simulate --workload shared-prefix --groups 2000 --prompts-per-group 10 \\
+        --engines 1000 --concurrency 2000
+
+Writes ``results.json`` and ``summary.md`` to ``--output`` (docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from router import __version__
+from router.bench import report
+from router.bench.cli import add_workload_arguments, build_workload
+from router.bench.workloads import RequestSpec, TraceError
+from router.config import Config, ConfigError, load_config
+from router.engine_model import EngineParams
+from router.engine_model.flags import add_model_arguments, engine_params
+from router.policy import DEFAULT_POLICY, POLICY_NAMES
+from router.sim.cluster import ClusterSim, Fleet, SimRun, SimSettings
+
+#: KV-cache capacity, in blocks, that ``--infinite-cache`` gives every engine. The block
+#: cache keeps state only for blocks in use, so this costs nothing until used.
+INFINITE_BLOCKS = 1 << 31
+
+#: (label, key path, format, which way is better), as ``kvroute bench`` tables.
+ROWS: list[tuple[str, str, str, str]] = [
+    ("requests", "ok", "int", ""),
+    ("prefix-cache hit rate", "hit_rate", "pct", "higher"),
+    ("ceiling (infinite cache, one engine)", "ceiling", "pct", ""),
+    ("TTFT mean", "ttft_s.mean", "ms", "lower"),
+    ("TTFT p50", "ttft_s.p50", "ms", "lower"),
+    ("TTFT p99", "ttft_s.p99", "ms", "lower"),
+    ("inter-token latency p50", "itl_s.p50", "ms", "lower"),
+    ("inter-token latency p99", "itl_s.p99", "ms", "lower"),
+    ("end-to-end p50", "e2e_s.p50", "s", "lower"),
+    ("end-to-end p99", "e2e_s.p99", "s", "lower"),
+    ("throughput, requests/s", "request_throughput", "num", "higher"),
+    ("throughput, output tokens/s", "output_token_throughput", "num", "higher"),
+    ("prefill load max/mean", "prefill_imbalance", "x", "lower"),
+    ("requests max/mean", "request_imbalance", "x", "lower"),
+    ("split share", "split_share", "pct", ""),
+    ("preemptions", "preemptions", "int", "lower"),
+    ("simulated time", "duration_s", "s", ""),
+    ("wall time", "wall_s", "s", ""),
+]
+
+_FLEET = re.compile(r"^\s*(?:(\d+)|(\d+)\s*[Pp]\s*\+\s*(\d+)\s*[Dd])\s*$")
+
+
+def parse_fleet(text: str) -> Fleet:
+    """``8`` (colocated engines) or ``2P+6D`` (prefill + decode pools)."""
+    match = _FLEET.match(text)
+    if match is None:
+        raise ValueError(f"fleet {text!r}: expected N (colocated) or PP+DD, e.g. 2P+6D")
+    if match.group(1) is not None:
+        return Fleet(engines=int(match.group(1)))
+    return Fleet(prefill=int(match.group(2)), decode=int(match.group(3)))
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated router: its configuration file and what the network adds."""
+    group = parser.add_argument_group("router")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        help="kvroute serve's YAML configuration: policy weights, disaggregation thresholds, "
+        "scrape interval (docs/configuration.md)",
+    )
+    group.add_argument(
+        "--event-lag-ms",
+        type=float,
+        default=5.0,
+        help="milliseconds from an engine step to its KV events reaching the index",
+    )
+    group.add_argument(
+        "--no-events",
+        action="store_true",
+        help="engines publish no KV events: the index knows only the router's decisions",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kvroute simulate`` (docs/simulator.md describes each)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    fleet = parser.add_argument_group("fleet and policies")
+    fleet.add_argument("--engines", type=int, metavar="N", help="N colocated engines")
+    fleet.add_argument("--prefill", type=int, metavar="P", help="P prefill engines")
+    fleet.add_argument("--decode", type=int, metavar="D", help="D decode engines")
+    fleet.add_argument(
+        "--fleet",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fleet, N or PP+DD (repeatable, for side-by-side fleets; default: 8)",
+    )
+    fleet.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"routing policy (repeatable; 'all' = every one): {', '.join(POLICY_NAMES)} "
+        f"(default: {DEFAULT_POLICY})",
+    )
+    fleet.add_argument("--baseline", metavar="NAME", help="run the ratios divide by (first)")
+    add_model_arguments(parser).add_argument(
+        "--infinite-cache",
+        action="store_true",
+        help="every engine's KV cache is unbounded (no eviction)",
+    )
+    add_router_arguments(parser)
+    add_workload_arguments(parser, trace_alias=True, prompt_format="tokens")
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--output", default="bench-results/simulate", metavar="DIR", help="where files go"
+    )
+    out.add_argument("--quiet", action="store_true", help="no line per finished run")
+
+
+def fleets_of(args: argparse.Namespace) -> list[Fleet]:
+    """The fleets the flags name, in order."""
+    fleets = [parse_fleet(text) for text in args.fleet]
+    if args.engines is not None:
+        fleets.append(Fleet(engines=args.engines))
+    if args.prefill is not None or args.decode is not None:
+        fleets.append(Fleet(prefill=args.prefill or 0, decode=args.decode or 0))
+    return fleets or [Fleet(engines=8)]
+
+
+def policies_of(args: argparse.Namespace) -> list[str]:
+    names: list[str] = []
+    for name in args.policy or [DEFAULT_POLICY]:
+        for one in POLICY_NAMES if name == "all" else [name]:
+            one = DEFAULT_POLICY if one == "default" else one
+            if one not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {one!r}; choose one of {', '.join(POLICY_NAMES)}")
+            if one not in names:
+                names.append(one)
+    return names
+
+
+def model_params(args: argparse.Namespace) -> EngineParams:
+    params = engine_params(args)
+    if args.infinite_cache:
+        params = params.replace(num_gpu_blocks=INFINITE_BLOCKS)
+    return params
+
+
+def settings_for(
+    fleet: Fleet,
+    policy: str,
+    params: EngineParams,
+    config: Config,
+    args: argparse.Namespace,
+    concurrency: int,
+) -> SimSettings:
+    """One run's settings: the router configuration with ``policy`` in it."""
+    return SimSettings(
+        fleet=fleet,
+        params=params,
+        policy=config.policy.model_copy(update={"name": policy}),
+        disaggregation=config.disaggregation,
+        event_lag_s=args.event_lag_ms / 1e3,
+        events=not args.no_events,
+        scrape_interval_s=config.scrape.interval_s,
+        concurrency=concurrency,
+        duration_s=args.duration,
+    )
+
+
+def simulate(settings: SimSettings, specs: Sequence[RequestSpec], name: str) -> SimRun:
+    """Run one simulation to the end; the specs are not consumed."""
+    started = time.perf_counter()
+    run = asyncio.run(ClusterSim(settings, name).run(list(specs)))
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvroute simulate``."""
+    try:
+        fleets = fleets_of(args)
+        policies = policies_of(args)
+        params = model_params(args)
+        config = load_config(args.config)
+        workload = build_workload(args)
+    except (ConfigError, TraceError, ValueError, FileNotFoundError) as exc:
+        print(f"kvroute simulate: {exc}", file=sys.stderr)
+        return 2
+    several = len(fleets) > 1
+    plan = [(fleet, policy) for fleet in fleets for policy in policies]
+    names = [f"{policy}@{fleet.describe()}" if several else policy for fleet, policy in plan]
+    baseline = args.baseline or names[0]
+    if baseline not in names:
+        print(f"kvroute simulate: --baseline {baseline} is not one of {', '.join(names)}")
+        return 2
+    cache = "unbounded" if args.infinite_cache else f"{params.num_gpu_blocks:,} blocks"
+    print(f"workload  {workload.description}")
+    print(
+        f"engines   {args.preset}: block {params.block_size}, cache {cache}, "
+        f"{params.max_num_batched_tokens:,} batched tokens, {params.max_num_seqs} sequences"
+    )
+    print(f"runs      {', '.join(names)}\n")
+    summaries = []
+    for (fleet, policy), name in zip(plan, names, strict=True):
+        settings = settings_for(fleet, policy, params, config, args, workload.concurrency)
+        result = simulate(settings, workload.specs, name)
+        summary = result.summary()
+        summaries.append(summary)
+        if not args.quiet:
+            print(
+                f"  {name}: {summary['ok']:,} requests, {summary['duration_s']:,.0f} s simulated "
+                f"in {result.wall_s:.1f} s",
+                flush=True,
+            )
+    oracle = workload.info.get("oracle_block_hit_rate")
+    rows = report.table_rows(summaries, baseline, ROWS)
+    print()
+    print(report.render_text(rows))
+    if oracle is not None:
+        print(f"\ntrace block oracle (blocks repeating an earlier block): {oracle:.1%}")
+    document: dict[str, Any] = {
+        "kvroute_version": __version__,
+        "command": " ".join(["kvroute", *sys.argv[1:]]) if sys.argv[1:2] == ["simulate"] else None,
+        "workload": {"description": workload.description, **workload.info},
+        "engine_params": params.__dict__,
+        "baseline": baseline,
+        "runs": summaries,
+    }
+    outdir = Path(args.output)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "results.json").write_text(json.dumps(document, indent=1, default=str) + "\n")
+    (outdir / "summary.md").write_text(
+        f"{workload.description}\n\n{report.render_markdown(rows)}\n"
+    )
+    print(f"\nwrote {outdir / 'results.json'}, {outdir / 'summary.md'}")
+    return 0

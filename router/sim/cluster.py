@@ -1,0 +1,554 @@
+"""The cluster simulator: the router's own decision code against engine models, on a
+virtual clock.
+
+Nothing here is a second router. Each request goes through the objects ``kvroute serve``
+routes with: :class:`~router.core.RoutingCore` over a :class:`~router.index.memory.MemoryIndex`
+(provisional holders included), the configured policy from :func:`~router.policy.make_policy`,
+the :class:`~router.engines.load.LoadTracker` in-flight accounting, the decode policy and
+:func:`~router.policy.disagg.decide_split` for prefill/decode pools, and the
+:class:`~router.events.ingest.EventIngestor` that turns the engines' KV events into index
+writes. The engines are :class:`~router.engine_model.EngineModel`, the same object the
+emulator serves over HTTP. Only the clock differs: a heap of timed events replaces
+sockets and sleeping, so an hour of trace runs in seconds and every run is repeatable.
+
+Modelled router-side effects: KV events reach the index ``event_lag_s`` after the step
+that produced them (the ZMQ hop and the subscriber); decisions are recorded as
+provisional holders with the live router's TTLs on the virtual clock; engine-reported
+load (waiting, running, KV usage) is refreshed every ``scrape_interval_s``, as the
+router's background scrape does. Routing itself takes no virtual time.
+
+A disaggregated request follows the NIXL dialect's timing: a prefill leg with
+``max_tokens`` 1 on the prefill engine, whose blocks stay held; then the decode leg on
+the decode engine, which allocates the prompt, waits for the transfer (bytes per token
+over the link bandwidth) and decodes; the prefill engine's hold is released when the
+decode leg has its KV.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import statistics
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.bench.loadgen import percentile
+from router.bench.workloads import RequestSpec, answer_tokens, prefix_ceiling, spec_tokens
+from router.config import DisaggregationConfig, PolicyConfig
+from router.core import RoutingCore
+from router.engine_model import EngineModel, EngineParams
+from router.engine_model import RequestSpec as EngineRequest
+from router.engines.load import LoadTracker, Ticket
+from router.events.ingest import EventIngestor, StreamState
+from router.events.types import EventBatch
+from router.hashing import block_keys, seed_for
+from router.index.memory import MemoryIndex
+from router.policy import make_decode_policy, make_policy
+from router.policy.base import Decision, RouteRequest
+from router.policy.disagg import decide_split
+from router.tokenization.words import WordTokenizer
+from router.types import EngineKey
+
+#: The model name requests carry (seeds the block keys, as in the live router).
+MODEL = "kvroute-emulated"
+
+_ARRIVE, _STEP, _DELIVER, _WAKE = range(4)
+_words = WordTokenizer()
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """How many engines of each role: ``engines`` colocated (role ``both``), or
+    ``prefill`` + ``decode`` pools (disaggregated)."""
+
+    engines: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engines < 0 or self.prefill < 0 or self.decode < 0:
+            raise ValueError("engine counts must not be negative")
+        if self.engines and (self.prefill or self.decode):
+            raise ValueError("give either colocated engines or prefill + decode pools")
+        if not self.engines and not self.decode:
+            raise ValueError("a fleet needs colocated engines or at least one decode engine")
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.engines
+
+    @property
+    def gpus(self) -> int:
+        return self.engines + self.prefill + self.decode
+
+    def describe(self) -> str:
+        if self.engines:
+            return f"{self.engines} colocated"
+        return f"{self.prefill}P+{self.decode}D"
+
+
+@dataclass(frozen=True, slots=True)
+class SimSettings:
+    """Everything one simulated run depends on besides the workload."""
+
+    fleet: Fleet
+    params: EngineParams
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    #: Seconds from the step that produced a KV event to its arrival in the index.
+    event_lag_s: float = 0.005
+    #: Engines publish KV events; False: the index knows only the router's decisions.
+    events: bool = True
+    #: Seconds between refreshes of engine-reported load (the router's /metrics scrape).
+    scrape_interval_s: float = 1.0
+    #: Requests (conversations) in flight for workloads without arrival times.
+    concurrency: int = 8
+    #: Stop sending new closed-loop requests after this many virtual seconds.
+    duration_s: float | None = None
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request, in virtual seconds."""
+
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    """Prompt tokens the engine that prefilled it served from its cache."""
+    engine: str
+    """The engine that decoded it."""
+    prefill_engine: str | None
+    mode: str
+    """``aggregated``, ``local`` (a disaggregated pool, one engine) or ``split``."""
+    reason: str
+    ttft: float
+    e2e: float
+    group: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class _Engine:
+    key: EngineKey
+    role: str
+    model: EngineModel
+    stream: StreamState
+    busy: bool = False
+    wake_at: float | None = None
+    requests: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens this engine computed (not served from cache): its prefill work."""
+
+
+@dataclass(eq=False, slots=True)
+class _Flight:
+    """One request on its way through the fleet."""
+
+    rid: str
+    spec: RequestSpec
+    tokens: list[int]
+    arrival: float
+    mode: str
+    reason: str
+    serve: _Engine
+    ticket: Ticket
+    prefill: _Engine | None = None
+    prefill_ticket: Ticket | None = None
+    cached: int = 0
+    first_at: float | None = None
+    last_at: float = 0.0
+    output: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SimRun:
+    """The outcome of one simulated run."""
+
+    name: str
+    settings: SimSettings
+    records: list[RequestRecord]
+    itl: array
+    engines: list[dict[str, Any]]
+    ceiling: float
+    decisions: dict[str, int]
+    preemptions: int
+    index_events_skipped: int
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Every number of the run (seconds and ratios), shaped like ``kvroute bench``'s
+        summaries so the same table code renders both."""
+        recs = self.records
+        prompt = sum(r.prompt_tokens for r in recs)
+        cached = sum(r.cached_tokens for r in recs)
+        output = sum(r.output_tokens for r in recs)
+        start = min((r.arrival for r in recs), default=0.0)
+        end = max((r.arrival + r.e2e for r in recs), default=0.0)
+        span = end - start
+        prefilling = [e for e in self.engines if e["role"] in ("both", "prefill")]
+        serving = [e for e in self.engines if e["role"] in ("both", "decode")]
+        return {
+            "name": self.name,
+            "policy": self.settings.policy.name,
+            "fleet": self.settings.fleet.describe(),
+            "gpus": self.settings.fleet.gpus,
+            "requests": len(recs),
+            "ok": len(recs),
+            "errors": 0,
+            "duration_s": span,
+            "wall_s": self.wall_s,
+            "request_throughput": len(recs) / span if span > 0 else None,
+            "output_token_throughput": output / span if span > 0 else None,
+            "ttft_s": _stats([r.ttft for r in recs]),
+            "itl_s": _stats(self.itl),
+            "e2e_s": _stats([r.e2e for r in recs]),
+            "hit_rate": cached / prompt if prompt else None,
+            "ceiling": self.ceiling,
+            "prefill_imbalance": _imbalance([e["prefill_tokens"] for e in prefilling]),
+            "request_imbalance": _imbalance([e["requests"] for e in serving]),
+            "split_share": (
+                sum(r.mode == "split" for r in recs) / len(recs)
+                if recs and self.settings.fleet.disaggregated
+                else None
+            ),
+            "preemptions": self.preemptions,
+            "decisions": self.decisions,
+            "index_events_skipped": self.index_events_skipped,
+            "engines": self.engines,
+        }
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": statistics.fmean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def _imbalance(values: Sequence[float]) -> float | None:
+    mean = statistics.fmean(values) if values else 0.0
+    return max(values) / mean if mean > 0 else None
+
+
+class ClusterSim:
+    """One simulated fleet behind one router; :meth:`run` replays a workload once."""
+
+    def __init__(self, settings: SimSettings, name: str | None = None) -> None:
+        self.settings = settings
+        self.name = name or settings.policy.name
+        self.now = 0.0
+        clock = self._clock
+        p = settings.params
+        self.block_size = p.block_size
+        self.index = MemoryIndex(clock=clock)
+        self.loads = LoadTracker(block_size=p.block_size)
+        policy = make_policy(settings.policy, clock)
+        self.core = RoutingCore(
+            self.index,
+            policy,
+            settings.policy,
+            self.loads,
+            has_events=lambda engine: settings.events,
+            clock=clock,
+        )
+        self.decode_policy = make_decode_policy(
+            settings.policy, settings.disaggregation, policy, clock
+        )
+        self.ingestor = EventIngestor(self.index)
+        self.seed = seed_for(MODEL)
+        fleet = settings.fleet
+        roles = (
+            [("both", fleet.engines)]
+            if fleet.engines
+            else [("prefill", fleet.prefill), ("decode", fleet.decode)]
+        )
+        self.engines: list[_Engine] = []
+        for role, count in roles:
+            for _ in range(count):
+                n = len(self.engines)
+                key = EngineKey(f"sim-{role}-{n}:8000")
+                self.engines.append(
+                    _Engine(
+                        key,
+                        role,
+                        EngineModel(p, hash_seed=n + 1, emit_events=settings.events),
+                        StreamState(key, MODEL, p.block_size),
+                    )
+                )
+        self.prefill_pool = [e for e in self.engines if e.role == "prefill"]
+        self.serving_pool = [e for e in self.engines if e.role in ("both", "decode")]
+        self._by_key = {e.key: e for e in self.engines}
+        self._prefill_keys = [e.key for e in self.prefill_pool]
+        self._serving_keys = [e.key for e in self.serving_pool]
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._flights: dict[tuple[int, str], _Flight] = {}
+        self._records: list[RequestRecord] = []
+        self._itl = array("d")
+        self._sequences: list[tuple[list[int], list[int]]] = []
+        self._pending: deque[RequestSpec] = deque()
+        self._scraped_at = -math.inf
+        self._closed_loop = False
+
+    def _clock(self) -> float:
+        return self.now
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, specs: Iterable[RequestSpec]) -> SimRun:
+        """Replay ``specs``: those with ``at`` arrive then, the others (and follow-up
+        turns) in a closed loop of ``concurrency`` sessions."""
+        timed: list[RequestSpec] = []
+        for spec in specs:
+            (timed if spec.at is not None else self._pending).append(spec)
+        for spec in timed:
+            self._push(float(spec.at or 0.0), _ARRIVE, spec)
+        self._closed_loop = bool(self._pending)
+        for _ in range(min(self.settings.concurrency, len(self._pending))):
+            self._push(0.0, _ARRIVE, self._pending.popleft())
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            now, _, kind, item = pop(heap)
+            self.now = now
+            if kind == _STEP:
+                await self._step_done(item)
+            elif kind == _DELIVER:
+                engine, events = item
+                await self.ingestor.apply(engine.stream, EventBatch(now, events, None))
+            elif kind == _ARRIVE:
+                await self._arrive(item)
+            elif item.wake_at == now:
+                item.wake_at = None
+                self._kick(item)
+        return self._result()
+
+    def _push(self, at: float, kind: int, item: Any) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, item))
+
+    def _kick(self, engine: _Engine) -> None:
+        """Start the engine's next step if it is idle; else remember its next wakeup."""
+        if engine.busy:
+            return
+        now = self.now
+        duration = engine.model.start_step(now)
+        if duration is not None:
+            engine.busy = True
+            self._push(now + duration, _STEP, engine)
+            return
+        wake = engine.model.next_wakeup()
+        if wake is not None and (engine.wake_at is None or wake < engine.wake_at):
+            engine.wake_at = max(wake, now)
+            self._push(engine.wake_at, _WAKE, engine)
+
+    def _scrape(self) -> None:
+        """Engine-reported load, as the router's background scrape sees it."""
+        if self.now - self._scraped_at < self.settings.scrape_interval_s:
+            return
+        self._scraped_at = self.now
+        for engine in self.engines:
+            stats = engine.model.stats()
+            self.loads.report(
+                engine.key,
+                self.now,
+                waiting=float(stats.num_waiting),
+                running=float(stats.num_running),
+                kv_usage=stats.kv_cache_usage,
+            )
+
+    async def _arrive(self, spec: RequestSpec) -> None:
+        now = self.now
+        if self._closed_loop and spec.at is None:
+            limit = self.settings.duration_s
+            if limit is not None and now > limit:
+                return
+        self._scrape()
+        tokens = spec_tokens(spec)
+        bs = self.block_size
+        rid = f"sim-{next(self._ids)}"
+        route = RouteRequest(
+            rid,
+            block_keys(tokens, bs, self.seed),
+            len(tokens),
+            bs,
+            spec.max_tokens,
+            session=spec.group or None,
+        )
+        core = self.core
+        if not self.settings.fleet.disaggregated:
+            decision = await core.route(route, self._serving_keys)
+            self._start(rid, spec, tokens, decision, "aggregated", decision.reason)
+            return
+        decision = await core.route(route, self._serving_keys, self.decode_policy)
+        split = decide_split(
+            len(tokens),
+            decision.cached_tokens,
+            bool(self.prefill_pool),
+            self.settings.disaggregation,
+        )
+        if not split.split:
+            self._start(rid, spec, tokens, decision, "local", split.reason)
+            return
+        prefill = await core.route(route, self._prefill_keys)
+        serve = self._by_key[decision.engine]
+        engine = self._by_key[prefill.engine]
+        flight = _Flight(
+            rid,
+            spec,
+            tokens,
+            now,
+            "split",
+            split.reason,
+            serve,
+            self.loads.begin(serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens),
+            prefill=engine,
+            prefill_ticket=self.loads.begin(engine.key, len(tokens), prefill.cached_tokens, 1),
+        )
+        self._submit(engine, flight, EngineRequest(rid, tokens, 1, remote_decode=True))
+
+    def _start(
+        self,
+        rid: str,
+        spec: RequestSpec,
+        tokens: list[int],
+        decision: Decision,
+        mode: str,
+        reason: str,
+    ) -> None:
+        serve = self._by_key[decision.engine]
+        ticket = self.loads.begin(serve.key, len(tokens), decision.cached_tokens, spec.max_tokens)
+        flight = _Flight(rid, spec, tokens, self.now, mode, reason, serve, ticket)
+        self._submit(serve, flight, EngineRequest(rid, tokens, spec.max_tokens))
+
+    def _submit(self, engine: _Engine, flight: _Flight, request: EngineRequest) -> None:
+        self._flights[(id(engine), flight.rid)] = flight
+        engine.model.submit(request, self.now)
+        self._kick(engine)
+
+    async def _step_done(self, engine: _Engine) -> None:
+        engine.busy = False
+        now = self.now
+        result = engine.model.finish_step(now)
+        for out in result.outputs:
+            flight = self._flights[(id(engine), out.request_id)]
+            if flight.prefill is engine:
+                if out.ttft is not None:
+                    flight.cached = out.num_cached_tokens
+                    engine.prefill_tokens += out.num_prompt_tokens - out.num_cached_tokens
+                if out.finished:
+                    self._prefill_done(flight, engine)
+                continue
+            if out.ttft is not None:
+                self._first_token(flight, engine, out.num_prompt_tokens, out.num_cached_tokens)
+            else:
+                self._itl.append(now - flight.last_at)
+            flight.last_at = now
+            if flight.spec.then is not None:
+                flight.output.extend(out.new_token_ids)
+            if out.finished:
+                self._finish(flight, engine, out.new_token_ids)
+        if result.events and self.settings.events:
+            self._push(now + self.settings.event_lag_s, _DELIVER, (engine, result.events))
+        self._kick(engine)
+
+    def _first_token(self, flight: _Flight, engine: _Engine, prompt: int, cached: int) -> None:
+        flight.first_at = self.now
+        self.loads.prefilled(flight.ticket)
+        if flight.prefill is None:
+            flight.cached = cached
+            engine.prefill_tokens += prompt - cached
+        else:
+            # The decode leg has its KV: the prefill engine's hold is read and freed.
+            prefill = flight.prefill
+            prefill.model.release_hold(flight.rid, self.now)
+            self._kick(prefill)
+
+    def _prefill_done(self, flight: _Flight, engine: _Engine) -> None:
+        """The prefill leg finished: its blocks are held; the decode leg starts."""
+        del self._flights[(id(engine), flight.rid)]
+        assert flight.prefill_ticket is not None
+        self.loads.end(flight.prefill_ticket)
+        engine.model.claim_hold(flight.rid, None, self.now)
+        request = EngineRequest(
+            flight.rid, flight.tokens, flight.spec.max_tokens, remote_prefill=True
+        )
+        self._submit(flight.serve, flight, request)
+
+    def _finish(self, flight: _Flight, engine: _Engine, last: list[int]) -> None:
+        del self._flights[(id(engine), flight.rid)]
+        self.loads.end(flight.ticket)
+        engine.requests += 1
+        now = self.now
+        first = flight.first_at if flight.first_at is not None else now
+        out_tokens = flight.spec.max_tokens
+        self._records.append(
+            RequestRecord(
+                arrival=flight.arrival,
+                prompt_tokens=len(flight.tokens),
+                output_tokens=out_tokens,
+                cached_tokens=flight.cached,
+                engine=engine.key.label,
+                prefill_engine=flight.prefill.key.label if flight.prefill else None,
+                mode=flight.mode,
+                reason=flight.reason,
+                ttft=first - flight.arrival,
+                e2e=now - flight.arrival,
+                group=flight.spec.group,
+            )
+        )
+        spec = flight.spec
+        if spec.then is not None:
+            answer = _words.decode(flight.output)
+            self._sequences.append((flight.tokens, answer_tokens(answer)))
+            following = spec.then(answer)
+            if following is not None:
+                self._push(now + following.delay, _ARRIVE, following)
+                return
+        else:
+            self._sequences.append((flight.tokens, []))
+        if spec.at is None and self._pending:
+            self._push(now, _ARRIVE, self._pending.popleft())
+
+    def _result(self) -> SimRun:
+        order = sorted(range(len(self._records)), key=lambda i: self._records[i].arrival)
+        records = [self._records[i] for i in order]
+        ceiling = prefix_ceiling((self._sequences[i] for i in order), self.block_size)
+        engines = []
+        preemptions = 0
+        for e in self.engines:
+            stats = e.model.stats()
+            preemptions += stats.num_preemptions
+            engines.append(
+                {
+                    "engine": e.key.label,
+                    "role": e.role,
+                    "requests": e.requests,
+                    "prefill_tokens": e.prefill_tokens,
+                    "queried_tokens": stats.prefix_cache_queries,
+                    "hit_tokens": stats.prefix_cache_hits,
+                    "preemptions": stats.num_preemptions,
+                }
+            )
+        decisions: dict[str, int] = {}
+        for (policy, reason), count in self.core.counters.decisions.items():
+            decisions[f"{policy}:{reason}"] = count
+        return SimRun(
+            self.name,
+            self.settings,
+            records,
+            self._itl,
+            engines,
+            ceiling,
+            decisions,
+            preemptions,
+            sum(self.ingestor.counters.skipped.values()),
+        )
