@@ -15,7 +15,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc import aio
-from support.clients import metric_sum, metrics, post_reply
+from support.clients import post_reply
 from support.engines import poll, start_test_engine
 from support.grpc_clients import rpc_error
 from support.routers import start_router
