@@ -336,7 +336,12 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``kvroute bench``."""
+    """Entry point of ``kvroute bench``.
+
+    A target that cannot be started or run is reported (the reason printed and kept
+    under ``failed`` in results.json) and the others still run. Exit status: 0 when at
+    least one target answered a request, 1 when none did, 2 for bad flags or workloads.
+    """
     from router.bench import report
     from router.bench.runner import run_target
     from router.bench.targets import Stack, StackOptions, TargetError, parse_target
@@ -373,6 +378,9 @@ def run(args: argparse.Namespace) -> int:
     outdir = Path(args.output)
     outdir.mkdir(parents=True, exist_ok=True)
     summaries = []
+    # Targets that could not be started or run: kept with the reason, and the others go
+    # on, so one broken peer router does not lose the whole comparison.
+    failed: list[dict[str, str]] = []
     started = time.time()
     for target in targets:
         try:
@@ -397,16 +405,31 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )
         except (TargetError, OSError, RuntimeError, TimeoutError) as exc:
-            print(f"kvroute bench: target {target.name}: {exc}", file=sys.stderr)
-            return 1
+            reason = str(exc).strip() or type(exc).__name__
+            print(f"kvroute bench: target {target.name} failed: {reason}", file=sys.stderr)
+            failed.append({"name": target.name, "spec": target.spec, "reason": reason})
+            continue
         summary = report.summarize_run(run_)
         summaries.append(summary)
         for example in summary["error_examples"]:
             print(f"  {target.name} error: {example}", file=sys.stderr)
 
-    rows = report.table_rows(summaries, baseline)
-    print()
-    print(report.render_text(rows))
+    requested_baseline = baseline
+    if summaries and baseline not in {s["name"] for s in summaries}:
+        baseline = summaries[0]["name"]
+        print(
+            f"kvroute bench: baseline {requested_baseline} failed; ratios are to {baseline}",
+            file=sys.stderr,
+        )
+    failed_lines = [f"{f['name']}: {f['reason'].splitlines()[0]}" for f in failed]
+    text = ""
+    if summaries:
+        rows = report.table_rows(summaries, baseline)
+        print()
+        print(report.render_text(rows))
+        text = report.render_markdown(rows)
+    for line in failed_lines:
+        print(f"failed    {line}")
     print()
     for summary in summaries:
         print("\n".join(report.engine_lines(summary)))
@@ -417,15 +440,22 @@ def run(args: argparse.Namespace) -> int:
         "wall_time_s": time.time() - started,
         "workload": {"description": workload.description, **workload.info},
         "engines": {"started_per_target": args.engines, "engine_args": args.engine_args},
-        "baseline": baseline,
+        "baseline": baseline if summaries else None,
+        "baseline_requested": requested_baseline,
         "targets": summaries,
+        "failed": failed,
     }
     report.write_json(outdir / "results.json", document)
-    (outdir / "summary.md").write_text(
-        f"{workload.description}\n\n{report.render_markdown(rows)}\n"
-    )
+    if failed_lines:
+        text += "\n\nFailed (no results): " + "; ".join(failed_lines)
+    (outdir / "summary.md").write_text(f"{workload.description}\n\n{text.strip()}\n")
     written = [outdir / "results.json", outdir / "summary.md"]
-    if not args.no_plots:
+    if summaries and not args.no_plots:
         written += report.plot(summaries, outdir, workload.title)
     print(f"\nwrote {', '.join(str(p) for p in written)}")
-    return 1 if any(s["ok"] == 0 for s in summaries) else 0
+    # Exit status: 0 when at least one target answered a request (failed targets and
+    # targets that answered nothing are reported, not fatal), 1 when none did.
+    if not any(s["ok"] > 0 for s in summaries):
+        print("kvroute bench: no target answered a request", file=sys.stderr)
+        return 1
+    return 0

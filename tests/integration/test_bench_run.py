@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 import pytest_asyncio
 from support.clients import metric, metrics
 from support.engines import poll, start_test_engine
@@ -167,4 +168,71 @@ def test_an_external_router_command_is_started_with_the_engines_and_stopped(
     assert target["name"] == "command"
     assert target["ok"] == 4
     assert target["engines"][0]["requests"] == 4
+    assert not list(out.glob("*.png"))
+
+
+def _exits_at_once(status: int) -> str:
+    return f"cmd:{sys.executable} -c 'import sys; sys.exit({status})' {{host}} {{port}}"
+
+
+def test_a_peer_that_fails_to_start_is_recorded_and_the_others_still_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A failing target (here the baseline) costs only its own column."""
+    out = tmp_path / "out"
+    status = main(
+        [
+            "bench",
+            "--engines", "1",
+            "--engine-args", "--time-scale 0.01",
+            "--compare", f"broken={_exits_at_once(3)}", "kv=policy:kv_cost",
+            "--workload", "chat", "--conversations", "2", "--turns", "2",
+            "--system-tokens", "50", "--question-tokens", "10", "--output-tokens", "4",
+            "--output", str(out),
+            "--no-plots",
+            "--quiet",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr()
+    assert "target broken failed:" in printed.err
+    assert "exited with status 3" in printed.err
+    assert "baseline broken failed; ratios are to kv" in printed.err
+    assert "failed    broken:" in printed.out
+    document = json.loads((out / "results.json").read_text())
+    assert [t["name"] for t in document["targets"]] == ["kv"]
+    assert document["targets"][0]["ok"] == 4
+    assert document["baseline"] == "kv"
+    assert document["baseline_requested"] == "broken"
+    (failure,) = document["failed"]
+    assert failure["name"] == "broken"
+    assert failure["spec"].startswith("cmd:")
+    assert "exited with status 3" in failure["reason"]
+    summary = (out / "summary.md").read_text()
+    assert "| metric | kv |" in summary
+    assert "Failed (no results): broken:" in summary
+
+
+def test_bench_exits_non_zero_when_no_target_produced_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    status = main(
+        [
+            "bench",
+            "--engine-url", "http://127.0.0.1:9",
+            "--compare", f"a={_exits_at_once(1)}", f"b={_exits_at_once(2)}",
+            "--workload", "chat", "--conversations", "1", "--turns", "1",
+            "--output", str(out),
+            "--quiet",
+        ]
+    )  # fmt: skip
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "target a failed:" in err and "target b failed:" in err
+    assert "no target answered a request" in err
+    document = json.loads((out / "results.json").read_text())
+    assert document["targets"] == []
+    assert document["baseline"] is None
+    assert [f["name"] for f in document["failed"]] == ["a", "b"]
     assert not list(out.glob("*.png"))
