@@ -16,10 +16,12 @@ shared system prompt. Targets:
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
 from router.emulator.compat import install
+from router.emulator.config import DEFAULT_MODEL
 
 BUILD = Path("build/compat")
 ENGINE_ARGS = "--prefill-us-per-token 100 --kv-events-endpoint tcp://127.0.0.1:*"
@@ -27,6 +29,8 @@ COMMON = "--host {host} --port {port} --prometheus-host 127.0.0.1 --prometheus-p
 
 
 def targets() -> list[str]:
+    """The ``NAME=SPEC`` of every target, installing the peer routers first (a peer that
+    cannot be installed is left out, with the reason on stderr)."""
     found = [
         "kvroute=policy:kv_cost",
         "rr=policy:round_robin",
@@ -46,64 +50,74 @@ def targets() -> list[str]:
             f"vllm_kv=cmd:{vllm} {COMMON} --policy kv_aware --worker-urls {{engines}} "
             "{each:--kv-event-source:kv_event_sources} "
             "{each:--kv-event-replay-source:kv_event_replay_sources} "
-            "--kv-event-block-size 16 --kv-event-model kvroute-emulated"
+            f"--kv-event-block-size 16 --kv-event-model {DEFAULT_MODEL}"
         )
     else:
         print(f"bench-compare: no vllm-router ({why})", file=sys.stderr)
     return found
 
 
-def main() -> int:
-    BUILD.mkdir(parents=True, exist_ok=True)
+#: The two workloads, each run against every target.
+RUNS = [
+    [
+        "--workload",
+        "mooncake-conversation",
+        "--requests",
+        "1500",
+        "--speedup",
+        "8",
+        "--scale",
+        "0.0625",
+        "--max-output-tokens",
+        "128",
+        "--output",
+        "bench-results/compare-mooncake",
+    ],
+    [
+        "--workload",
+        "chat",
+        "--conversations",
+        "64",
+        "--turns",
+        "6",
+        "--system-tokens",
+        "1000",
+        "--question-tokens",
+        "200",
+        "--output-tokens",
+        "100",
+        "--concurrency",
+        "16",
+        "--output",
+        "bench-results/compare-chat",
+    ],
+]
+
+
+def bench_argvs(found: list[str]) -> list[list[str]]:
+    """The ``kvroute bench`` arguments of each run, given the targets found."""
     base = [
         "--engines",
         "4",
         "--model",
-        "kvroute-emulated",
+        DEFAULT_MODEL,
         "--engine-args",
         ENGINE_ARGS,
         "--baseline",
         "rr",
         "--compare",
-        *targets(),
+        *found,
     ]
-    runs = [
-        [
-            "--workload",
-            "mooncake-conversation",
-            "--requests",
-            "1500",
-            "--speedup",
-            "8",
-            "--scale",
-            "0.0625",
-            "--max-output-tokens",
-            "128",
-            "--output",
-            "bench-results/compare-mooncake",
-        ],
-        [
-            "--workload",
-            "chat",
-            "--conversations",
-            "64",
-            "--turns",
-            "6",
-            "--system-tokens",
-            "1000",
-            "--question-tokens",
-            "200",
-            "--output-tokens",
-            "100",
-            "--concurrency",
-            "16",
-            "--output",
-            "bench-results/compare-chat",
-        ],
-    ]
+    return [[*base, *run] for run in RUNS]
+
+
+def main() -> int:
+    BUILD.mkdir(parents=True, exist_ok=True)
     status = 0
-    for run in runs:
-        status |= _bench([*base, *run])
+    for argv in bench_argvs(targets()):
+        # The exact command, for docs/benchmarks.md (results.json records it too).
+        print(f"bench-compare: {shlex.join(['.venv/bin/kvroute', 'bench', *argv])}\n")
+        status |= _bench(argv)
     return status
 
 
