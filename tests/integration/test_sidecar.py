@@ -70,8 +70,8 @@ async def test_a_target_off_the_allow_list_is_refused(
 ) -> None:
     for target in (
         f"127.0.0.3:{pod['stranger'].port}",
-        f"127.0.0.2:{pod['decode'].port + 0}x",
         "8.8.8.8:80",
+        f"127.0.0.1:{pod['decode'].port}",  # the pod's own engine is not a prefill target
     ):
         status, body = await post(
             http,
@@ -79,10 +79,22 @@ async def test_a_target_off_the_allow_list_is_refused(
             {"prompt": "hello", "max_tokens": 1},
             headers={"x-prefiller-host-port": target},
         )
-        assert status in (400, 403), (target, status)
+        assert status == 403, (target, status, body)
         assert body["error"]["param"] == "x-prefiller-host-port"
     strangers = metric_sum(await metrics(http, pod["stranger"].url), "vllm:prompt_tokens_total")
     assert strangers == 0  # nothing ever reached the engine off the list
+
+
+async def test_a_malformed_target_is_a_400(pod: dict, http: aiohttp.ClientSession) -> None:
+    for target in (f"127.0.0.2:{pod['prefill'].port}x", "127.0.0.2", "not a host:port"):
+        status, body = await post(
+            http,
+            f"{pod['url']}/v1/completions",
+            {"prompt": "hello", "max_tokens": 1},
+            headers={"x-prefiller-host-port": target},
+        )
+        assert status == 400, (target, status, body)
+        assert body["error"]["param"] == "x-prefiller-host-port"
 
 
 async def test_without_the_header_requests_pass_straight_through(
