@@ -1,9 +1,11 @@
-"""kvroute serve's HTTP API: relay, headers, errors, retries, health, cancellation."""
+"""kvroute serve's HTTP API: relay, headers, request ids, the reason log, errors, retries,
+health, engine scrapes, cancellation."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 
@@ -19,6 +21,7 @@ from support.routers import start_router
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.engines.registry import EngineState
+from router.types import EngineKey
 
 MODEL = "kvroute-emulated"
 
@@ -61,6 +64,8 @@ async def test_completion_carries_routing_headers_and_keeps_the_request_id(
         assert resp.headers["x-kvroute-engine"] in {e.endpoint for e in router.registry}
         assert resp.headers["x-kvroute-reason"].startswith("kv_cost:")
     assert payload["usage"]["prompt_tokens"] == 80
+    # The emulator names its answer after the X-Request-Id it received: sent upstream.
+    assert payload["id"] == "cmpl-req-42"
     assert payload["choices"][0]["finish_reason"] == "length"
 
 
@@ -71,7 +76,34 @@ async def test_a_request_id_is_created_when_missing(
         f"{router.url}/v1/completions", json={"prompt": "a b c", "max_tokens": 1}
     ) as resp:
         assert resp.status == 200
-        assert len(resp.headers["x-request-id"]) == 32
+        rid = resp.headers["x-request-id"]
+        assert len(rid) == 32
+        assert (await resp.json())["id"] == f"cmpl-{rid}"  # the engine got the same id
+
+
+async def test_the_debug_log_carries_the_full_reason(
+    router: RouterApp,
+    pair: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prompt = " ".join(f"log{i}" for i in range(100))
+    with caplog.at_level(logging.DEBUG, logger="kvroute.http"):
+        async with http.post(
+            f"{router.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1},
+            headers={"x-request-id": "debug-reason-1"},
+        ) as resp:
+            assert resp.status == 200
+            short = resp.headers["x-kvroute-reason"]
+    lines = [r.getMessage() for r in caplog.records if "debug-reason-1" in r.getMessage()]
+    assert lines, caplog.text
+    line = lines[0]
+    assert short in line
+    for engine in pair:  # every candidate, with each of its cost terms
+        assert f"127.0.0.1:{engine.port}[match=" in line
+    for term in ("cached=", "queue=", "prefill=", "decode=", "total="):
+        assert term in line
 
 
 async def test_streaming_relays_every_chunk_and_the_usage_chunk(
@@ -448,6 +480,61 @@ async def test_a_client_that_leaves_cancels_the_engine_request(
             s for s in samples["kvroute_requests_total"] if s.labels["outcome"] == "cancelled"
         ]
         assert cancelled and cancelled[0].value == 1
+    finally:
+        await app.stop()
+        await engine.stop()
+
+
+async def test_a_non_streaming_client_that_leaves_cancels_the_engine_request(
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await start_test_engine(engine_id="slowpoke-plain", time_scale=1.0)
+    app = await start_router([engine.url])
+    try:
+        aborted = "kvroute_emulator_aborted_requests_total"
+        before = metric_sum(await metrics(http, engine.url), aborted)
+        body = {"prompt": "a long answer " * 10, "max_tokens": 5_000}  # minutes at scale 1
+        task = asyncio.ensure_future(http.post(f"{app.url}/v1/completions", json=body))
+        model = engine.state.drivers[0].model
+        await poll(lambda: model.stats().num_running == 1)
+        assert app.core.loads.in_flight == 1
+        task.cancel()  # the client goes away before any byte of the answer
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await poll(lambda: model.stats().num_running == 0)
+
+        async def counted() -> bool:  # the engine saw the abort
+            return metric_sum(await metrics(http, engine.url), aborted) == before + 1
+
+        await poll(counted)
+        await poll(lambda: app.core.loads.in_flight == 0)
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_requests_total", outcome="cancelled") == 1
+    finally:
+        await app.stop()
+        await engine.stop()
+
+
+async def test_engine_metrics_are_scraped_into_the_load_view(
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await start_test_engine(engine_id="scraped", time_scale=1.0)
+    app = await start_router([engine.url])
+    key = EngineKey(f"127.0.0.1:{engine.port}")
+    try:
+        body = {"prompt": "keep running " * 10, "max_tokens": 5_000, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+            await resp.content.readany()
+            # the engine's own vllm:num_requests_running reaches the load view
+            await poll(
+                lambda: (
+                    (load := app.core.loads.view.get(key)) is not None
+                    and load.running == 1
+                    and load.reported_at is not None
+                )
+            )
+            assert app.core.loads.view[key].kv_usage > 0
+        await poll(lambda: app.core.loads.view[key].running == 0)
     finally:
         await app.stop()
         await engine.stop()

@@ -1,14 +1,18 @@
 """Real-engine awareness: tokenizer modes, the mismatch guard, model pools and LoRA
-adapters, and block-size refusal, against emulated engines on loopback."""
+adapters (also loaded and unloaded at run time), block-size refusal, batches and DP
+ranks, against emulated engines on loopback."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from support.clients import metrics, post
 from support.engines import TEST_PARAMS, poll, start_test_engine
 from support.hf_tokenizer import FIXTURE
@@ -16,12 +20,17 @@ from support.routers import start_router
 
 from router.emulator import EmulatedEngine
 from router.engines.registry import EngineState
+from router.types import EngineKey
 
 MODEL = "kvroute-emulated"
 
 
 def endpoint(engine: EmulatedEngine) -> str:
     return f"127.0.0.1:{engine.port}"
+
+
+def words(n: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -75,7 +84,10 @@ async def test_engine_mode_keys_match_the_engines_events(
 
 
 async def test_a_tokenizer_that_disagrees_with_the_engines_falls_back_to_approximate(
-    evented: list[EmulatedEngine], http: aiohttp.ClientSession, tokenizer_json: Path
+    evented: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    tokenizer_json: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     app = await start_router(
         [e.url for e in evented],
@@ -83,14 +95,17 @@ async def test_a_tokenizer_that_disagrees_with_the_engines_falls_back_to_approxi
     )
     try:
         assert app.tokenizers.modes() == {MODEL: "hf"}
-        for i in range(12):
-            status, _ = await post(
-                http,
-                f"{app.url}/v1/completions",
-                {"prompt": f"the prompt is cached {i}", "max_tokens": 1},
-            )
-            assert status == 200  # requests never fail because of the tokenizer
+        with caplog.at_level(logging.WARNING, logger="kvroute.tokenizer"):
+            for i in range(12):
+                status, _ = await post(
+                    http,
+                    f"{app.url}/v1/completions",
+                    {"prompt": f"the prompt is cached {i}", "max_tokens": 1},
+                )
+                assert status == 200  # requests never fail because of the tokenizer
         assert app.tokenizers.modes() == {MODEL: "approximate"}
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any(f"model {MODEL}" in m and "approximate mode" in m for m in errors), errors
         samples = await metrics(http, app.url)
         (mismatch,) = samples["kvroute_tokenizer_mismatches_total"]
         assert mismatch.labels["model"] == MODEL and mismatch.value >= 10
@@ -218,7 +233,7 @@ async def test_an_engine_with_another_block_size_is_refused_by_name(
 
 
 @pytest.mark.parametrize("n", [1, 3])
-async def test_batch_prompts_go_to_one_engine_and_count_in_its_load(
+async def test_a_batch_is_answered_whole_and_its_usage_counts_every_prompt(
     evented: list[EmulatedEngine], http: aiohttp.ClientSession, n: int
 ) -> None:
     app = await start_router([e.url for e in evented])
@@ -232,6 +247,146 @@ async def test_batch_prompts_go_to_one_engine_and_count_in_its_load(
         assert app.tokenizers.mismatches() == {MODEL: 0}
     finally:
         await app.stop()
+
+
+@pytest_asyncio.fixture
+async def evented_pair(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [
+        await start_test_engine(
+            engine_id=f"batch{i}",
+            kv_events_endpoint=f"ipc://{ipc_dir}/models-batch{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        )
+        for i in range(2)
+    ]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+async def test_a_batch_follows_its_longest_prompt_and_counts_every_prompt_in_the_load(
+    evented_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    a, b = evented_pair
+    app = await start_router([a.url, b.url])
+    try:
+        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
+        for n, (short_home, long_home) in enumerate(((a, b), (b, a)), start=1):
+            short, long = words(200, f"s{n}-"), words(400, f"l{n}-")
+            # Warm the caches directly on the engines: the router learns of it from events.
+            for engine, prompt in ((short_home, short), (long_home, long)):
+                status, _ = await post(
+                    http, f"{engine.url}/v1/completions", {"prompt": prompt, "max_tokens": 1}
+                )
+                assert status == 200
+            await poll(lambda n=n: app.ingestor.counters.blocks_stored >= n * (12 + 24))
+            # Hold the batch before the engine so its load can be read while in flight.
+            for engine in evented_pair:
+                status, _ = await post(
+                    http, f"{engine.url}/admin/faults", {"extra_latency_ms": 400}
+                )
+                assert status == 200
+            body = {"prompt": [short, long], "max_tokens": 2, "n": n}
+            task = asyncio.ensure_future(post(http, f"{app.url}/v1/completions", body))
+            home = EngineKey(endpoint(long_home))
+            await poll(
+                lambda home=home: (
+                    app.core.loads.view.get(home) is not None
+                    and app.core.loads.view[home].requests == 1
+                )
+            )
+            load = app.core.loads.view[home]
+            # all prompts' tokens, times n, less what the longest prompt finds cached
+            assert load.prefill_tokens == (200 + 400) * n - 384, load
+            other = app.core.loads.view.get(EngineKey(endpoint(short_home)))
+            assert other is None or other.requests == 0
+            status, answer = await task
+            assert status == 200 and len(answer["choices"]) == 2 * n
+            for engine in evented_pair:
+                async with http.delete(f"{engine.url}/admin/faults") as resp:
+                    assert resp.status == 200
+            await poll(lambda: app.core.loads.in_flight == 0)
+    finally:
+        await app.stop()
+
+
+class ModelsRelay:
+    """Forwards everything to an engine, except GET /v1/models, whose adapters the test
+    sets (the emulator's adapters are fixed at start-up)."""
+
+    def __init__(self, target: str, base: str) -> None:
+        self.target, self.base = target, base
+        self.adapters: list[str] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "GET" and request.path == "/v1/models":
+            cards = [{"id": self.base, "object": "model", "parent": None}]
+            cards += [{"id": n, "object": "model", "parent": self.base} for n in self.adapters]
+            return web.json_response({"object": "list", "data": cards})
+        assert self._session is not None
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in {"host", "content-length", "transfer-encoding", "connection"}
+        }
+        async with self._session.request(
+            request.method,
+            self.target + request.path_qs,
+            data=await request.read(),
+            headers=headers,
+        ) as upstream:
+            body = await upstream.read()
+            return web.Response(
+                status=upstream.status,
+                body=body,
+                content_type=upstream.content_type or "application/json",
+            )
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+
+async def test_adapters_that_come_and_go_on_an_engine_are_picked_up(
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await start_test_engine(engine_id="lora-relay", lora_modules=("sql",))
+    relay = ModelsRelay(engine.url, MODEL)
+    await relay.start()
+    app = await start_router([relay.url], health={"models_refresh_s": 0.1})
+    try:
+        body = {"model": "sql", "prompt": "select star", "max_tokens": 1}
+
+        async def status_is(code: int) -> bool:
+            return (await post(http, f"{app.url}/v1/completions", body))[0] == code
+
+        assert await status_is(404)
+        relay.adapters = ["sql"]  # the adapter is loaded at run time
+        await poll(lambda: status_is(200), timeout=5)
+        async with http.get(f"{app.url}/v1/models") as resp:
+            served = [m["id"] for m in (await resp.json())["data"]]
+        assert "sql" in served
+        relay.adapters = []  # ... and unloaded
+        await poll(lambda: status_is(404), timeout=5)
+    finally:
+        await app.stop()
+        await relay.stop()
+        await engine.stop()
 
 
 async def test_data_parallel_ranks_are_routing_targets_with_their_own_caches(
