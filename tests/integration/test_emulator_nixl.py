@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from support.clients import get, metric_sum, metrics, post, post_reply, stream_reply
-from support.engines import TEST_PARAMS, EngineProcess, poll, start_test_engine
+from support.clients import metric_sum, metrics, post, post_reply, stream_reply
+from support.engines import TEST_PARAMS, poll, start_test_engine
 
 from router.emulator import EmulatedEngine
 
@@ -369,25 +369,3 @@ async def test_handoff_requests_take_one_sequence_and_one_direction(
     ):
         status, answer = await post(http, url, body)
         assert status == 400, (body, answer)
-
-
-async def test_a_handoff_between_two_engine_processes(http: aiohttp.ClientSession) -> None:
-    common = ["--port", "0", "--cache-blocks", "256", "--time-scale", "0.001", "--hash-seed", "1"]
-    prefill = EngineProcess([*common, "--engine-id", "p0", "--side-channel-port", "0"])
-    try:
-        decode = EngineProcess([*common, "--engine-id", "d0", "--handoff-failure", "error"])
-        try:
-            assert "side-channel 127.0.0.1:" in prefill.line
-            _, info = await get(http, f"{prefill.url}/server_info")
-            prompt = text_prompt(300, "proc")
-            body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-            _, answer = await post(http, f"{prefill.url}/v1/completions", body)
-            params = answer["kv_transfer_params"]
-            assert params["remote_port"] == info["side_channel_port"]
-            body = {"prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
-            reply = await post_reply(http, f"{decode.url}/v1/completions", body)
-            assert reply.status == 200 and reply.headers["x-kvroute-handoff"] == "pulled=300"
-        finally:
-            decode.stop()
-    finally:
-        prefill.stop()
