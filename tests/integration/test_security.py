@@ -14,7 +14,9 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from cryptography import x509
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.clients import post_reply
 from support.engines import poll, start_test_engine
 from support.grpc_clients import rpc_error
@@ -286,6 +288,66 @@ async def test_grpc_mutual_tls(engine: EmulatedEngine, ca: TestCA) -> None:
                 )
             )
             assert got == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await app.stop()
+
+
+async def test_the_extproc_and_grpc_listeners_speak_tls_and_reload_their_certificate(
+    engine: EmulatedEngine, ca: TestCA, tmp_path: Path
+) -> None:
+    first = ca.issue("extproc-1")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(first.cert.read_bytes())
+    key.write_bytes(first.key.read_bytes())
+    app = await start_router(
+        [engine.url],
+        extproc={"port": 0},
+        grpc={"port": 0},
+        tls={
+            "cert_file": str(cert),
+            "key_file": str(key),
+            "listeners": ["extproc", "grpc"],
+            "reload_interval_s": 0.05,
+        },
+    )
+    creds = grpc.ssl_channel_credentials(root_certificates=ca.path.read_bytes())
+
+    async def health(port: int, secure: bool) -> str:
+        target = f"localhost:{port}"
+        channel = aio.secure_channel(target, creds) if secure else aio.insecure_channel(target)
+        async with channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=3
+                )
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def served_serial(port: int) -> int:
+        pem = ssl.get_server_certificate(("127.0.0.1", port))
+        return x509.load_pem_x509_certificate(pem.encode()).serial_number
+
+    try:
+        assert app.url.startswith("http://")  # only gRPC and ext_proc were asked for
+        for port in (app.extproc_port, app.grpc_port):
+            assert await health(port, secure=True) == "SERVING"
+            assert await health(port, secure=False) == "UNAVAILABLE"
+            assert await asyncio.to_thread(served_serial, port) == first.serial
+        second = ca.issue("extproc-2")
+        key.write_bytes(second.key.read_bytes())
+        cert.write_bytes(second.cert.read_bytes())
+        os.utime(cert, (cert.stat().st_mtime + 5,) * 2)
+
+        def rotated(port: int) -> object:
+            async def check() -> bool:
+                await health(port, secure=True)  # a handshake triggers the reload check
+                return await asyncio.to_thread(served_serial, port) == second.serial
+
+            return check
+
+        await poll(rotated(app.grpc_port), timeout=5, interval=0.1)
+        await poll(rotated(app.extproc_port), timeout=5, interval=0.1)
     finally:
         await app.stop()
 
