@@ -44,7 +44,8 @@ INFINITE_BLOCKS = 1 << 31
 
 #: (label, key path, format, which way is better), as ``kvroute bench`` tables.
 ROWS: list[tuple[str, str, str, str]] = [
-    ("requests", "ok", "int", ""),
+    ("requests answered", "ok", "int", ""),
+    ("refused by the engines", "errors", "int", "lower"),
     ("prefix-cache hit rate", "hit_rate", "pct", "higher"),
     ("ceiling (infinite cache, one engine)", "ceiling", "pct", ""),
     ("TTFT mean", "ttft_s.mean", "ms", "lower"),

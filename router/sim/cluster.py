@@ -31,7 +31,7 @@ import itertools
 import math
 import statistics
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +177,8 @@ class SimRun:
     decisions: dict[str, int]
     preemptions: int
     index_events_skipped: int
+    errors: dict[str, int] = field(default_factory=dict)
+    """Requests the engines refused, by reason (answered with an error, not served)."""
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -196,9 +198,10 @@ class SimRun:
             "policy": self.settings.policy.name,
             "fleet": self.settings.fleet.describe(),
             "gpus": self.settings.fleet.gpus,
-            "requests": len(recs),
+            "requests": len(recs) + sum(self.errors.values()),
             "ok": len(recs),
-            "errors": 0,
+            "errors": sum(self.errors.values()),
+            "error_reasons": self.errors,
             "duration_s": span,
             "wall_s": self.wall_s,
             "request_throughput": len(recs) / span if span > 0 else None,
@@ -293,6 +296,7 @@ class ClusterSim:
         self._ids = itertools.count()
         self._flights: dict[tuple[int, str], _Flight] = {}
         self._records: list[RequestRecord] = []
+        self._errors: Counter[str] = Counter()
         self._itl = array("d")
         self._sequences: list[tuple[list[int], list[int]]] = []
         self._pending: deque[RequestSpec] = deque()
@@ -430,9 +434,22 @@ class ClusterSim:
         self._submit(serve, flight, EngineRequest(rid, tokens, spec.max_tokens))
 
     def _submit(self, engine: _Engine, flight: _Flight, request: EngineRequest) -> None:
+        try:
+            engine.model.submit(request, self.now)
+        except ValueError as exc:
+            # The engine refuses it (a prompt longer than its context, as vLLM's 400): the
+            # client gets an error, the router releases the request's load.
+            self._refuse(flight, str(exc))
+            return
         self._flights[(id(engine), flight.rid)] = flight
-        engine.model.submit(request, self.now)
         self._kick(engine)
+
+    def _refuse(self, flight: _Flight, reason: str) -> None:
+        self.loads.end(flight.ticket)
+        if flight.prefill_ticket is not None:
+            self.loads.end(flight.prefill_ticket)
+        self._errors[reason.split(".")[0]] += 1
+        self._next_closed_loop(flight.spec)
 
     async def _step_done(self, engine: _Engine) -> None:
         engine.busy = False
@@ -515,8 +532,12 @@ class ClusterSim:
                 return
         else:
             self._sequences.append((flight.tokens, []))
-        if spec.at is None and self._pending:
-            self._push(now, _ARRIVE, self._pending.popleft())
+        self._next_closed_loop(spec)
+
+    def _next_closed_loop(self, ended: RequestSpec) -> None:
+        """A closed-loop slot is free: the next waiting request takes it."""
+        if ended.at is None and self._pending:
+            self._push(self.now, _ARRIVE, self._pending.popleft())
 
     def _result(self) -> SimRun:
         order = sorted(range(len(self._records)), key=lambda i: self._records[i].arrival)
@@ -551,4 +572,5 @@ class ClusterSim:
             decisions,
             preemptions,
             sum(self.ingestor.counters.skipped.values()),
+            dict(self._errors),
         )

@@ -128,6 +128,16 @@ def test_never_splitting_serves_everything_on_decode_engines() -> None:
     assert {r.mode for r in run.records} == {"local"}
 
 
+def test_a_prompt_longer_than_the_context_is_refused_and_the_run_goes_on() -> None:
+    specs = groups(2, 2, 500)
+    specs.insert(1, RequestSpec(prompt=list(range(1_000, 1_000 + 17_000)), max_tokens=4))
+    sim = ClusterSim(SimSettings(Fleet(engines=2), PARAMS, concurrency=1))
+    summary = asyncio.run(sim.run(specs)).summary()
+    assert summary["ok"] == 4 and summary["errors"] == 1
+    assert "maximum context length is 16384 tokens" in next(iter(summary["error_reasons"]))
+    assert all(load.requests == 0 and load.prefill_tokens == 0 for load in sim.loads.view.values())
+
+
 def test_chat_turns_follow_from_the_simulated_answers() -> None:
     specs = chat_workload(4, 3, 200, 20, 10, seed=5)
     run = simulate(specs, Fleet(engines=2), concurrency=2)
