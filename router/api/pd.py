@@ -17,7 +17,11 @@ For a model served by prefill and decode pools, each request:
      leg that silently recomputed (its usage shows almost nothing cached) is counted.
    * **SGLang** (push): bootstrap fields naming the prefill engine and a random room go
      to both engines at once; the decode engine's answer is relayed, the prefill's
-     discarded; if either leg fails before the first byte the other is cancelled.
+     discarded; if either leg fails before the first byte the other is cancelled. A
+     failed prefill leg (or a pair that stalled: the decode leg timed out waiting for
+     the prefill's KV) is retried with another prefill engine and a fresh room, both
+     legs sent again, then the decode engine serves alone as for NIXL; the decode
+     engine is not blamed for it.
 
 A decode engine that fails before the first byte is replaced by another, with a fresh
 prefill; after the first byte the stream ends with an SSE error event. The client sees
@@ -82,7 +86,7 @@ class PDForwarder:
                 decode = await decider.choose_decode(route_request, model, exclude=failed_decode)
             except NoCandidates:
                 break
-            split, prefill_pool = decider.split(route_request, model, decode)
+            split, _ = decider.split(route_request, model, decode)
             try:
                 if not split.split:
                     return await self.api._attempt(
@@ -103,8 +107,8 @@ class PDForwarder:
                         parsed,
                         route_request,
                         payload,
+                        body,
                         decode,
-                        prefill_pool,
                         split,
                         started,
                         outcome,
@@ -158,6 +162,7 @@ class PDForwarder:
         tried: set[str] = set()
         answer: dict[str, Any] | None = None
         prefill: Decision | None = None
+        last: UpstreamError | None = None
         for _ in range(2):  # the chosen prefill engine, then one other
             pool = app.decider.candidates(model, ("prefill",), exclude=tried)
             if not pool:
@@ -169,7 +174,7 @@ class PDForwarder:
                 )
             except UpstreamError as err:
                 tried.add(prefill.engine.endpoint)
-                answer = None
+                answer, last = None, err
                 app.metrics.retries.labels(err.kind).inc()
                 log.info(
                     "request %s: prefill engine %s failed (%s)",
@@ -189,7 +194,10 @@ class PDForwarder:
         if answer is None:
             app.metrics.handoffs.labels("nixl", "prefill_failed").inc()
             if not cfg.fallback_to_decode:
-                raise ApiError(502, "no prefill engine could prefill this request")
+                raise ApiError(
+                    last.http_status if last is not None else 502,
+                    "no prefill engine could prefill this request",
+                )
             return await self.api._attempt(
                 sink,
                 path,
@@ -327,25 +335,103 @@ class PDForwarder:
         parsed: ParsedRequest,
         route_request: RouteRequest,
         payload: dict[str, Any],
+        body: bytes,
         decode: Decision,
-        prefill_pool: list[Any],
         split: SplitDecision,
         started: float,
         outcome: Outcome,
     ) -> None:
+        """Pairs of ``decode`` with the chosen prefill engine, then with one other, each
+        with a fresh room; then the decode engine alone (as for NIXL)."""
         app = self.app
-        prefill = await app.decider.choose(route_request, prefill_pool)
+        model = parsed.model
+        assert model is not None
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        for _ in range(2):  # the chosen prefill engine, then one other
+            pool = app.decider.candidates(model, ("prefill",), exclude=tried)
+            if not pool:
+                break
+            prefill = await app.decider.choose(route_request, pool)
+            try:
+                return await self._sglang_pair(
+                    sink,
+                    path,
+                    parsed,
+                    route_request,
+                    payload,
+                    decode,
+                    prefill,
+                    split,
+                    started,
+                    outcome,
+                )
+            except _PrefillFailed as failed:
+                last = failed.error
+                tried.add(prefill.engine.endpoint)
+                app.metrics.retries.labels(last.kind).inc()
+                log.info(
+                    "request %s: SGLang prefill leg on %s failed (%s); decode engine %s not blamed",
+                    route_request.request_id,
+                    prefill.engine.label,
+                    last,
+                    decode.engine.label,
+                )
+        app.metrics.handoffs.labels("sglang", "prefill_failed").inc()
+        if not app.config.disaggregation.fallback_to_decode:
+            raise ApiError(
+                last.http_status if last is not None else 502,
+                "no prefill engine could prefill this request",
+            )
+        return await self.api._attempt(
+            sink,
+            path,
+            parsed,
+            route_request,
+            decode,
+            body,
+            started,
+            outcome,
+            extra_headers={"x-kvroute-mode": "local:prefill_failed"},
+        )
+
+    async def _sglang_pair(
+        self,
+        sink: Downstream,
+        path: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        payload: dict[str, Any],
+        decode: Decision,
+        prefill: Decision,
+        split: SplitDecision,
+        started: float,
+        outcome: Outcome,
+    ) -> None:
+        """Both legs of one pair at once; when one fails, the other is cancelled.
+
+        Raises :class:`_PrefillFailed` when the prefill leg failed (the decode engine is
+        not to blame; the caller tries another prefill engine), and UpstreamError when
+        the decode leg failed before its first byte (the caller tries another decode
+        engine). A decode leg that times out while the prefill leg has not answered
+        either counts as the prefill's failure: a decode engine cannot answer before the
+        prefill engine pushes the KV. Once the decode leg has begun answering the client,
+        a failing prefill leg no longer stops it (the KV has arrived).
+        """
+        app = self.app
         prefill_engine = app.registry.engine_of(prefill.engine)
         assert prefill_engine is not None
         port = prefill_engine.bootstrap_port
         if port is None:
-            raise UpstreamError("protocol", f"{prefill_engine.url} has no bootstrap port")
+            raise _PrefillFailed(
+                UpstreamError("protocol", f"{prefill_engine.url} has no bootstrap port")
+            )
         host = urlsplit(prefill_engine.url).hostname or ""
-        room = sglang.new_room(request_rng(route_request.request_id))
+        # a fresh room for every pair a request tries
+        pair = f"{route_request.request_id}\x00{prefill.engine.label}\x00{decode.engine.label}"
+        room = sglang.new_room(request_rng(pair))
         leg_body = _encode(sglang.with_bootstrap(payload, host, port, room))
-        app.metrics.transfer_bytes.inc(
-            split.uncached_tokens * app.config.disaggregation.kv_bytes_per_token
-        )
+        watched = _Watched(sink)
         prefill_task = asyncio.ensure_future(
             self._prefill_leg(
                 sink,
@@ -357,7 +443,7 @@ class PDForwarder:
         )
         decode_task = asyncio.ensure_future(
             self.api._attempt(
-                sink,
+                watched,
                 path,
                 parsed,
                 route_request,
@@ -372,26 +458,82 @@ class PDForwarder:
                 },
             )
         )
+        tasks = (prefill_task, decode_task)
         try:
-            done, _ = await asyncio.wait(
-                {prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if prefill_task in done and prefill_task.exception() is not None:
-                if not decode_task.done():  # the pair cannot complete: stop the decode leg
-                    decode_task.cancel()
-                    await asyncio.gather(decode_task, return_exceptions=True)
-                    app.metrics.handoffs.labels("sglang", "prefill_failed").inc()
-                    raise prefill_task.exception()  # type: ignore[misc]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done() and not watched.answered:
+                error = prefill_task.exception()
+                if error is not None:  # the pair cannot complete: stop the decode leg
+                    await _cancel(decode_task)
+                    raise _PrefillFailed(error) if isinstance(error, UpstreamError) else error
+                status, answer = prefill_task.result()
+                if status >= 400:  # the engine refused the request: the client's error
+                    await _cancel(decode_task)
+                    outcome.set("client_error", status)
+                    headers = {
+                        "x-request-id": route_request.request_id,
+                        "Content-Type": "application/json",
+                    }
+                    return await sink.whole(status, headers, _encode(answer))
+            elif decode_task.done() and not prefill_task.done():
+                error = decode_task.exception()
+                if isinstance(error, UpstreamError) and error.kind == "timeout":
+                    await _cancel(prefill_task)
+                    raise _PrefillFailed(error)
             await decode_task
         except BaseException:
-            for task in (prefill_task, decode_task):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            for task in tasks:
+                await _cancel(task)
             raise
-        app.metrics.handoffs.labels("sglang", "pulled").inc()
-        if not prefill_task.done():
-            await asyncio.gather(prefill_task, return_exceptions=True)
+        if outcome.outcome != "client_error":
+            app.metrics.handoffs.labels("sglang", "pulled").inc()
+            app.metrics.transfer_bytes.inc(
+                split.uncached_tokens * app.config.disaggregation.kv_bytes_per_token
+            )
+        await asyncio.gather(prefill_task, return_exceptions=True)  # its answer is discarded
+
+
+class _PrefillFailed(Exception):
+    """An SGLang pair failed on its prefill leg (``error`` says how)."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Watched:
+    """A :class:`Downstream` that remembers whether anything reached the client."""
+
+    __slots__ = ("answered", "sink")
+
+    def __init__(self, sink: Downstream) -> None:
+        self.sink = sink
+        self.answered = False
+
+    @property
+    def headers(self) -> Any:
+        return self.sink.headers
+
+    async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.answered = True
+        await self.sink.whole(status, headers, body)
+
+    async def begin(self, status: int, headers: dict[str, str]) -> None:
+        self.answered = True
+        await self.sink.begin(status, headers)
+
+    async def write(self, chunk: bytes) -> None:
+        await self.sink.write(chunk)
+
+    async def end(self) -> None:
+        await self.sink.end()
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` if it still runs and wait until it has stopped."""
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _prefill_only(payload: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,15 @@ recomputing."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
-from support.clients import metric_sum, metrics, post
+from support.clients import metric_sum, metrics, post, post_reply
 from support.engines import TEST_PARAMS, poll, start_test_engine
 from support.routers import start_router
 
@@ -196,8 +200,9 @@ async def test_a_decode_engine_failing_before_its_first_byte_is_replaced(
             assert resp.status == 200
 
 
+@pytest.mark.parametrize("dialect", ["nixl", "sglang"])
 async def test_a_dead_prefill_pool_falls_back_to_the_decode_engine_without_failing(
-    http: aiohttp.ClientSession,
+    dialect: str, http: aiohttp.ClientSession
 ) -> None:
     prefill = [await start_test_engine(engine_id=f"doomed{i}", role="prefill") for i in range(2)]
     decode = await start_test_engine(engine_id="survivor", role="decode", handoff_failure="error")
@@ -205,6 +210,7 @@ async def test_a_dead_prefill_pool_falls_back_to_the_decode_engine_without_faili
         [{"url": p.url, "role": "prefill"} for p in prefill]
         + [{"url": decode.url, "role": "decode"}],
         health={"interval_s": 30.0},
+        disaggregation={"handoff": dialect},
     )
     try:
         sent = 0
@@ -326,3 +332,273 @@ async def test_sglang_pairs_are_never_mixed_up_across_100_concurrent_requests(
         await app.stop()
         for engine in [*prefill, *decode, plain]:
             await engine.stop()
+
+
+# ---------------------------------------------------------------- prefill failures, both dialects
+
+#: Faults that make a prefill engine fail at once, or never answer in time.
+PREFILL_FAULTS = {"fails": {"fail_rate": 1.0}, "stalls": {"extra_latency_ms": 5000}}
+DIALECTS = ("nixl", "sglang")
+
+
+async def start_pd(
+    tag: str, dialect: str, prefills: int = 2, **sections: Any
+) -> tuple[RouterApp, list[EmulatedEngine], EmulatedEngine]:
+    """A router over ``prefills`` prefill engines and one decode engine: a decode engine
+    wrongly blamed for a prefill failure has no other to be replaced by."""
+    prefill = [
+        await start_test_engine(engine_id=f"{tag}-p{i}", role="prefill") for i in range(prefills)
+    ]
+    decode = await start_test_engine(engine_id=f"{tag}-d", role="decode", handoff_failure="error")
+    config: dict[str, Any] = {
+        "health": {"interval_s": 30.0},
+        "proxy": {"first_byte_timeout_s": 0.5},
+        "disaggregation": {"handoff": dialect},
+    }
+    for name, section in sections.items():
+        config[name] = {**config.get(name, {}), **section}
+    app = await start_router(
+        [{"url": p.url, "role": "prefill"} for p in prefill]
+        + [{"url": decode.url, "role": "decode"}],
+        **config,
+    )
+    return app, prefill, decode
+
+
+async def stop_pd(app: RouterApp, engines: list[EmulatedEngine]) -> None:
+    await app.stop()
+    for engine in engines:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("fault", PREFILL_FAULTS)
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_prefill_engine_that_fails_or_stalls_is_replaced_by_another(
+    dialect: str, fault: str, http: aiohttp.ClientSession
+) -> None:
+    app, prefill, decode = await start_pd(f"swap-{dialect}-{fault}", dialect)
+    bad, good = prefill
+    try:
+        await post(http, f"{bad.url}/admin/faults", PREFILL_FAULTS[fault])
+        for i in range(4):
+            reply = await post_reply(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": prompt(f"swap{i}x", LONG), "max_tokens": 2},
+            )
+            assert reply.status == 200, reply.body
+            assert reply.headers["x-kvroute-mode"] == "split"
+            assert reply.headers["x-kvroute-prefill"] == endpoint(good)
+        assert await engine_metric(http, bad, "kvroute_emulator_faults_injected_total") >= 1
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_retries_total") >= 1
+        assert metric_sum(samples, "kvroute_handoffs_total", dialect=dialect, outcome="pulled") == 4
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="prefill_failed") == 0
+    finally:
+        await stop_pd(app, [*prefill, decode])
+
+
+@pytest.mark.parametrize("fault", PREFILL_FAULTS)
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_prefill_pool_that_fails_or_stalls_falls_back_to_the_decode_engine(
+    dialect: str, fault: str, http: aiohttp.ClientSession
+) -> None:
+    app, prefill, decode = await start_pd(f"fall-{dialect}-{fault}", dialect)
+    try:
+        for p in prefill:
+            await post(http, f"{p.url}/admin/faults", PREFILL_FAULTS[fault])
+        reply = await post_reply(
+            http, f"{app.url}/v1/completions", {"prompt": prompt("fall", LONG), "max_tokens": 2}
+        )
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-kvroute-mode"] == "local:prefill_failed"
+        assert reply.headers["x-kvroute-engine"] == endpoint(decode)
+        assert reply.body["usage"]["completion_tokens"] == 2
+        samples = await metrics(http, app.url)
+        assert (
+            metric_sum(samples, "kvroute_handoffs_total", dialect=dialect, outcome="prefill_failed")
+            == 1
+        )
+        reason = "status" if fault == "fails" else "timeout"
+        assert metric_sum(samples, "kvroute_retries_total", reason=reason) == 2  # both engines
+    finally:
+        await stop_pd(app, [*prefill, decode])
+
+
+@pytest.mark.parametrize(("fault", "status"), [("fails", 502), ("stalls", 504)])
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_without_fallback_a_failed_prefill_pool_fails_the_request(
+    dialect: str, fault: str, status: int, http: aiohttp.ClientSession
+) -> None:
+    app, prefill, decode = await start_pd(
+        f"nofall-{dialect}-{fault}",
+        dialect,
+        disaggregation={"fallback_to_decode": False},
+    )
+    try:
+        for p in prefill:
+            await post(http, f"{p.url}/admin/faults", PREFILL_FAULTS[fault])
+        got, body = await post(
+            http, f"{app.url}/v1/completions", {"prompt": prompt("nofall", LONG), "max_tokens": 2}
+        )
+        assert got == status, body
+        assert "no prefill engine" in body["error"]["message"]
+        assert metric_sum(await metrics(http, decode.url), "vllm:prompt_tokens_total") == 0
+    finally:
+        await stop_pd(app, [*prefill, decode])
+
+
+async def test_sglang_a_failed_prefill_leg_cancels_the_decode_leg(
+    http: aiohttp.ClientSession,
+) -> None:
+    app, (prefill,), decode = await start_pd(
+        "sgcancel-d",
+        "sglang",
+        prefills=1,
+        disaggregation={"fallback_to_decode": False},
+        proxy={"first_byte_timeout_s": 30.0},
+    )
+    try:
+        await post(http, f"{prefill.url}/admin/faults", {"fail_rate": 1.0})
+        status, _ = await asyncio.wait_for(
+            post(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": prompt("sgcanceld", LONG), "max_tokens": 2},
+            ),
+            timeout=10,  # the decode leg would wait for its room for the bootstrap timeout
+        )
+        assert status == 502
+        await poll(lambda: engine_metric(http, decode, "kvroute_emulator_aborted_requests_total"))
+        assert decode.state.drivers[0].model.stats().num_running == 0
+        await poll(lambda: app.core.loads.in_flight == 0)
+    finally:
+        await stop_pd(app, [prefill, decode])
+
+
+async def test_sglang_a_failed_decode_leg_cancels_the_prefill_leg(
+    http: aiohttp.ClientSession,
+) -> None:
+    app, (prefill,), decode = await start_pd(
+        "sgcancel-p", "sglang", prefills=1, proxy={"first_byte_timeout_s": 30.0}
+    )
+    try:
+        await post(http, f"{decode.url}/admin/faults", {"fail_rate": 1.0})
+        status, _ = await asyncio.wait_for(
+            post(
+                http,
+                f"{app.url}/v1/completions",
+                {"prompt": prompt("sgcancelp", LONG), "max_tokens": 2},
+            ),
+            timeout=10,  # the prefill leg would wait for a decode engine to join its room
+        )
+        assert status == 502  # the only decode engine failed: nothing else could serve
+        await poll(lambda: engine_metric(http, prefill, "kvroute_emulator_aborted_requests_total"))
+        assert prefill.state.drivers[0].model.stats().num_running == 0
+        await poll(lambda: app.core.loads.in_flight == 0)
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="prefill_failed") == 0
+    finally:
+        await stop_pd(app, [prefill, decode])
+
+
+# ---------------------------------------------------------------- other handoff paths
+
+
+async def test_a_prefill_answer_without_params_sends_the_request_to_decode_as_is(
+    http: aiohttp.ClientSession,
+) -> None:
+    prefill = await start_test_engine(engine_id="np-p", role="prefill")
+    decode = await start_test_engine(engine_id="np-d", role="decode", handoff_failure="error")
+    app = await start_router(
+        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    )
+    try:
+        # A prefill leg that stops at its first token (a stop token) returns no params.
+        text = prompt("noparams", LONG)
+        _, plain = await post(
+            http, f"{prefill.url}/v1/completions", {"prompt": text, "max_tokens": 1}
+        )
+        (first,) = plain["choices"][0]["text"].split()
+        _, tokens = await post(http, f"{prefill.url}/tokenize", {"prompt": first})
+        await post(http, f"{prefill.url}/reset_prefix_cache", {})
+        reply = await post_reply(
+            http,
+            f"{app.url}/v1/completions",
+            {"prompt": text, "max_tokens": 3, "stop_token_ids": tokens["tokens"]},
+        )
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-kvroute-mode"] == "local:prefill_no_params"
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="no_params") == 1
+    finally:
+        await app.stop()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_decode_leg_failing_after_its_first_token_ends_with_an_sse_error(
+    http: aiohttp.ClientSession,
+) -> None:
+    prefill = await start_test_engine(engine_id="mid-p", role="prefill")
+    decode = await start_test_engine(engine_id="mid-d", role="decode", handoff_failure="error")
+    app = await start_router(
+        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}],
+        health={"interval_s": 30.0},
+    )
+    try:
+        await post(http, f"{decode.url}/admin/faults", {"drop_after_tokens": 2})
+        body = {"prompt": prompt("middrop", LONG), "max_tokens": 10, "stream": True}
+        async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-mode"] == "split"
+            text = (await resp.read()).decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert '"error"' in events[-2]
+        assert app.core.loads.in_flight == 0
+    finally:
+        await app.stop()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_loopback_side_channel_host_is_warned_about_and_counted(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The router knows the prefill engine by this machine's name (not a loopback address)
+    # while its NIXL side channel listens, and is reported, on 127.0.0.1: the mistake a
+    # pod makes without VLLM_NIXL_SIDE_CHANNEL_HOST.
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        pytest.skip(f"this machine's name {name!r} does not resolve")
+    prefill = await start_test_engine(
+        engine_id="lo-p", role="prefill", host=address, side_channel_host="127.0.0.1"
+    )
+    decode = await start_test_engine(engine_id="lo-d", role="decode", handoff_failure="error")
+    app = await start_router(
+        [
+            {"url": f"http://{name}:{prefill.port}", "role": "prefill"},
+            {"url": decode.url, "role": "decode"},
+        ]
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvroute.pd"):
+            reply = await post_reply(
+                http, f"{app.url}/v1/completions", {"prompt": prompt("lo", LONG), "max_tokens": 2}
+            )
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-kvroute-mode"] == "split"
+        samples = await metrics(http, app.url)
+        label = reply.headers["x-kvroute-prefill"]
+        assert metric_sum(samples, "kvroute_handoff_loopback_hosts_total", engine=label) == 1
+        # only warned: the host is not rewritten, so the pull from 127.0.0.1 still works
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="pulled") == 1
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("127.0.0.1" in w and "VLLM_NIXL_SIDE_CHANNEL_HOST" in w for w in warnings)
+    finally:
+        await app.stop()
+        await prefill.stop()
+        await decode.stop()
