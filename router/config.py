@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -116,6 +117,30 @@ class IndexConfig(_Section):
     url: str = Field(
         "redis://127.0.0.1:6379/0", description="Redis URL (`redis://` or `rediss://`)."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        scheme, sep, _ = url.partition("://")
+        if not sep or scheme.lower() not in ("redis", "rediss", "unix"):
+            got = f"{scheme}://" if sep else "no scheme"  # never the URL: it may hold a password
+            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, not {got}")
+        return url
+
+    # The URL's password is masked wherever the configuration is shown: repr() and JSON
+    # (model_dump_json, model_dump(mode="json"): config check). The attribute and
+    # model_dump() keep it, for the Redis client and reloads.
+    @field_serializer("url", when_used="json")
+    def _url_shown(self, url: str) -> str:
+        from router.security import redacted  # router.security imports this module
+
+        return redacted(url)
+
+    def __repr_args__(self) -> list[tuple[str | None, Any]]:
+        from router.security import redacted
+
+        return [(k, redacted(v) if k == "url" else v) for k, v in super().__repr_args__()]
+
     namespace: str = Field("kvroute", min_length=1, description="Prefix of every Redis key.")
     budget_ms: float = Field(
         5.0,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.config import Config, ConfigError, EngineConfig, PolicyConfig
 from router.engines.registry import endpoint_of
+from router.security import redacted
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -83,6 +84,11 @@ def changed_keys(old: Config, new: Config) -> dict[str, tuple[Any, Any]]:
     }
 
 
+def _shown(value: Any) -> Any:
+    """A changed value as the reload log shows it: a URL's password masked (``index.url``)."""
+    return redacted(value) if isinstance(value, str) else value
+
+
 def _set(tree: dict[str, Any], path: str, value: Any) -> None:
     parts = path.split(".")
     for part in parts[:-1]:
@@ -125,14 +131,18 @@ class Reloader:
         if result.applied:
             log.info(
                 "configuration reloaded: %s",
-                "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in result.applied.items()),
+                "; ".join(
+                    f"{k}: {_shown(a)!r} -> {_shown(b)!r}" for k, (a, b) in result.applied.items()
+                ),
             )
         else:
             log.info("configuration reloaded: nothing to apply")
         if result.restart:
             log.warning(
                 "changed but applied only after a restart: %s",
-                "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in result.restart.items()),
+                "; ".join(
+                    f"{k}: {_shown(a)!r} -> {_shown(b)!r}" for k, (a, b) in result.restart.items()
+                ),
             )
         return result
 

@@ -162,9 +162,12 @@ class Credentials:
 
 def redacted(url: str) -> str:
     """``url`` without its password (Redis URLs carry one), for logs and printouts."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:  # not parseable (an unclosed IPv6 bracket): show none of it
+        return "***"
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
     return urlunsplit(parts._replace(netloc=netloc))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,18 +21,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.clients import post_reply
 from support.engines import poll, start_test_engine
 from support.grpc_clients import rpc_error
-from support.routers import start_router
+from support.routers import router_config, start_router
 from support.tls import TestCA
 
+from router.cli import main
 from router.emulator import EmulatedEngine
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+from router.reload import Reloader
 
 CLIENT_KEY = "sk-client-Zx81tQ"
 ADMIN_KEY = "sk-admin-Qm44pL"
 ENGINE_KEY = "sk-engine-Wr27nK"
 SECRETS = (CLIENT_KEY, ADMIN_KEY, ENGINE_KEY)
+REDIS_PASSWORD = "redis-pw-Hq71xZ"
 BODY = {"model": "kvroute-emulated", "prompt": "secure hello", "max_tokens": 2}
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -413,3 +424,43 @@ async def test_no_secret_in_logs_metrics_errors_or_admin_views(
                 assert secret not in text
     finally:
         await app.stop()
+
+
+async def test_a_redis_password_is_never_shown(
+    engine: EmulatedEngine,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Nothing listens there: the router routes without the index and says so in its logs.
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{closed_port()}/0"
+    caplog.set_level(logging.DEBUG)
+    app = await start_router(
+        [engine.url], index={"backend": "redis", "url": url, "namespace": "pw-test"}
+    )
+    try:
+        seen: list[str] = []
+        for _ in range(3):
+            async with http.post(f"{app.url}/v1/completions", json=BODY) as r:
+                assert r.status == 200, await r.text()
+                seen.append(await r.text())
+        for path in ("/metrics", "/admin/engines"):
+            async with http.get(f"{app.url}{path}") as r:
+                seen.append(await r.text())
+        seen += [repr(app.config), str(app.config), app.config.model_dump_json()]
+        # A reload that changes the URL logs the change (it waits for a restart), masked.
+        moved = url.replace("/0", "/1")
+        new = router_config([engine.url], index={"backend": "redis", "url": moved})
+        result = await Reloader(app, lambda: new).reload()
+        assert result is not None and "index.url" in result.restart
+        assert "redis://:***@127.0.0.1" in caplog.text
+        seen.append(caplog.text)
+        assert [text[:300] for text in seen if REDIS_PASSWORD in text] == []
+    finally:
+        await app.stop()
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(f"index:\n  backend: redis\n  url: {url}\n")
+    assert main(["config", "check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert REDIS_PASSWORD not in out and "redis://:***@127.0.0.1" in out

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import AuthConfig
-from router.security import AuthError, Credentials, bearer, engine_allowed, is_loopback
+from router.config import AuthConfig, Config, ConfigError, load_config
+from router.index.redis import RedisIndex
+from router.security import (
+    AuthError,
+    Credentials,
+    bearer,
+    engine_allowed,
+    is_loopback,
+    redacted,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +82,32 @@ def test_upstream_modes() -> None:
 def test_secrets_print_masked() -> None:
     cfg = AuthConfig(api_keys=["sk-visible-not"], upstream="token", upstream_token="tok-123")
     assert "sk-visible-not" not in repr(cfg) and "tok-123" not in cfg.model_dump_json()
+
+
+def test_a_redis_password_prints_masked_but_reaches_the_client() -> None:
+    url = "rediss://kv:pw-Hq71xZ@redis.internal:6380/0?cluster=true"
+    shown = "rediss://kv:***@redis.internal:6380/0?cluster=true"
+    config = load_config(overrides={"index": {"backend": "redis", "url": url}}, environ={})
+    for text in (repr(config), str(config), repr(config.index), config.model_dump_json()):
+        assert "pw-Hq71xZ" not in text and shown in text
+    assert config.model_dump(mode="json")["index"]["url"] == shown  # kvroute config check
+    # What needs the real URL keeps it: the attribute (the Redis client) and
+    # model_dump(), which reloads rebuild the configuration from.
+    assert config.index.url == url
+    assert config.model_dump()["index"]["url"] == url
+    assert Config.model_validate(config.model_dump()).index.url == url
+    assert RedisIndex.from_config(config.index).url == url
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redacted("redis://:pw@[::1") == "***"  # unparseable: nothing of it is shown
+
+
+def test_an_index_url_that_is_not_redis_is_refused_without_its_password() -> None:
+    for url, got in (("http://:pw-Hq71xZ@host:1/0", "http://"), ("pw-Hq71xZ@host:1", "no scheme")):
+        with pytest.raises(ConfigError, match=r"index\.url") as refused:
+            load_config(overrides={"index": {"url": url}}, environ={})
+        assert got in str(refused.value) and "pw-Hq71xZ" not in str(refused.value)
+    for scheme in ("redis", "rediss", "unix"):
+        load_config(overrides={"index": {"url": f"{scheme}://localhost/0"}}, environ={})
 
 
 async def test_engine_networks() -> None:
