@@ -424,7 +424,9 @@ class DisaggregationConfig(_Section):
     """Prefill/decode disaggregation: when to split, and how (docs/disaggregation.md)."""
 
     handoff: Literal["nixl", "sglang"] = Field(
-        "nixl", description="KV-transfer dialect of the prefill/decode pools."
+        "nixl",
+        description="KV-transfer dialect of the prefill/decode pools "
+        "(`models[].handoff` overrides it per model).",
     )
     min_uncached_tokens: int = Field(
         512,
@@ -530,6 +532,11 @@ class ModelConfig(_Section):
     )
     block_size: int | None = Field(
         None, gt=0, description="This pool's KV block size (default: the top-level one)."
+    )
+    handoff: Literal["nixl", "sglang"] | None = Field(
+        None,
+        description="KV-transfer dialect of this model's prefill/decode pools "
+        "(default: `disaggregation.handoff`).",
     )
 
 
@@ -855,7 +862,8 @@ class Config(_Section):
         default_factory=TokenizerConfig, description="Default tokenizer of every model."
     )
     models: list[ModelConfig] = Field(
-        default_factory=list, description="Per-model settings (tokenizer, block size)."
+        default_factory=list,
+        description="Per-model settings (tokenizer, block size, handoff dialect).",
     )
     tokenizer_guard: TokenizerGuardConfig = Field(default_factory=TokenizerGuardConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
@@ -878,6 +886,13 @@ class Config(_Section):
             if m.name == model:
                 return m.tokenizer or self.tokenizer, m.block_size or self.block_size
         return self.tokenizer, self.block_size
+
+    def handoff_for(self, model: str) -> str:
+        """The KV-transfer dialect of a model's prefill/decode pools."""
+        for m in self.models:
+            if m.name == model and m.handoff is not None:
+                return m.handoff
+        return self.disaggregation.handoff
 
     indexer: IndexerConfig = Field(default_factory=IndexerConfig)
 

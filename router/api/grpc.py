@@ -147,7 +147,7 @@ def routing_headers(app: RouterApp, plan: Plan) -> dict[str, str]:
 def _handoff(app: RouterApp, plan: Plan) -> pb.Handoff | None:
     if plan.prefill is None:
         return None
-    dialect = app.config.disaggregation.handoff
+    dialect = app.config.handoff_for(app.registry.base_of(plan.model))
     if dialect == "nixl":
         params = _encode(nixl.REMOTE_DECODE_PARAMS).decode()
         return pb.Handoff(dialect=dialect, prefill_kv_transfer_params_json=params)

@@ -7,7 +7,8 @@ For a model served by prefill and decode pools, each request:
 2. decides whether a split pays (:func:`~router.policy.disagg.decide_split`); if not,
    the decode engine serves it alone, exactly as in an aggregated pool;
 3. otherwise picks a prefill engine by cache affinity and queue (the router's policy)
-   and drives the handoff in the pool's dialect:
+   and drives the handoff in the pool's dialect (``models[].handoff``, by default
+   ``disaggregation.handoff``):
 
    * **NIXL** (pull): a one-token prefill leg returns ``kv_transfer_params``, then the
      decode leg carries them verbatim and streams the answer. A prefill answer without
@@ -81,6 +82,7 @@ class PDForwarder:
         assert model is not None
         failed_decode: set[str] = set()
         last_error: UpstreamError | None = None
+        dialect = app.config.handoff_for(app.registry.base_of(model))
         for _attempt in range(1 + app.config.proxy.retries):
             try:
                 decode = await decider.choose_decode(route_request, model, exclude=failed_decode)
@@ -100,7 +102,7 @@ class PDForwarder:
                         outcome,
                         extra_headers={"x-kvroute-mode": f"local:{split.reason}"},
                     )
-                if app.config.disaggregation.handoff == "sglang":
+                if dialect == "sglang":
                     return await self._sglang(
                         sink,
                         path,

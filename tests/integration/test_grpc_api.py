@@ -200,6 +200,31 @@ async def test_pick_agrees_with_the_http_path_on_disaggregated_pools(
         await via_http.stop()
 
 
+async def test_pick_names_the_handoff_dialect_of_the_models_pool(
+    pools: dict[str, list[EmulatedEngine]], http: aiohttp.ClientSession
+) -> None:
+    await reset(http, pools["prefill"] + pools["decode"])
+    model = pools["prefill"][0].config.model
+    app = await start_router(
+        pd_urls(pools), grpc={"port": 0}, models=[{"name": model, "handoff": "sglang"}]
+    )
+    try:
+        async with connect(app.grpc_port) as stubs:
+            body = {"prompt": words("sgpick", LONG), "max_tokens": 3}
+            pick = await stubs.router.Pick(
+                pb.PickRequest(request_id="sg-pick", body=json.dumps(body).encode())
+            )
+            await stubs.router.Release(pb.ReleaseRequest(request_id="sg-pick"))
+        assert pick.mode == pb.MODE_SPLIT
+        assert pick.handoff.dialect == "sglang"
+        prefill = app.registry.get(pick.prefill.endpoint)
+        assert pick.handoff.bootstrap_port == prefill.bootstrap_port
+        assert pick.handoff.bootstrap_host == "127.0.0.1"
+        assert not pick.handoff.prefill_kv_transfer_params_json
+    finally:
+        await app.stop()
+
+
 async def test_pick_explains_its_choice_and_accepts_every_prompt_form(
     router: RouterApp, fleet: list[EmulatedEngine]
 ) -> None:

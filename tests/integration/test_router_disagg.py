@@ -602,3 +602,51 @@ async def test_a_loopback_side_channel_host_is_warned_about_and_counted(
         await app.stop()
         await prefill.stop()
         await decode.stop()
+
+
+async def test_two_models_hand_off_in_their_own_dialects(http: aiohttp.ClientSession) -> None:
+    # alpha keeps the global dialect (nixl); beta's pools speak SGLang, and so do the
+    # requests for beta's LoRA adapter.
+    engines = {
+        f"{model}-{role}": await start_test_engine(
+            engine_id=f"{model}-{role}",
+            model=model,
+            role=role,
+            handoff_failure="error",
+            **({"lora_modules": ("beta-chat",)} if model == "beta" else {}),
+        )
+        for model in ("alpha", "beta")
+        for role in ("prefill", "decode")
+    }
+    app = await start_router(
+        [{"url": e.url, "role": name.split("-")[1]} for name, e in engines.items()],
+        models=[{"name": "beta", "handoff": "sglang"}],
+    )
+    try:
+        assert app.config.disaggregation.handoff == "nixl"
+        expected = {"nixl": 0, "sglang": 0}
+        for model, dialect in (("alpha", "nixl"), ("beta", "sglang"), ("beta-chat", "sglang")):
+            reply = await post_reply(
+                http,
+                f"{app.url}/v1/completions",
+                {"model": model, "prompt": prompt(f"{model}x", LONG), "max_tokens": 2},
+            )
+            assert reply.status == 200, reply.body
+            assert reply.headers["x-kvroute-mode"] == "split"
+            base = model.split("-")[0]
+            assert reply.headers["x-kvroute-prefill"] == endpoint(engines[f"{base}-prefill"])
+            assert reply.headers["x-kvroute-engine"] == endpoint(engines[f"{base}-decode"])
+            expected[dialect] += 1
+            samples = await metrics(http, app.url)
+            for name, count in expected.items():
+                got = metric_sum(samples, "kvroute_handoffs_total", dialect=name, outcome="pulled")
+                assert got == count, (model, name)
+        for base in ("alpha", "beta"):
+            pulled = await engine_metric(
+                http, engines[f"{base}-decode"], "kvroute_emulator_kv_pulled_tokens_total"
+            )
+            assert pulled >= LONG - 16
+    finally:
+        await app.stop()
+        for engine in engines.values():
+            await engine.stop()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from router.api.errors import ApiError
 from router.api.usage import UsageTap
-from router.config import DisaggregationConfig
+from router.cli import _parser
+from router.config import ConfigError, DisaggregationConfig, load_config
 from router.handoff import nixl, sglang
 from router.policy.disagg import decide_split
+from router.serve import config_from_args
 from router.sidecar import AllowList, parse_target
 
 CFG = DisaggregationConfig()
@@ -117,6 +120,38 @@ def test_sglang_legs_carry_the_pairs_bootstrap_fields() -> None:
         "bootstrap_port": 8998,
         "bootstrap_room": room,
     }
+
+
+class TestPerModelDialect:
+    def test_a_model_entry_overrides_the_global_dialect(self) -> None:
+        config = load_config(
+            overrides={
+                "models": [
+                    {"name": "beta", "handoff": "sglang"},
+                    {"name": "gamma", "block_size": 32},
+                ]
+            },
+            environ={},
+        )
+        assert config.disaggregation.handoff == "nixl"
+        assert config.handoff_for("beta") == "sglang"
+        assert config.handoff_for("gamma") == "nixl"  # an entry without a dialect: the default
+        assert config.handoff_for("alpha") == "nixl"  # no entry at all
+
+    def test_the_handoff_flag_sets_the_default_and_model_entries_still_win(
+        self, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "kvroute.yaml"
+        path.write_text("models:\n  - name: beta\n    handoff: nixl\n")
+        args = _parser("serve").parse_args(["serve", "--config", str(path), "--handoff", "sglang"])
+        config = config_from_args(args)
+        assert config.disaggregation.handoff == "sglang"
+        assert config.handoff_for("alpha") == "sglang"
+        assert config.handoff_for("beta") == "nixl"
+
+    def test_an_unknown_dialect_is_refused(self) -> None:
+        with pytest.raises(ConfigError, match=r"models\.0\.handoff"):
+            load_config(overrides={"models": [{"name": "beta", "handoff": "mooncake"}]}, environ={})
 
 
 class TestUsageTap:
