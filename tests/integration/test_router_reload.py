@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from support.clients import post_reply
+from support.clients import get, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import router_config, start_router
 
@@ -68,6 +68,24 @@ def test_changed_keys_compare_lists_whole() -> None:
     a = router_config(["http://127.0.0.1:1"])
     b = router_config(["http://127.0.0.1:1", "http://127.0.0.1:2"], policy={"queue_weight": 3})
     assert set(changed_keys(a, b)) == {"engines", "policy.queue_weight"}
+
+
+async def test_a_draining_router_answers_not_ready_and_stays_alive(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([engine.url])
+    try:
+        await poll(lambda: app.registry.healthy_count() > 0)
+        assert (await get(http, f"{app.url}/ready"))[0] == 200
+        # SIGTERM's first step. In a process the HTTP listener closes right after it
+        # (test_serve_signals.py): probes then see refused connections, and the gRPC
+        # health service, which stays up, NOT_SERVING.
+        app.begin_drain()
+        status, body = await get(http, f"{app.url}/ready")
+        assert status == 503 and body["reason"] == "draining"
+        assert (await get(http, f"{app.url}/health"))[0] == 200
+    finally:
+        await app.stop()
 
 
 async def test_a_drain_deadline_cancels_what_is_still_running(

@@ -20,9 +20,12 @@ import pytest_asyncio
 import yaml
 from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll, start_test_engine
+from support.grpc_clients import connect, health_status
 
 from router.emulator import EmulatedEngine
 from router.process import ServerProcess
+
+GRPC_SERVICES = ("", "kvroute.v1.Router", "kvroute.v1.Admin")
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -58,8 +61,17 @@ def stderr_of(proc: ServerProcess) -> str:
 async def test_sigterm_lets_a_stream_finish_then_exits_0(
     slow_engine: EmulatedEngine, tmp_path: Path
 ) -> None:
-    proc, _ = await serve(config_for(slow_engine, server={"drain_timeout_s": 30}), tmp_path)
+    config = config_for(slow_engine, server={"drain_timeout_s": 30}, grpc={"port": 0})
+    proc, _ = await serve(config, tmp_path)
     try:
+        assert proc.proc.stdout is not None
+        line = await asyncio.to_thread(proc.proc.stdout.readline)  # the gRPC listener's
+        match = re.search(r"gRPC API listening on \S+:(\d+)", line)
+        assert match, line
+        grpc_port = int(match.group(1))
+        async with connect(grpc_port) as stubs:
+            for service in GRPC_SERVICES:
+                assert await health_status(stubs.health, service) == "SERVING"
         async with aiohttp.ClientSession() as http:
             body = {"prompt": "drain me " * 20, "max_tokens": 300, "stream": True}
             async with http.post(f"{proc.url}/v1/completions", json=body) as resp:
@@ -76,8 +88,16 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(
                         return True
                     return False
 
-                # New connections are refused while the stream goes on.
+                # New HTTP connections are refused while the stream goes on; the gRPC
+                # listener stays up and its health says NOT_SERVING for every service.
                 await poll(refused, timeout=5)
+                async with connect(grpc_port) as stubs:
+                    for service in GRPC_SERVICES:
+
+                        async def not_serving(service: str = service) -> bool:
+                            return await health_status(stubs.health, service) == "NOT_SERVING"
+
+                        await poll(not_serving, timeout=5)
                 assert proc.proc.poll() is None
                 rest = first + await resp.read()
             events = [e for e in rest.decode().split("\n\n") if e]
