@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 from support.vllm_publisher import Publisher
 
+from router.events import subscriber as subscriber_module
 from router.events.ingest import EventIngestor
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored
@@ -266,6 +267,60 @@ async def test_bind_mode_keys_streams_by_topic(ctx, subscriber, index, tmp_path)
     )
     for pub in pubs:
         await pub.close()
+
+
+async def test_a_bound_socket_keeps_a_bounded_number_of_topic_streams(
+    ctx, subscriber, index, tmp_path, monkeypatch
+) -> None:
+    """Engines that connect choose their topics and DP ranks: past MAX_TOPICS (topic,
+    rank) streams, messages on new ones are dropped as unknown; known ones still land."""
+    monkeypatch.setattr(subscriber_module, "MAX_TOPICS", 3)
+    resolved: list[tuple[str, int | None]] = []
+
+    def resolve(topic: str, rank: int | None) -> EventSource | None:
+        parsed = parse_llmd_topic(topic)
+        if parsed is None:
+            return None
+        resolved.append((topic, rank))
+        endpoint, model = parsed
+        return EventSource(EngineKey(endpoint, rank or 0), model)
+
+    bound = await subscriber.bind(f"ipc://{tmp_path}/central", resolve)
+    pub = Publisher(ctx, bound, f"ipc://{tmp_path}/many-replay", connect=True)
+    topic = {i: f"kv@10.0.0.{i}:8000@{MODEL}".encode() for i in range(1, 4)}
+    engine = {i: EngineKey(f"10.0.0.{i}:8000") for i in range(1, 4)}
+    toks = {n: tokens(1000 * n, 1) for n in range(1, 7)}
+
+    async def first_landed() -> bool:
+        if depth(index, toks[1], engine[1]) == 0:
+            pub.restart()  # resend from scratch until the connection is up
+            pub.topic = topic[1]
+            await pub.publish([stored([1], toks[1])])
+        await asyncio.sleep(0.02)
+        return depth(index, toks[1], engine[1]) == 1
+
+    await until(first_landed)
+    pub.topic = topic[2]
+    await pub.publish([stored([2], toks[2])])  # stream 2
+    pub.topic = topic[1]
+    await pub.publish([stored([3], toks[3])], rank=1)  # stream 3: a new rank is a new stream
+    pub.topic = topic[3]
+    await pub.publish([stored([4], toks[4])])  # over the bound: dropped
+    pub.topic = topic[1]
+    await pub.publish([stored([5], toks[5])], rank=2)  # dropped too
+    pub.topic = topic[2]
+    await pub.publish([stored([6], toks[6])])  # a known stream goes on
+    await until(lambda: asyncio.sleep(0, depth(index, toks[6], engine[2]) == 1))
+    assert resolved == [
+        (topic[1].decode(), None),
+        (topic[2].decode(), None),
+        (topic[1].decode(), 1),
+    ]
+    assert subscriber.stats.unknown_topics == 2
+    assert depth(index, toks[3], EngineKey(engine[1].endpoint, 1)) == 1
+    assert depth(index, toks[4], engine[3]) == 0
+    assert depth(index, toks[5], EngineKey(engine[1].endpoint, 2)) == 0
+    await pub.close()
 
 
 def test_llmd_topics_parse() -> None:
