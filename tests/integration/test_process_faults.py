@@ -1,5 +1,8 @@
-"""Faults on real processes: an engine killed mid-stream, and a router restarted while
-its engines keep their caches (the index comes back through KV-event replay)."""
+"""Process-level faults: a ``kvroute engine`` child process SIGKILLed mid-stream in front
+of a router in this process; and a router restarted while its engines keep their
+caches, done in this process (one router app stopped, a fresh one with an empty index
+started over the same in-process emulated engines), whose index comes back only
+through KV-event replay over real ZMQ sockets."""
 
 from __future__ import annotations
 
@@ -67,9 +70,10 @@ async def test_an_engine_killed_midstream_ends_the_stream_cleanly_and_is_ejected
 async def test_a_restarted_router_rebuilds_its_index_from_replay(
     ipc_dir: Path, http: aiohttp.ClientSession
 ) -> None:
-    """Router 1 warms two engines' caches and stops; router 2 starts on the same engines
-    with an empty index, replays their KV events and routes a cached prefix back to
-    the engine that holds it (the engines count the hit)."""
+    """Router app 1 warms two engines' caches and stops; router app 2 (same process, a
+    new app with an empty index) starts on the same engines, replays their KV events
+    and routes a cached prefix back to the engine that holds it (the engines count the
+    hit). Everything runs in this process; only the sockets are real."""
     engines = [
         await start_test_engine(
             engine_id=f"keep{i}",
