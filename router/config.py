@@ -78,6 +78,9 @@ class PolicyConfig(_Section):
     kv_usage_weight: float = Field(
         0.0, ge=0, description="Block-equivalents of cost at 100% engine-reported KV usage."
     )
+    running_weight: float = Field(
+        0.0, ge=0, description="Block-equivalents of cost per engine-reported running request."
+    )
     report_max_age_s: float = Field(
         10.0, gt=0, description="Engine-reported values older than this are ignored."
     )
@@ -490,6 +493,32 @@ class DisaggregationConfig(_Section):
         ge=0,
         description="Decode engine choice: cost per block of the prompt it does "
         "not hold (what it would have to pull or prefill).",
+    )
+    decode_kv_usage_weight: float = Field(
+        32.0,
+        ge=0,
+        description="Decode engine choice: block-equivalents of cost at 100% "
+        "engine-reported KV usage (replaces `policy.kv_usage_weight` there). Reports see "
+        "other routers' traffic, but are as old as the last scrape and also count this "
+        "router's own requests, which `decode_weight` counts already. 32 blocks (512 "
+        "tokens at block size 16): a full engine against an empty one weighs less than "
+        "one 1,000-token request in flight, so reports order engines the router sees as "
+        "(nearly) equal without outweighing its own accounting.",
+    )
+    decode_waiting_weight: float = Field(
+        4.0,
+        ge=0,
+        description="Decode engine choice: block-equivalents per engine-reported waiting "
+        "request (a decode engine that queues is short of KV memory or batch slots; "
+        "replaces `policy.waiting_weight` there); small for the reasons "
+        "`decode_kv_usage_weight` gives.",
+    )
+    decode_running_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Decode engine choice: block-equivalents per engine-reported running "
+        "request (each one shares every decode step; replaces `policy.running_weight` "
+        "there); small for the reasons `decode_kv_usage_weight` gives.",
     )
 
 

@@ -51,9 +51,11 @@ def make_decode_policy(
 ) -> Policy:
     """The policy that picks decode engines of a disaggregated pool.
 
-    Cache-aware routers choose decode engines by their own cost; a baseline policy
-    (round_robin, random, ...) chooses both legs, each leg with its own instance so
-    that, e.g., round robin rotates prefill and decode engines independently.
+    Cache-aware routers choose decode engines by their own cost, with the engines'
+    reported KV usage and running/waiting requests weighed by the ``disaggregation``
+    decode weights; a baseline policy (round_robin, random, ...) chooses both legs,
+    each leg with its own instance so that, e.g., round robin rotates prefill and decode
+    engines independently.
     """
     if router_policy.uses_index:
         return DecodeCostPolicy.for_disaggregation(
@@ -62,6 +64,9 @@ def make_decode_policy(
             disaggregation.decode_queue_weight,
             disaggregation.decode_prefix_weight,
             clock,
+            waiting_weight=disaggregation.decode_waiting_weight,
+            running_weight=disaggregation.decode_running_weight,
+            kv_usage_weight=disaggregation.decode_kv_usage_weight,
         )
     return make_policy(config, clock)
 

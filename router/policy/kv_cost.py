@@ -5,7 +5,8 @@ Per candidate, in KV blocks (lower wins)::
     queue    = queue_weight   * prefill tokens already queued on the engine / block_size
     prefill  = prefill_weight * (prompt_tokens - cached_tokens) / block_size
     decode   = decode_weight  * blocks held by the engine's decoding requests
-    reported = waiting_weight * reported_waiting + kv_usage_weight * reported_kv_usage
+    reported = waiting_weight * reported_waiting + running_weight * reported_running
+               + kv_usage_weight * reported_kv_usage
     cost     = queue + prefill + decode + reported
 
 ``cached_tokens`` is the match depth (offloaded blocks weighted by ``offload_weight``)
@@ -28,7 +29,8 @@ keeps a burst together until the queue really costs more than the recompute, the
 spreads it. Load stays part of every decision, which is what keeps a workload whose
 prompts all share their first block from piling onto one engine. Engine-reported terms
 are off by default (the router's own accounting is fresher) and ignored once older
-than ``report_max_age_s``.
+than ``report_max_age_s``; the decode choice of a disaggregated pool weighs them a
+little by default (:class:`DecodeCostPolicy`).
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ class KVCostPolicy(Policy):
         per_uncached = cfg.prefill_weight / bs
         per_decode_block = cfg.decode_weight
         offload_discount = 1.0 - cfg.offload_weight
-        ww, wk = cfg.waiting_weight, cfg.kv_usage_weight
-        fresh_after = self._clock() - cfg.report_max_age_s if ww or wk else None
+        ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
+        fresh_after = self._clock() - cfg.report_max_age_s if ww or wr or wk else None
         get_match, get_load = matches.get, loads.get
         scores = []
         append = scores.append
@@ -99,7 +101,11 @@ class KVCostPolicy(Policy):
                 and load.reported_at is not None
                 and load.reported_at >= fresh_after
             ):
-                reported = ww * (load.waiting or 0.0) + wk * (load.kv_usage or 0.0)
+                reported = (
+                    ww * (load.waiting or 0.0)
+                    + wr * (load.running or 0.0)
+                    + wk * (load.kv_usage or 0.0)
+                )
             append(
                 Score(
                     engine,
@@ -178,6 +184,10 @@ class DecodeCostPolicy(KVCostPolicy):
     Decode engines are memory-bound: their decode load weighs fully, and the blocks of
     the prompt they lack (what they must pull or prefill) weigh less than on a prefill
     engine, though they still steer multi-turn chats back to the engine holding them.
+    Engine-reported KV usage and running/waiting requests count a little
+    (``disaggregation.decode_kv_usage_weight`` and the like): they see traffic this
+    router does not, but are as old as the last scrape and count this router's own
+    requests a second time, so they break near-ties rather than decide.
     """
 
     name = "decode_cost"
@@ -190,13 +200,24 @@ class DecodeCostPolicy(KVCostPolicy):
         queue_weight: float,
         prefix_weight: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        waiting_weight: float | None = None,
+        running_weight: float | None = None,
+        kv_usage_weight: float | None = None,
     ) -> DecodeCostPolicy:
-        cfg = base.model_copy(
-            update={
-                "decode_weight": decode_weight,
-                "queue_weight": queue_weight,
-                "prefill_weight": prefix_weight,
-                "temperature": 0.0,
-            }
-        )
-        return cls(cfg, clock)
+        """The decode policy: ``base`` with the decode weights; the engine-reported
+        weights replace ``base``'s when given."""
+        update: dict[str, float] = {
+            "decode_weight": decode_weight,
+            "queue_weight": queue_weight,
+            "prefill_weight": prefix_weight,
+            "temperature": 0.0,
+        }
+        for name, value in (
+            ("waiting_weight", waiting_weight),
+            ("running_weight", running_weight),
+            ("kv_usage_weight", kv_usage_weight),
+        ):
+            if value is not None:
+                update[name] = value
+        return cls(base.model_copy(update=update), clock)

@@ -153,6 +153,51 @@ async def test_ready_pods_become_engines_that_serve_requests(
         await app.stop()
 
 
+async def test_pods_outside_the_allowed_networks_are_skipped(
+    kube: FakeKubeAPI,
+    tmp_path: Path,
+    fresh_engines: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """auth.engine_cidrs holds for discovered pods too: a pod whose IP is outside is
+    never an engine (whoever can create pods cannot point the router elsewhere)."""
+    inside, outside, _ = fresh_engines
+    await kube.put(pod("inside", IPS[0]))
+    await kube.put(pod("outside", IPS[1]))  # a real engine listens there, but not allowed
+    await kube.put(pod("metadata", "169.254.169.254"))
+    caplog.set_level(logging.WARNING, logger="kvroute.discovery")
+    app = await start_router(
+        [],
+        discovery={
+            "kubernetes": {
+                "enabled": True,
+                "kubeconfig": str(kube.kubeconfig(tmp_path, "test-token")),
+                "namespace": kube.namespace,
+                "port": port_of(inside),
+                "sync_timeout_s": 5,
+            }
+        },
+        auth={"engine_cidrs": [f"{IPS[0]}/32"]},
+    )
+    try:
+        skipped = {
+            name: f"pod {kube.namespace}/{name}: not an engine" for name in ("outside", "metadata")
+        }
+        await poll(lambda: all(line in caplog.text for line in skipped.values()))
+        assert "engine_cidrs" in caplog.text
+        await poll(lambda: candidates(app) == {key(inside).endpoint})
+        assert app.registry.get(key(outside).endpoint) is None
+        assert [e.endpoint for e in app.registry] == [key(inside).endpoint]
+        assert await served_by(http, app, 3) == {key(inside).label}
+        await kube.put(pod("outside", IPS[1], labels={"changed": "yes"}))  # a later event
+        await poll(lambda: caplog.text.count(skipped["outside"]) == 2)  # checked again
+        assert await served_by(http, app, 3) == {key(inside).label}
+        assert app.registry.get(key(outside).endpoint) is None
+    finally:
+        await app.stop()
+
+
 async def test_labels_and_annotations_set_role_models_and_port(
     kube: FakeKubeAPI, tmp_path: Path, fresh_engines: list[EmulatedEngine]
 ) -> None:

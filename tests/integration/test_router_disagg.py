@@ -20,6 +20,7 @@ from support.routers import start_router
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
+from router.engines.load import EngineLoad
 
 LONG = 2000
 
@@ -649,4 +650,45 @@ async def test_two_models_hand_off_in_their_own_dialects(http: aiohttp.ClientSes
     finally:
         await app.stop()
         for engine in engines.values():
+            await engine.stop()
+
+
+async def test_decode_choice_follows_engine_reported_load_the_router_does_not_see(
+    http: aiohttp.ClientSession,
+) -> None:
+    # busy runs in real time and is kept busy by requests sent to it directly (another
+    # router's traffic): this router has nothing in flight on either decode engine.
+    prefill = await start_test_engine(engine_id="rl-p", role="prefill")
+    busy = await start_test_engine(engine_id="rl-busy", role="decode", time_scale=1.0)
+    idle = await start_test_engine(engine_id="rl-idle", role="decode")
+    app = await start_router(
+        [
+            {"url": prefill.url, "role": "prefill"},
+            {"url": busy.url, "role": "decode"},
+            {"url": idle.url, "role": "decode"},
+        ]
+    )
+
+    async def foreign(i: int) -> None:
+        body = {"prompt": prompt(f"foreign{i}x", 300), "max_tokens": 5000, "stream": True}
+        async with http.post(f"{busy.url}/v1/completions", json=body) as resp:
+            await resp.read()
+
+    background = [asyncio.ensure_future(foreign(i)) for i in range(4)]
+    try:
+        key = app.registry.get(endpoint(busy)).keys[0]
+        await poll(lambda: (app.core.loads.view.get(key) or EngineLoad()).running == 4)
+        for i in range(6):
+            reply = await post_reply(
+                http, f"{app.url}/v1/completions", {"prompt": f"short {i}", "max_tokens": 2}
+            )
+            assert reply.status == 200, reply.body
+            assert reply.headers["x-kvroute-mode"] == "local:short_uncached"
+            assert reply.headers["x-kvroute-engine"] == endpoint(idle), i
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await app.stop()
+        for engine in (prefill, busy, idle):
             await engine.stop()

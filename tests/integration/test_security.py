@@ -136,6 +136,27 @@ async def test_engines_added_at_run_time_must_be_in_the_allowed_networks(
         await app.stop()
 
 
+async def test_grpc_add_engine_must_be_in_the_allowed_networks(
+    engine: EmulatedEngine,
+) -> None:
+    app = await start_router([engine.url], grpc={"port": 0}, auth={"engine_cidrs": ["127.0.0.0/8"]})
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            admin = pb_grpc.AdminStub(channel)
+            for target in ("http://169.254.169.254:80", "http://10.1.2.3:8000", "http://[::1]:9"):
+                code, message = await rpc_error(admin.AddEngine(pb.AddEngineRequest(url=target)))
+                assert code == grpc.StatusCode.PERMISSION_DENIED, target
+                assert "engine_cidrs" in message and target in message
+                assert app.registry.get(target.removeprefix("http://")) is None
+            added = await admin.AddEngine(
+                pb.AddEngineRequest(url="http://localhost:9", kv_events="none")
+            )
+            assert added.endpoint == "localhost:9"  # localhost resolves to loopback only
+        assert len(app.registry) == 2
+    finally:
+        await app.stop()
+
+
 async def test_upstream_credentials(
     locked_engine: EmulatedEngine, http: aiohttp.ClientSession
 ) -> None:

@@ -1,4 +1,5 @@
-"""Disaggregation's pure parts: the split decision, the NIXL legs, usage rewriting."""
+"""Disaggregation's pure parts: the decode engine choice, the split decision, the NIXL
+legs, per-model dialects, usage rewriting."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import pytest
 from router.api.errors import ApiError
 from router.api.usage import UsageTap
 from router.cli import _parser
-from router.config import ConfigError, DisaggregationConfig, load_config
+from router.config import ConfigError, DisaggregationConfig, PolicyConfig, load_config
+from router.engines.load import EngineLoad
 from router.handoff import nixl, sglang
+from router.index.base import Match
+from router.policy import make_decode_policy, make_policy
+from router.policy.base import Policy, RouteRequest
 from router.policy.disagg import decide_split
 from router.serve import config_from_args
 from router.sidecar import AllowList, parse_target
+from router.types import EngineKey
 
 CFG = DisaggregationConfig()
 
@@ -42,6 +48,102 @@ class TestSplitDecision:
         slow = CFG.model_copy(update={"transfer_bandwidth_gb_s": 1.0})
         d = decide_split(4000, 0, True, slow)
         assert not d.split and d.reason == "transfer_costs_more" and d.transfer_s > d.saved_s
+
+
+A, B = EngineKey("127.0.0.1:9001"), EngineKey("127.0.0.1:9002")
+
+
+def decode_policy(clock: float = 1.0, **weights: float) -> Policy:
+    """The decode policy ``kvroute serve`` builds (and the simulator: same call)."""
+    policy = PolicyConfig()
+    return make_decode_policy(
+        policy, CFG.model_copy(update=weights), make_policy(policy), lambda: clock
+    )
+
+
+def decode_request(rid: str = "r") -> RouteRequest:
+    return RouteRequest(rid, list(range(125)), 2000, 16)
+
+
+def reported(waiting: float, running: float, kv_usage: float, **in_flight: int) -> EngineLoad:
+    return EngineLoad(
+        waiting=waiting, running=running, kv_usage=kv_usage, reported_at=0.0, **in_flight
+    )
+
+
+class TestDecodeChoice:
+    def test_in_flight_decode_work_steers_away(self) -> None:
+        loads = {A: EngineLoad(requests=8, decode_blocks=400), B: EngineLoad()}
+        d = decode_policy().choose(decode_request(), [A, B], {A: Match(0), B: Match(0)}, loads)
+        assert d.engine == B
+
+    def test_a_held_prefix_on_an_idle_decode_engine_wins(self) -> None:
+        loads = {A: EngineLoad(), B: EngineLoad()}
+        d = decode_policy().choose(decode_request(), [A, B], {A: Match(0), B: Match(100)}, loads)
+        assert d.engine == B
+
+    def test_the_decode_weights_reach_the_decode_policy(self) -> None:
+        policy = decode_policy(
+            decode_kv_usage_weight=10.0, decode_waiting_weight=3.0, decode_running_weight=2.0
+        )
+        cfg = policy.config  # type: ignore[attr-defined]
+        assert (cfg.kv_usage_weight, cfg.waiting_weight, cfg.running_weight) == (10.0, 3.0, 2.0)
+        # the router's own policy keeps its own (zero) engine-reported weights
+        assert PolicyConfig().kv_usage_weight == PolicyConfig().running_weight == 0.0
+        # a baseline router policy chooses decode engines itself, weights or not
+        baseline = make_decode_policy(
+            PolicyConfig(name="round_robin"), CFG, make_policy(PolicyConfig(name="round_robin"))
+        )
+        assert baseline.name == "round_robin"
+
+    def test_every_reported_signal_counts_by_default(self) -> None:
+        loads = {
+            A: reported(2, 0, 0),
+            B: reported(0, 3, 0),
+            EngineKey("127.0.0.1:9003"): reported(0, 0, 0.5),
+        }
+        scores = decode_policy().score(decode_request(), list(loads), {}, loads)
+        assert [s.reported for s in scores] == [
+            2 * CFG.decode_waiting_weight,
+            3 * CFG.decode_running_weight,
+            0.5 * CFG.decode_kv_usage_weight,
+        ]
+        assert all(s.reported > 0 for s in scores)
+
+    def test_reported_load_decides_when_in_flight_work_is_equal(self) -> None:
+        # The same in-flight work from this router on both engines; A is busier with
+        # traffic this router does not see (other routers' requests).
+        loads = {
+            A: reported(2, 12, 0.9, requests=2, decode_blocks=200),
+            B: reported(0, 3, 0.2, requests=2, decode_blocks=200),
+        }
+        policy = decode_policy()
+        picks = {
+            policy.choose(decode_request(f"r{i}"), [A, B], {}, loads).engine for i in range(20)
+        }
+        assert picks == {B}
+        # without the reported terms it is a tie, broken by request id: both engines win
+        blind = decode_policy(
+            decode_kv_usage_weight=0.0, decode_waiting_weight=0.0, decode_running_weight=0.0
+        )
+        picks = {blind.choose(decode_request(f"r{i}"), [A, B], {}, loads).engine for i in range(20)}
+        assert picks == {A, B}
+
+    def test_reported_load_does_not_outweigh_a_request_in_flight(self) -> None:
+        # A reports a full cache and a busy batch; B has one more 1,000-token request of
+        # this router in flight (63 blocks), which B's report counts too.
+        loads = {
+            A: reported(0, 8, 1.0),
+            B: reported(0, 1, 0.1, requests=1, decode_blocks=63),
+        }
+        d = decode_policy().choose(decode_request(), [A, B], {}, loads)
+        assert d.engine == A
+
+    def test_stale_reports_are_ignored(self) -> None:
+        age = PolicyConfig().report_max_age_s
+        loads = {A: reported(5, 20, 1.0), B: reported(0, 0, 0.0)}
+        scores = decode_policy(clock=age + 1.0).score(decode_request(), [A, B], {}, loads)
+        assert [s.reported for s in scores] == [0.0, 0.0]
 
 
 class TestNixl:
