@@ -62,12 +62,13 @@ class PolicyConfig(_Section):
         1.0, ge=0, description="Cost per block of prefill already queued on the engine."
     )
     decode_weight: float = Field(
-        0.5,
+        0.25,
         ge=0,
-        description="Cost per KV block held by the engine's decoding requests. Half a "
-        "prefill block: decoding shares each step with a newcomer rather than queueing "
+        description="Cost per KV block held by the engine's decoding requests. A quarter "
+        "of a prefill block: decoding shares each step with a newcomer rather than queueing "
         "ahead of it, but it is the load a conversation keeps on its engine for every "
-        "later turn (tuned on `kvroute bench --workload chat`, docs/benchmarks.md).",
+        "later turn (tuned with `kvroute simulate` on chat and the Mooncake traces and "
+        "checked with `kvroute bench --workload chat`, docs/benchmarks.md).",
     )
     waiting_weight: float = Field(
         0.0,

@@ -12,13 +12,13 @@ Per candidate, in KV blocks (lower wins)::
 ``cached_tokens`` is the match depth (offloaded blocks weighted by ``offload_weight``)
 capped by the engine's never-the-last-token rule.
 
-Decode load weighs half a prefill block by default (``decode_weight`` 0.5): a
+Decode load weighs a quarter of a prefill block by default (``decode_weight`` 0.25): a
 decoding sequence shares each engine step with a newcomer rather than queueing ahead of
 it, so it delays a first token far less than queued prefill, but it is the load that
-stays with an engine for a conversation's every later turn. Measured side by side on a
-multi-turn chat benchmark, 0.1 let conversations pile onto the engines that cached the
-system prompt first (up to 1.4x the mean), 1.0 balanced best but scattered same-prefix
-bursts, 0.5 kept bursts together and conversations within 1.2x (docs/benchmarks.md).
+stays with an engine for a conversation's every later turn. 1.0 scattered same-prefix
+bursts; on the simulator, 0.25 beat 0.5 on multi-turn chat (TTFT mean 55 vs 73 ms,
+conversations within 1.01x of the mean) and on both Mooncake traces (higher hit rate,
+lower TTFT), which a live chat run confirmed (docs/benchmarks.md, docs/simulator.md).
 
 The request's own uncached work counts twice by default (``prefill_weight`` 2 against
 ``queue_weight`` 1): the request waits for it, and so does everything queued behind
