@@ -271,13 +271,15 @@ async def test_silent_recompute_on_the_decode_engine_is_detected(
         await decode.stop()
 
 
+@pytest.mark.parametrize("dialect", ["nixl", "sglang"])
 async def test_a_client_leaving_during_prefill_aborts_the_prefill_leg(
-    http: aiohttp.ClientSession,
+    dialect: str, http: aiohttp.ClientSession
 ) -> None:
     prefill = await start_test_engine(engine_id="slowfill", role="prefill", time_scale=1.0)
     decode = await start_test_engine(engine_id="waiting", role="decode")
     app = await start_router(
-        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}],
+        disaggregation={"handoff": dialect},
     )
     model = prefill.state.drivers[0].model
     try:
@@ -499,6 +501,27 @@ async def test_sglang_a_failed_decode_leg_cancels_the_prefill_leg(
         await poll(lambda: app.core.loads.in_flight == 0)
         samples = await metrics(http, app.url)
         assert metric_sum(samples, "kvroute_handoffs_total", outcome="prefill_failed") == 0
+    finally:
+        await stop_pd(app, [prefill, decode])
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_prefill_engine_refusing_the_request_passes_its_answer_on(
+    dialect: str, http: aiohttp.ClientSession
+) -> None:
+    app, (prefill,), decode = await start_pd(f"refuse-{dialect}", dialect, prefills=1)
+    try:
+        # longer than the engines' context (16,384 tokens): the engines' own 400
+        too_long = {"prompt": prompt("huge", 17_000), "max_tokens": 2}
+        status, body = await asyncio.wait_for(
+            post(http, f"{app.url}/v1/completions", too_long), timeout=10
+        )
+        assert status == 400, body
+        assert "maximum context length" in body["error"]["message"]  # the engine's answer
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_retries_total") == 0
+        assert metric_sum(samples, "kvroute_handoffs_total") == 0
+        await poll(lambda: app.core.loads.in_flight == 0)
     finally:
         await stop_pd(app, [prefill, decode])
 
