@@ -170,20 +170,21 @@ def search_rate(
 
 def plan_fleets(
     fleets: Sequence[Fleet],
-    specs: Sequence[RequestSpec],
+    workload_at: Callable[[float], Sequence[RequestSpec]],
+    rate0: float,
     make_settings: Callable[[Fleet], Any],
     slo: Slo,
     steps: int,
     progress: Callable[[Point], None] | None = None,
 ) -> list[Point]:
-    """Each fleet's goodput on ``specs`` (timed requests)."""
-    rate0 = base_rate(specs)
+    """Each fleet's goodput: ``workload_at(factor)`` is the workload at ``factor`` times
+    its base rate ``rate0`` (requests per second)."""
     points = []
     for fleet in fleets:
         settings = make_settings(fleet)
 
         def evaluate(factor: float, settings: Any = settings) -> tuple[float, SimRun]:
-            run = simulate(settings, at_rate(specs, factor), "plan")
+            run = simulate(settings, workload_at(factor), "plan")
             return slo.met(run), run
 
         factor, attainment, run, count = search_rate(evaluate, slo, 1.0, steps)
@@ -238,13 +239,22 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
 
 
 def uniform_workload(
-    count: int, prompt_tokens: int, output_tokens: int, rate: float, seed: int
+    duration_s: float, minimum: int, prompt_tokens: int, output_tokens: int, rate: float, seed: int
 ) -> list[RequestSpec]:
-    """``count`` unique prompts of one shape arriving as a Poisson process."""
+    """Unique prompts of one shape arriving as a Poisson process at ``rate`` for
+    ``duration_s`` seconds (at least ``minimum`` of them), so every rate is judged on a
+    steady state rather than on how fast a short burst drains.
+
+    Prompts differ in their first block only: with chained keys nothing after it can
+    match, so no prompt reuses another's cache.
+    """
     rng = random.Random(f"{seed}:{prompt_tokens}:{output_tokens}")
+    body = [rng.randrange(1_024, 32_000) for _ in range(prompt_tokens)]
+    head = min(16, prompt_tokens)
+    count = max(minimum, math.ceil(rate * duration_s))
     specs = [
         RequestSpec(
-            prompt=[rng.randrange(1_024, 32_000) for _ in range(prompt_tokens)],
+            prompt=[rng.randrange(1_024, 32_000) for _ in range(head)] + body[head:],
             max_tokens=output_tokens,
         )
         for _ in range(count)
@@ -272,10 +282,12 @@ def sweep_lengths(
             # prefill capacity, so the search starts near the interesting range.
             prefill_s = params.step_overhead_s + isl * params.prefill_token_s
             rate = 0.5 * gpus / (prefill_s + osl * params.step_overhead_s / 8)
-            specs = uniform_workload(args.sweep_requests, isl, osl, rate, args.seed)
             points = plan_fleets(
                 fleets,
-                specs,
+                lambda f, isl=isl, osl=osl, rate=rate: uniform_workload(
+                    args.sweep_seconds, args.sweep_requests, isl, osl, rate * f, args.seed
+                ),
+                rate,
                 lambda fleet, c=forced: settings_for(fleet, args.policy, params, c, args, 8),
                 slo,
                 args.search_steps,
@@ -359,7 +371,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output lengths of the sweep",
     )
     sweep.add_argument(
-        "--sweep-requests", type=int, default=300, help="requests per point of the sweep"
+        "--sweep-seconds",
+        type=float,
+        default=60.0,
+        help="seconds of arrivals each rate of the sweep is judged on",
+    )
+    sweep.add_argument(
+        "--sweep-requests", type=int, default=200, help="fewest requests per rate of the sweep"
     )
     add_model_arguments(parser).add_argument(
         "--infinite-cache", action="store_true", help="every engine's KV cache is unbounded"
@@ -422,7 +440,8 @@ def run(args: argparse.Namespace) -> int:
 
     points = plan_fleets(
         candidate_fleets(args.gpus, not args.no_colocated),
-        specs,
+        lambda factor: at_rate(specs, factor),
+        base_rate(specs),
         lambda fleet: settings_for(fleet, args.policy, params, config, args, workload.concurrency),
         slo,
         args.search_steps,

@@ -86,7 +86,8 @@ def test_kvroute_plan_sweeps_request_shapes(capsys: pytest.CaptureFixture[str]) 
     code = main(
         [
             "plan", "--sweep-lengths", "--gpus", "2", "--prompt-lengths", "128", "4096",
-            "--output-lengths", "50", "--sweep-requests", "60", "--search-steps", "2",
+            "--output-lengths", "50", "--sweep-requests", "60", "--sweep-seconds", "5",
+            "--search-steps", "2",
             "--ttft-slo-ms", "1000", "--itl-slo-ms", "30", "--quiet",
         ]
     )  # fmt: skip
