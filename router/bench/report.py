@@ -27,7 +27,8 @@ DEFAULT_BLOCK_SIZE = 16
 HIT_RATE_WINDOW_S = 5.0
 
 
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
+def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean, p50, p90 and p99 of ``values`` (None each when there are none)."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     return {
@@ -111,9 +112,9 @@ def summarize_run(run: TargetRun) -> dict[str, Any]:
         "request_throughput": _ratio(len(ok), run.duration),
         "input_token_throughput": _ratio(prompt, run.duration),
         "output_token_throughput": _ratio(output, run.duration),
-        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
-        "itl_s": _stats([gap for r in ok for gap in r.itl]),
-        "e2e_s": _stats([r.e2e for r in ok]),
+        "ttft_s": latency_stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": latency_stats([gap for r in ok for gap in r.itl]),
+        "e2e_s": latency_stats([r.e2e for r in ok]),
         "hit_rate": _ratio(hit, queried),
         "hit_rate_client": _ratio(sum(r.cached_tokens for r in ok), prompt),
         "ceiling": ceiling(run.results, block_size),

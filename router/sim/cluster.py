@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.bench.loadgen import percentile
+from router.bench.report import latency_stats
 from router.bench.workloads import RequestSpec, answer_tokens, prefix_ceiling, spec_tokens
 from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
@@ -206,9 +206,9 @@ class SimRun:
             "wall_s": self.wall_s,
             "request_throughput": len(recs) / span if span > 0 else None,
             "output_token_throughput": output / span if span > 0 else None,
-            "ttft_s": _stats([r.ttft for r in recs]),
-            "itl_s": _stats(self.itl),
-            "e2e_s": _stats([r.e2e for r in recs]),
+            "ttft_s": latency_stats([r.ttft for r in recs]),
+            "itl_s": latency_stats(self.itl),
+            "e2e_s": latency_stats([r.e2e for r in recs]),
             "hit_rate": cached / prompt if prompt else None,
             "ceiling": self.ceiling,
             "prefill_imbalance": _imbalance([e["prefill_tokens"] for e in prefilling]),
@@ -223,17 +223,6 @@ class SimRun:
             "index_events_skipped": self.index_events_skipped,
             "engines": self.engines,
         }
-
-
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {
-        "mean": statistics.fmean(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-    }
 
 
 def _imbalance(values: Sequence[float]) -> float | None:
