@@ -13,11 +13,17 @@ prefill to another engine pay at all? It compares one colocated engine pair with
 prefill + one decode engine on uniform workloads of unique prompts, over a grid of
 prompt and output lengths, with the split forced for every request.
 
+``--sweep-threshold`` asks it per request, on one prefill/decode fleet and a mixed
+workload: below how many uncached prompt tokens should a request be served by its
+decode engine alone (``disaggregation.min_uncached_tokens``)? Each threshold's goodput
+comes from the same search.
+
 Examples::
 
     kvroute plan --trace mooncake-conversation --requests 1500 --gpus 8 \\
         --ttft-slo-ms 2000 --itl-slo-ms 50
     kvroute plan --sweep-lengths --gpus 2 --ttft-slo-ms 500 --itl-slo-ms 30
+    kvroute plan --sweep-threshold --fleet 2P+2D --trace azure-conv --requests 3000
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from router.sim.cli import (
     INFINITE_BLOCKS,
     add_router_arguments,
     model_params,
+    parse_fleet,
     settings_for,
     simulate,
 )
@@ -309,6 +316,67 @@ def sweep_lengths(
     return rows
 
 
+# ------------------------------------------------------------------------------ threshold
+
+#: Stands for "never split" in the threshold sweep.
+NEVER = 10**9
+
+
+def sweep_threshold(
+    args: argparse.Namespace,
+    params: EngineParams,
+    config: Config,
+    slo: Slo,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+) -> list[list[str]]:
+    """Goodput of one prefill/decode fleet per ``min_uncached_tokens`` threshold."""
+    fleet = parse_fleet(args.fleet or f"{args.gpus // 2}P+{args.gpus - args.gpus // 2}D")
+    if not fleet.disaggregated or not fleet.prefill:
+        raise ValueError(f"--sweep-threshold needs a prefill/decode fleet, not {fleet.describe()}")
+    rows = [
+        ["split when uncached >=", "goodput req/s", "split share", "TTFT p50", "TTFT p99",
+         "ITL p99", ""]
+    ]  # fmt: skip
+    points = []
+    for threshold in args.thresholds:
+        disagg = config.disaggregation.model_copy(update={"min_uncached_tokens": threshold})
+        cfg = config.model_copy(update={"disaggregation": disagg})
+        (point,) = plan_fleets(
+            [fleet],
+            lambda factor: at_rate(specs, factor),
+            base_rate(specs),
+            lambda f, c=cfg: settings_for(f, args.policy, params, c, args, concurrency),
+            slo,
+            args.search_steps,
+        )
+        points.append((threshold, point))
+        if not args.quiet:
+            label = "never" if threshold >= NEVER else f"{threshold:,} tokens"
+            print(f"  {label}: {point.rate:.2f} req/s within the SLOs", flush=True)
+    best = max(points, key=lambda tp: tp[1].rate)
+    for threshold, point in points:
+        s = point.summary or {}
+
+        def ms(key: str, q: str, s: dict[str, Any] = s) -> str:
+            value = (s.get(key) or {}).get(q)
+            return "-" if value is None else f"{value * 1e3:,.0f} ms"
+
+        split = s.get("split_share")
+        rows.append(
+            [
+                "never" if threshold >= NEVER else f"{threshold:,}",
+                f"{point.rate:.2f}",
+                f"{split:.0%}" if split is not None else "-",
+                ms("ttft_s", "p50"),
+                ms("ttft_s", "p99"),
+                ms("itl_s", "p99"),
+                "<- best" if point is best[1] and point.rate > 0 else "",
+            ]
+        )
+    return rows
+
+
 # ------------------------------------------------------------------------------ command
 
 
@@ -379,6 +447,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument(
         "--sweep-requests", type=int, default=200, help="fewest requests per rate of the sweep"
     )
+    threshold = parser.add_argument_group("when a request should be split (--sweep-threshold)")
+    threshold.add_argument(
+        "--sweep-threshold",
+        action="store_true",
+        help="goodput of one prefill/decode fleet per disaggregation.min_uncached_tokens",
+    )
+    threshold.add_argument(
+        "--fleet", metavar="PP+DD", help="the fleet of the threshold sweep (default: half and half)"
+    )
+    threshold.add_argument(
+        "--thresholds",
+        type=int,
+        nargs="+",
+        default=[0, 128, 256, 512, 1_024, 2_048, 4_096, NEVER],
+        metavar="N",
+        help=f"thresholds to try ({NEVER} = never split)",
+    )
     add_model_arguments(parser).add_argument(
         "--infinite-cache", action="store_true", help="every engine's KV cache is unbounded"
     )
@@ -428,6 +513,16 @@ def run(args: argparse.Namespace) -> int:
     if all(s.at is None for s in specs):
         specs = poisson_arrivals(specs, args.rate, args.seed)
     print(f"workload  {workload.description}")
+    if args.sweep_threshold:
+        print(f"sweep     split thresholds on {args.fleet or 'half prefill, half decode'}\n")
+        try:
+            rows = sweep_threshold(args, params, config, slo, specs, workload.concurrency)
+        except ValueError as exc:
+            print(f"kvroute plan: {exc}", file=sys.stderr)
+            return 2
+        print()
+        print(render_text(rows))
+        return 0
     print(f"budget    {args.gpus} GPUs, policy {args.policy}\n")
 
     def progress(point: Point) -> None:

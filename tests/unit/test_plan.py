@@ -102,3 +102,28 @@ def test_kvroute_plan_sweeps_request_shapes(capsys: pytest.CaptureFixture[str]) 
 def test_kvroute_plan_refuses_a_bad_attainment(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--attainment", "1.5"]) == 2
     assert "--attainment" in capsys.readouterr().err
+
+
+def test_kvroute_plan_sweeps_split_thresholds(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "plan", "--sweep-threshold", "--fleet", "1P+1D", "--workload", "shared-prefix",
+            "--groups", "4", "--prompts-per-group", "3", "--prefix-tokens", "1000",
+            "--thresholds", "0", "1000000000", "--search-steps", "1", "--cache-blocks", "4096",
+            "--quiet",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("0 ", "never "))]
+    assert [row[0] for row in rows] == ["0", "never"]
+    # Never splitting leaves the split share at 0%.
+    assert rows[1][2] == "0%"
+
+
+def test_the_threshold_sweep_needs_a_disaggregated_fleet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["plan", "--sweep-threshold", "--fleet", "4", "--workload", "shared-prefix"])
+    assert code == 2
+    assert "needs a prefill/decode fleet" in capsys.readouterr().err
