@@ -1,7 +1,8 @@
 """``make bench-compare``: kvroute against round robin and the routers users know.
 
 Every target gets 4 fresh emulated engines (prefill cost doubled so the shortened
-prompts still load them; KV events on TCP so every router can read them) and the same
+prompts still load them; KV events on TCP, vLLM's empty topic and the ``v2-mixed`` shape
+so that every router, vllm-router's ``kv_aware`` included, can read them) and the same
 two workloads: a reduced Mooncake conversation replay and a multi-turn chat with a
 shared system prompt. Targets:
 
@@ -24,7 +25,13 @@ from router.emulator.compat import install
 from router.emulator.config import DEFAULT_MODEL
 
 BUILD = Path("build/compat")
-ENGINE_ARGS = "--prefill-us-per-token 100 --kv-events-endpoint tcp://127.0.0.1:*"
+#: KV events on TCP (vllm-router is another process), on vLLM's default topic ("") and in
+#: the one payload shape vllm-router 0.1.17 decodes (an array batch of tagged-map events,
+#: ``v2-mixed``): its static sources drop messages on any other topic and reject the rest.
+ENGINE_ARGS = (
+    "--prefill-us-per-token 100 --kv-events-endpoint tcp://127.0.0.1:* "
+    "--kv-events-topic '' --kv-events-format v2-mixed"
+)
 COMMON = "--host {host} --port {port} --prometheus-host 127.0.0.1 --prometheus-port {free_port}"
 
 

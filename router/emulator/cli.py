@@ -144,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     events.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
     events.add_argument(
-        "--kv-events-topic", help="topic of every message (default: kv@HOST:PORT@MODEL)"
+        "--kv-events-topic",
+        help="topic of every message (default: kv@HOST:PORT@MODEL; '' is vLLM's default)",
     )
     events.add_argument(
         "--kv-events-format",

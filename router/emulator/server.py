@@ -112,7 +112,7 @@ class EmulatedEngine:
             f"block size {cfg.params.block_size}, dp size {cfg.dp_size}) listening on {self.url}"
         )
         if self.kv_events_endpoint:
-            line += f" kv-events {self.kv_events_endpoint} topic {self.kv_events_topic}"
+            line += f" kv-events {self.kv_events_endpoint} topic {self.kv_events_topic or repr('')}"
             if self.kv_events_replay_endpoint:
                 line += f" replay {self.kv_events_replay_endpoint}"
         line += f" side-channel {_url_host(cfg.kv_host)}:{self.side_channel_port}"
@@ -272,7 +272,11 @@ async def start_engine(config: EmulatorConfig) -> EmulatedEngine:
     faults = dataclasses.replace(config.faults)
     drivers: list[EngineDriver] = []
     try:
-        topic = config.kv_events_topic or f"kv@{config.host}:{port}@{config.model}"
+        # "" is vLLM's own default topic (and the only one vllm-router's static sources
+        # accept), so only None picks llm-d's convention.
+        topic = config.kv_events_topic
+        if topic is None:
+            topic = f"kv@{config.host}:{port}@{config.model}"
         publishers = _rank_publishers(config, zmq_ctx, topic, faults)
         hash_seed = config.hash_seed if config.hash_seed is not None else random.getrandbits(64)
         metrics = EngineMetrics(config.model, config.params)

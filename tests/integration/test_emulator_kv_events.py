@@ -178,6 +178,32 @@ async def test_tcp_wildcard_binds_a_random_port_and_reports_it(
     assert endpoint in engine.startup_line()
 
 
+async def test_an_empty_topic_is_sent_as_is_as_vllm_does(
+    http: aiohttp.ClientSession, ipc_dir: Path
+) -> None:
+    # vLLM's default topic is "", and vllm-router's static sources take only that one:
+    # "" must not fall back to the kv@HOST:PORT@MODEL default.
+    engine = await start_test_engine(
+        kv_events_endpoint=f"ipc://{ipc_dir}/empty-topic",
+        kv_events_topic="",
+        kv_events_format="v2-mixed",
+    )
+    sub = Subscriber(engine.kv_events_endpoint or "")
+    try:
+        _, info = await get(http, f"{engine.url}/server_info")
+        probe = await sub.sync(http, engine.url)
+        await complete(http, engine.url, text_prompt(40))
+        msg = await sub.recv()
+    finally:
+        sub.close()
+        await engine.stop()
+    assert probe.topic == msg.topic == b"" and info["kv_events_topic"] == ""
+    assert "topic ''" in engine.startup_line()
+    # The shape vllm-router 0.1.17 decodes: an array batch of events tagged by "type".
+    raw = msgspec.msgpack.decode(msg.payload)
+    assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored"
+
+
 async def test_no_endpoint_means_no_events(http: aiohttp.ClientSession) -> None:
     engine = await start_test_engine()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from router.bench import compare
 from router.bench.cli import add_arguments
 from router.bench.targets import command_argv, parse_target
+from router.emulator import cli as engine_cli
 from router.emulator.config import DEFAULT_MODEL
 from router.engine_model.params import EngineParams
 
@@ -119,3 +121,14 @@ def test_both_runs_are_valid_bench_commands_on_kv_event_publishing_engines(
     )
     assert (chat.workload, chat.conversations, chat.turns, chat.concurrency) == ("chat", 64, 6, 16)
     assert mooncake.output != chat.output
+
+
+def test_engines_publish_kv_events_vllm_router_can_read() -> None:
+    # vllm-router 0.1.17's static sources drop every message whose topic is not "" (vLLM's
+    # default) and decode only an array batch of tagged-map events (v2-mixed).
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    config = engine_cli.config_from_args(parser.parse_args(shlex.split(compare.ENGINE_ARGS)))
+    assert config.kv_events_endpoint == "tcp://127.0.0.1:*"
+    assert config.kv_events_topic == ""
+    assert config.kv_events_format == "v2-mixed"
