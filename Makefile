@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy bench bench-core bench-router bench-redis bench-disagg bench-grpc bench-compare compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy bench bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,7 @@ fuzz: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core bench-router bench-redis bench-disagg bench-grpc
+bench: venv bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim
 
 bench-core: venv
 	$(PY) -m router.bench.core
@@ -43,6 +43,27 @@ bench-redis: venv
 
 bench-grpc: venv
 	$(PY) -m router.bench.grpc_pick
+
+# The cluster simulator's results in docs/simulator.md: every policy on both Mooncake
+# traces (8 engines, Dynamo's mocker geometry), unbounded caches, colocated vs
+# disaggregated, 1,000 engines (about 10 minutes on 2 cores; deterministic numbers).
+SIM := $(VENV)/bin/kvroute simulate --quiet
+bench-sim: venv
+	$(SIM) --trace mooncake-conversation --engines 8 --preset dynamo-mocker --policy all \
+		--output bench-results/sim-conversation
+	$(SIM) --trace mooncake-synthetic --engines 8 --preset dynamo-mocker --policy all \
+		--output bench-results/sim-synthetic
+	$(SIM) --trace mooncake-conversation --engines 8 --preset dynamo-mocker --infinite-cache \
+		--policy kv_cost --policy round_robin --policy cache_aware_sglang \
+		--output bench-results/sim-conversation-inf
+	$(SIM) --trace mooncake-synthetic --engines 8 --preset dynamo-mocker --infinite-cache \
+		--policy kv_cost --policy round_robin --policy cache_aware_sglang \
+		--output bench-results/sim-synthetic-inf
+	$(SIM) --trace mooncake-synthetic --preset dynamo-mocker --fleet 8 --fleet 2P+6D \
+		--fleet 4P+4D --output bench-results/sim-disagg
+	$(SIM) --workload shared-prefix --groups 2000 --prompts-per-group 10 --prefix-tokens 2000 \
+		--question-tokens 100 --output-tokens 64 --concurrency 2000 --engines 1000 \
+		--policy kv_cost --policy round_robin --output bench-results/sim-1000
 
 # Peer routers (sglang-router, vllm-router) from PyPI, each in its own virtualenv under
 # build/compat, routing to emulated engines on loopback. Not part of `make test`.
