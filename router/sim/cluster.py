@@ -314,7 +314,7 @@ class ClusterSim:
             now, _, kind, item = pop(heap)
             self.now = now
             if kind == _STEP:
-                await self._step_done(item)
+                self._step_done(item)
             elif kind == _DELIVER:
                 engine, events = item
                 await self.ingestor.apply(engine.stream, EventBatch(now, events, None))
@@ -440,7 +440,7 @@ class ClusterSim:
         self._errors[reason.split(".")[0]] += 1
         self._next_closed_loop(flight.spec)
 
-    async def _step_done(self, engine: _Engine) -> None:
+    def _step_done(self, engine: _Engine) -> None:
         engine.busy = False
         now = self.now
         result = engine.model.finish_step(now)
