@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy bench bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy bench bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,13 @@ bench-redis: venv
 
 bench-grpc: venv
 	$(PY) -m router.bench.grpc_pick
+
+# The router for 10 minutes at 80% of its measured capacity on 4 emulated engines, with an
+# engine restart, a Redis restart and a stalled engine on a schedule; prints a per-minute
+# table and a verdict, writes bench-results/soak.json (docs/reliability.md). --minutes N
+# to shorten: make soak SOAK_ARGS='--minutes 2'.
+soak: venv
+	$(PY) -m router.bench.soak $(SOAK_ARGS)
 
 # The cluster simulator's results in docs/simulator.md: every policy on both Mooncake
 # traces (8 engines, Dynamo's mocker geometry), unbounded caches, colocated vs
