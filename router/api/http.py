@@ -244,6 +244,12 @@ class HttpApi:
         except ApiError as err:
             outcome.failed(err)
             return error_response(err, request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The openai_errors middleware logs it and answers 503 router_error.
+            outcome.set("router_error", 503)
+            raise
         finally:
             if admitted:
                 app.admission.leave()

@@ -550,3 +550,20 @@ async def test_every_exposed_metric_is_documented(
         f.name for f in text_string_to_metric_families(text) if f.name.startswith("kvroute_")
     }
     assert exposed and exposed <= documented_metrics(), exposed - documented_metrics()
+
+
+async def test_an_error_inside_the_router_is_a_503_counted_as_router_error(
+    router: RouterApp, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(router.decider, "prepare", broken)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "router_error"
+    samples = await metrics(http, router.url)
+    counted = metric_sum(samples, "kvroute_requests_total", outcome="router_error", status="503")
+    assert counted == 1
+    assert metric_sum(samples, "kvroute_requests_total", outcome="cancelled") == 0
