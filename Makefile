@@ -110,7 +110,7 @@ envoy: venv
 
 # kvroute vs round robin vs sglang-router and vllm-router (installed from PyPI into
 # build/compat when possible), each on 4 fresh emulated engines, on a reduced Mooncake
-# replay and a multi-turn chat (about 10 minutes on 2 cores: 9 min 23 s measured with the
+# replay and a multi-turn chat (about 10 minutes on 2 cores: 9 min 10 s measured with the
 # routers already installed; docs/benchmarks.md). A router that fails is reported, the rest run.
 bench-compare: venv
 	$(PY) -m router.bench.compare
