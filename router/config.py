@@ -152,6 +152,13 @@ class IndexConfig(_Section):
         description="A Redis call slower than this is abandoned; routing goes on "
         "without the index for that request.",
     )
+    slow_calls_to_outage: int = Field(
+        3,
+        ge=1,
+        description="Consecutive calls over `budget_ms` that mark Redis unavailable (until "
+        "its probe answers). One slow answer only sends that request to the local shadow; an "
+        "error reaching Redis marks it unavailable at once.",
+    )
     shadow_window_s: float = Field(
         60.0,
         gt=0,

@@ -251,6 +251,11 @@ class StateCollector(Collector):
             value=index.redis.counters.outages,
         )
         yield CounterMetricFamily(
+            "kvroute_index_slow_calls",
+            "Redis calls over the budget that did not mark Redis unavailable",
+            value=index.redis.counters.slow_calls,
+        )
+        yield CounterMetricFamily(
             "kvroute_index_fallbacks",
             "Lookups answered from this router's shadow of recent decisions",
             value=counters.fallbacks,

@@ -195,6 +195,8 @@ class RedisIndexCounters:
     """Calls refused at once because Redis was known to be unreachable."""
     outages: int = 0
     """Transitions from reachable to unreachable."""
+    slow_calls: int = 0
+    """Calls over the budget that did not (yet) count as an outage."""
 
 
 # --------------------------------------------------------------------------- the index
@@ -312,6 +314,7 @@ class RedisIndex(KVIndex):
         namespace: str = "kvroute",
         *,
         budget_ms: float = 5.0,
+        slow_calls_to_outage: int = 1,
         clock: Callable[[], float] = time.time,
         retry_interval: float = 0.5,
         admin_timeout: float = 5.0,
@@ -320,6 +323,8 @@ class RedisIndex(KVIndex):
         self.url = url
         self.namespace = namespace
         self.budget = budget_ms / 1000.0
+        self.slow_calls_to_outage = slow_calls_to_outage
+        self._slow_in_a_row = 0
         self.retry_interval = retry_interval
         self.admin_timeout = admin_timeout
         self.counters = RedisIndexCounters()
@@ -337,7 +342,13 @@ class RedisIndex(KVIndex):
     @classmethod
     def from_config(cls, config: IndexConfig, **kwargs: Any) -> RedisIndex:
         """The index an ``index:`` configuration section describes."""
-        return cls(config.url, config.namespace, budget_ms=config.budget_ms, **kwargs)
+        return cls(
+            config.url,
+            config.namespace,
+            budget_ms=config.budget_ms,
+            slow_calls_to_outage=config.slow_calls_to_outage,
+            **kwargs,
+        )
 
     @property
     def available(self) -> bool:
@@ -357,9 +368,14 @@ class RedisIndex(KVIndex):
             raise IndexUnavailable("Redis is unreachable; routing without the index")
         self.counters.calls += 1
         try:
-            return await _within(fn(), timeout)
+            answer = await _within(fn(), timeout)
         except asyncio.TimeoutError as exc:
-            self._lost(f"no answer within {timeout * 1000:.1f} ms")
+            self._slow_in_a_row += 1
+            if self._slow_in_a_row >= self.slow_calls_to_outage:
+                self._lost(f"{self._slow_in_a_row} calls in a row over {timeout * 1000:.1f} ms")
+            else:
+                self.counters.failures += 1
+                self.counters.slow_calls += 1
             raise IndexUnavailable(f"Redis did not answer within {timeout * 1000:.1f} ms") from exc
         except ResponseError as exc:  # Redis answered: an error, not an outage
             self.counters.failures += 1
@@ -367,9 +383,12 @@ class RedisIndex(KVIndex):
         except (RedisError, OSError) as exc:
             self._lost(str(exc) or type(exc).__name__)
             raise IndexUnavailable(f"Redis is unreachable: {exc}") from exc
+        self._slow_in_a_row = 0
+        return answer
 
     def _lost(self, reason: str) -> None:
         self.counters.failures += 1
+        self._slow_in_a_row = 0
         if not self._up:
             return
         self._up = False

@@ -391,3 +391,36 @@ def test_the_index_section_selects_the_backend() -> None:
     chosen = index_from_config(redis_config)
     assert isinstance(chosen, RedisIndex)
     assert (chosen.url, chosen.namespace, chosen.budget) == ("rediss://h:1/0", "n", 0.003)
+
+
+async def test_one_slow_answer_is_not_an_outage_but_slow_answers_in_a_row_are(
+    own_server: RedisServer,
+) -> None:
+    idx = RedisIndex(
+        own_server.url, "slow", budget_ms=200, retry_interval=0.05, slow_calls_to_outage=3
+    )
+    try:
+        await idx.add(A, KEYS)
+        own_server.pause()
+        try:
+            for _ in range(2):
+                with pytest.raises(IndexUnavailable):
+                    await idx.lookup(KEYS, [A])
+            assert idx.available and idx.counters.slow_calls == 2
+        finally:
+            own_server.resume()
+        # A good answer resets the run of slow ones.
+        assert await idx.lookup(KEYS, [A]) == {A: Match(12)}
+        own_server.pause()
+        try:
+            for _ in range(2):
+                with pytest.raises(IndexUnavailable):
+                    await idx.lookup(KEYS, [A])
+            assert idx.available and idx.counters.outages == 0
+            with pytest.raises(IndexUnavailable):  # the third in a row
+                await idx.lookup(KEYS, [A])
+            assert not idx.available and idx.counters.outages == 1
+        finally:
+            own_server.resume()
+    finally:
+        await idx.close()
