@@ -194,22 +194,8 @@ class PDForwarder:
                 return await sink.whole(status, headers, _encode(answer))
             break
         if answer is None:
-            app.metrics.handoffs.labels("nixl", "prefill_failed").inc()
-            if not cfg.fallback_to_decode:
-                raise ApiError(
-                    last.http_status if last is not None else 502,
-                    "no prefill engine could prefill this request",
-                )
-            return await self.api._attempt(
-                sink,
-                path,
-                parsed,
-                route_request,
-                decode,
-                body,
-                started,
-                outcome,
-                extra_headers={"x-kvroute-mode": "local:prefill_failed"},
+            return await self._prefill_failed(
+                "nixl", last, sink, path, parsed, route_request, decode, body, started, outcome
             )
         assert prefill is not None
         params = nixl.returned_params(answer)
@@ -379,8 +365,27 @@ class PDForwarder:
                     last,
                     decode.engine.label,
                 )
-        app.metrics.handoffs.labels("sglang", "prefill_failed").inc()
-        if not app.config.disaggregation.fallback_to_decode:
+        return await self._prefill_failed(
+            "sglang", last, sink, path, parsed, route_request, decode, body, started, outcome
+        )
+
+    async def _prefill_failed(
+        self,
+        dialect: str,
+        last: UpstreamError | None,
+        sink: Downstream,
+        path: str,
+        parsed: ParsedRequest,
+        route_request: RouteRequest,
+        decode: Decision,
+        body: bytes,
+        started: float,
+        outcome: Outcome,
+    ) -> None:
+        """No prefill engine could prefill: the decode engine serves the request alone,
+        unless ``disaggregation.fallback_to_decode`` is off (then the last error's status)."""
+        self.app.metrics.handoffs.labels(dialect, "prefill_failed").inc()
+        if not self.app.config.disaggregation.fallback_to_decode:
             raise ApiError(
                 last.http_status if last is not None else 502,
                 "no prefill engine could prefill this request",
