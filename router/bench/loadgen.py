@@ -12,7 +12,7 @@ import asyncio
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,18 @@ class Result:
         return self.status == 200 and not self.error
 
 
+async def sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The ``data:`` payload of every server-sent event of a streamed answer, in order
+    (``b"[DONE]"`` included); events without data are skipped."""
+    buffer = b""
+    async for chunk in resp.content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            if event.startswith(b"data: "):
+                yield event[6:]
+
+
 async def _one(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -97,33 +109,26 @@ async def _one(
                     choice.get("text") or (choice.get("message") or {}).get("content") or ""
                 )
             else:
-                buffer = b""
-                async for chunk in resp.content.iter_any():
-                    buffer += chunk
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        if not event.startswith(b"data: "):
-                            continue
-                        data = event[6:]
-                        if data == b"[DONE]":
-                            continue
-                        payload = _decode(data)
-                        if "error" in payload:
-                            result.error = str(payload["error"].get("message", "stream error"))
-                            continue
-                        _take_usage(result, payload.get("usage"))
-                        for choice in payload.get("choices") or []:
-                            text = choice.get("text")
-                            if text is None:
-                                text = (choice.get("delta") or {}).get("content")
-                            if text:
-                                now = time.perf_counter()
-                                if result.ttft is None:
-                                    result.ttft = now - started
-                                else:
-                                    result.itl.append(now - last)
-                                last = now
-                                pieces.append(text)
+                async for data in sse_data(resp):
+                    if data == b"[DONE]":
+                        continue
+                    payload = _decode(data)
+                    if "error" in payload:
+                        result.error = str(payload["error"].get("message", "stream error"))
+                        continue
+                    _take_usage(result, payload.get("usage"))
+                    for choice in payload.get("choices") or []:
+                        text = choice.get("text")
+                        if text is None:
+                            text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            now = time.perf_counter()
+                            if result.ttft is None:
+                                result.ttft = now - started
+                            else:
+                                result.itl.append(now - last)
+                            last = now
+                            pieces.append(text)
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - started

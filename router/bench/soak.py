@@ -57,7 +57,7 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.bench.loadgen import percentile
+from router.bench.loadgen import percentile, sse_data
 from router.bench.overhead import cpu_seconds
 from router.bench.targets import HOST, _get, _replays_ok, _wait, free_port
 from router.bench.throwaway_redis import RedisServer
@@ -485,22 +485,15 @@ def error_label(payload: Any, status: int | None = None) -> str | None:
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome) -> None:
-    buffer = b""
     done = False
     error: Any = None
-    async for chunk in resp.content.iter_any():
-        buffer += chunk
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            if not event.startswith(b"data: "):
-                continue
-            data = event[6:]
-            if data == b"[DONE]":
-                done = True
-                continue
-            payload = _decode(data)
-            if isinstance(payload, dict) and "error" in payload:
-                error = payload
+    async for data in sse_data(resp):
+        if data == b"[DONE]":
+            done = True
+            continue
+        payload = _decode(data)
+        if isinstance(payload, dict) and "error" in payload:
+            error = payload
     if error is None:
         out.answered = done
         out.reason, out.lost = ("", False) if done else ("stream ended without [DONE]", True)
