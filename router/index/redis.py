@@ -254,6 +254,10 @@ class _Keys:
         return keys
 
 
+#: Connections one client keeps to a Redis node; more concurrent calls wait for one.
+MAX_CONNECTIONS = 100
+
+
 def client_from_url(
     url: str, node: tuple[str, int] | None = None, **kwargs: Any
 ) -> aioredis.Redis | RedisCluster:
@@ -280,7 +284,13 @@ def client_from_url(
     kwargs.setdefault("socket_keepalive", True)
     if cluster:
         return RedisCluster.from_url(rest, **kwargs)
-    return aioredis.Redis.from_url(rest, retry=Retry(NoBackoff(), 0), **kwargs)
+    # A pool that waits for a free connection instead of failing with "Too many
+    # connections" (which would read as an outage): callers' bounds cut the wait short.
+    kwargs.setdefault("max_connections", MAX_CONNECTIONS)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        rest, timeout=None, retry=Retry(NoBackoff(), 0), **kwargs
+    )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes the pool
 
 
 def _arg_ops(ops: Sequence[WriteOp]) -> list[bytes | str]:

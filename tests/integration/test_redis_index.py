@@ -25,6 +25,7 @@ from router.index.redis import (
     RemoveOp,
     WriteBatch,
     WriteResult,
+    client_from_url,
 )
 from router.types import EngineKey, Tier
 
@@ -422,5 +423,21 @@ async def test_one_slow_answer_is_not_an_outage_but_slow_answers_in_a_row_are(
             assert not idx.available and idx.counters.outages == 1
         finally:
             own_server.resume()
+    finally:
+        await idx.close()
+
+
+async def test_calls_beyond_the_connection_pool_wait_for_a_connection(
+    redis_url: str, redis_namespace: str
+) -> None:
+    # redis-py's default pool fails the call past its size ("Too many connections"),
+    # which would read as an outage; kvroute's pool makes it wait within the budget.
+    client = client_from_url(redis_url, max_connections=1)
+    idx = RedisIndex(redis_url, redis_namespace, budget_ms=5000, client=client)
+    try:
+        await idx.add(A, KEYS)
+        answers = await asyncio.gather(*(idx.lookup(KEYS, [A]) for _ in range(20)))
+        assert answers == [{A: Match(12)}] * 20
+        assert idx.available and idx.counters.outages == 0
     finally:
         await idx.close()
