@@ -1,0 +1,1 @@
+"""The cluster simulator: kvroute simulate and kvroute plan (docs/simulator.md)."""
