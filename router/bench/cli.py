@@ -213,8 +213,9 @@ class Workload:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def build_workload(args: argparse.Namespace) -> Workload:
-    """The workload the flags describe (pure: nothing is sent)."""
+def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
+    """The workload the flags describe (pure: nothing is sent); ``compact``: token-id
+    trace prompts as arrays (see :func:`~router.bench.workloads.trace_specs`)."""
     closed = args.concurrency or DEFAULT_CONCURRENCY
     if args.workload == "shared-prefix":
         specs = shared_prefix_workload(
@@ -263,7 +264,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
         raise ValueError(f"no request of {trace.name} is left after --requests/--duration")
     expander = PromptExpander(trace.block_tokens, args.scale, args.prompt_format, args.seed)
     specs = list(
-        trace_specs(chosen, expander, timed=timed, max_output_tokens=args.max_output_tokens)
+        trace_specs(
+            chosen,
+            expander,
+            timed=timed,
+            max_output_tokens=args.max_output_tokens,
+            compact=compact,
+        )
     )
     mean_prompt = fmean(expander.length(r) for r in chosen)
     mean_output = fmean(s.max_tokens for s in specs)

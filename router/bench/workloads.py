@@ -25,6 +25,7 @@ import io
 import json
 import math
 import random
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -54,7 +55,7 @@ PromptFormat = Literal["text", "tokens"]
 class RequestSpec:
     """One request to send."""
 
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | array | None = None
     messages: list[dict[str, Any]] | None = None
     max_tokens: int = 16
     group: str = ""
@@ -364,18 +365,22 @@ def trace_specs(
     *,
     timed: bool = True,
     max_output_tokens: int | None = None,
+    compact: bool = False,
 ) -> Iterator[RequestSpec]:
     """Requests to send for trace requests (at their arrival times when ``timed``).
 
     Output lengths are capped at ``max_output_tokens`` and raised to 1 (an engine
-    refuses ``max_tokens`` 0).
+    refuses ``max_tokens`` 0). ``compact`` keeps token-id prompts as ``array("I")``
+    (4 bytes a token instead of a Python int each): for the simulator, which holds a
+    whole trace in memory; such prompts cannot be sent as JSON.
     """
     for r in requests:
         out = r.output_length
         if max_output_tokens is not None:
             out = min(out, max_output_tokens)
+        prompt = expander.prompt(r)
         yield RequestSpec(
-            prompt=expander.prompt(r),
+            prompt=array("I", prompt) if compact and isinstance(prompt, list) else prompt,
             max_tokens=max(1, out),
             at=r.at if timed else None,
         )
@@ -515,17 +520,39 @@ def prefix_ceiling(
     as vLLM counts them: whole blocks from the start that an earlier request computed
     (its prompt and its answer but the last token), never the prompt's last token.
     """
+    return ceiling_of_keys(
+        (
+            (
+                block_keys(prompt, block_size, 0),
+                len(prompt),
+                _computed_keys(prompt, answer, block_size),
+            )
+            for prompt, answer in sequences
+        ),
+        block_size,
+    )
+
+
+def _computed_keys(prompt: Sequence[int], answer: Sequence[int], block_size: int) -> list[int]:
+    return block_keys([*prompt, *answer[:-1]], block_size, 0) if len(answer) > 1 else []
+
+
+def ceiling_of_keys(
+    sequences: Iterable[tuple[Sequence[int], int, Sequence[int]]], block_size: int
+) -> float:
+    """:func:`prefix_ceiling` from block keys, for callers that keep keys, not tokens:
+    (the prompt's full-block keys, its length in tokens, the keys of the blocks its answer
+    adds or ``[]``) in arrival order, all chained from one seed."""
     seen: set[int] = set()
     queried = hit = 0
-    for prompt, answer in sequences:
-        keys = block_keys(prompt, block_size, 0)
+    for keys, length, computed in sequences:
         depth = 0
-        for key in keys[: cacheable_blocks(len(prompt), block_size)]:
+        for key in keys[: cacheable_blocks(length, block_size)]:
             if key not in seen:
                 break
             depth += 1
-        queried += len(prompt)
+        queried += length
         hit += depth * block_size
-        computed = [*prompt, *answer[:-1]]
-        seen.update(block_keys(computed, block_size, 0))
+        seen.update(keys)
+        seen.update(computed)
     return hit / queried if queried else 0.0

@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         policies = policies_of(args)
         params = model_params(args)
         config = load_config(args.config)
-        workload = build_workload(args)
+        workload = build_workload(args, compact=True)
     except (ConfigError, TraceError, ValueError, FileNotFoundError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2

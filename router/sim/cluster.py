@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.bench.report import latency_stats
-from router.bench.workloads import RequestSpec, answer_tokens, prefix_ceiling, spec_tokens
+from router.bench.workloads import RequestSpec, answer_tokens, ceiling_of_keys, spec_tokens
 from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
 from router.engine_model import EngineModel, EngineParams
@@ -158,6 +158,8 @@ class _Flight:
     ticket: Ticket
     prefill: _Engine | None = None
     prefill_ticket: Ticket | None = None
+    keys: Sequence[int] = ()
+    """The prompt's block keys (kept for the ceiling; the tokens are not)."""
     cached: int = 0
     first_at: float | None = None
     last_at: float = 0.0
@@ -287,7 +289,7 @@ class ClusterSim:
         self._records: list[RequestRecord] = []
         self._errors: Counter[str] = Counter()
         self._itl = array("d")
-        self._sequences: list[tuple[list[int], list[int]]] = []
+        self._sequences: list[tuple[Sequence[int], int, list[int]]] = []
         self._pending: deque[RequestSpec] = deque()
         self._scraped_at = -math.inf
         self._closed_loop = False
@@ -379,7 +381,7 @@ class ClusterSim:
         core = self.core
         if not self.settings.fleet.disaggregated:
             decision = await core.route(route, self._serving_keys)
-            self._start(rid, spec, tokens, decision, "aggregated", decision.reason)
+            self._start(rid, spec, tokens, route.keys, decision, "aggregated", decision.reason)
             return
         decision = await core.route(route, self._serving_keys, self.decode_policy)
         split = decide_split(
@@ -389,7 +391,7 @@ class ClusterSim:
             self.settings.disaggregation,
         )
         if not split.split:
-            self._start(rid, spec, tokens, decision, "local", split.reason)
+            self._start(rid, spec, tokens, route.keys, decision, "local", split.reason)
             return
         prefill = await core.route(route, self._prefill_keys)
         serve = self._by_key[decision.engine]
@@ -405,6 +407,7 @@ class ClusterSim:
             self.loads.begin(serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens),
             prefill=engine,
             prefill_ticket=self.loads.begin(engine.key, len(tokens), prefill.cached_tokens, 1),
+            keys=route.keys,
         )
         self._submit(engine, flight, EngineRequest(rid, tokens, 1, remote_decode=True))
 
@@ -413,13 +416,14 @@ class ClusterSim:
         rid: str,
         spec: RequestSpec,
         tokens: list[int],
+        keys: Sequence[int],
         decision: Decision,
         mode: str,
         reason: str,
     ) -> None:
         serve = self._by_key[decision.engine]
         ticket = self.loads.begin(serve.key, len(tokens), decision.cached_tokens, spec.max_tokens)
-        flight = _Flight(rid, spec, tokens, self.now, mode, reason, serve, ticket)
+        flight = _Flight(rid, spec, tokens, self.now, mode, reason, serve, ticket, keys=keys)
         self._submit(serve, flight, EngineRequest(rid, tokens, spec.max_tokens))
 
     def _submit(self, engine: _Engine, flight: _Flight, request: EngineRequest) -> None:
@@ -512,15 +516,18 @@ class ClusterSim:
             )
         )
         spec = flight.spec
+        computed: list[int] = []
         if spec.then is not None:
             answer = _words.decode(flight.output)
-            self._sequences.append((flight.tokens, answer_tokens(answer)))
+            generated = answer_tokens(answer)
+            if len(generated) > 1:
+                computed = block_keys([*flight.tokens, *generated[:-1]], self.block_size, self.seed)
+        self._sequences.append((flight.keys, len(flight.tokens), computed))
+        if spec.then is not None:
             following = spec.then(answer)
             if following is not None:
                 self._push(now + following.delay, _ARRIVE, following)
                 return
-        else:
-            self._sequences.append((flight.tokens, []))
         self._next_closed_loop(spec)
 
     def _next_closed_loop(self, ended: RequestSpec) -> None:
@@ -531,7 +538,7 @@ class ClusterSim:
     def _result(self) -> SimRun:
         order = sorted(range(len(self._records)), key=lambda i: self._records[i].arrival)
         records = [self._records[i] for i in order]
-        ceiling = prefix_ceiling((self._sequences[i] for i in order), self.block_size)
+        ceiling = ceiling_of_keys((self._sequences[i] for i in order), self.block_size)
         engines = []
         preemptions = 0
         for e in self.engines:

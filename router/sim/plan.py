@@ -505,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
         print(render_text(rows))
         return 0
     try:
-        workload = build_workload(args)
+        workload = build_workload(args, compact=True)
     except (TraceError, ValueError, FileNotFoundError) as exc:
         print(f"kvroute plan: {exc}", file=sys.stderr)
         return 2
