@@ -202,6 +202,12 @@ def plan_fleets(
     return points
 
 
+def _ms(summary: dict[str, Any], key: str, q: str) -> str:
+    """A latency of a run's summary (``ttft_s``, ``p99``) in milliseconds, or ``-``."""
+    value = (summary.get(key) or {}).get(q)
+    return "-" if value is None else f"{value * 1e3:,.0f} ms"
+
+
 def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]]:
     rows = [
         [
@@ -219,11 +225,6 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
     ]
     for p in points:
         s = p.summary or {}
-
-        def ms(path: str, s: dict[str, Any] = s) -> str:
-            value = s.get(path.split(".")[0], {}).get(path.split(".")[1]) if s else None
-            return "-" if value is None else f"{value * 1e3:,.0f} ms"
-
         split = s.get("split_share")
         rows.append(
             [
@@ -231,9 +232,9 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
                 f"{p.rate:.2f}",
                 f"{p.per_gpu:.3f}",
                 f"{p.attainment:.0%}" if p.summary else "-",
-                ms("ttft_s.p50"),
-                ms("ttft_s.p99"),
-                ms("itl_s.p99"),
+                _ms(s, "ttft_s", "p50"),
+                _ms(s, "ttft_s", "p99"),
+                _ms(s, "itl_s", "p99"),
                 f"{s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "-",
                 f"{split:.0%}" if split is not None else "-",
                 "<- best" if p is best else "",
@@ -357,20 +358,15 @@ def sweep_threshold(
     best = max(points, key=lambda tp: tp[1].rate)
     for threshold, point in points:
         s = point.summary or {}
-
-        def ms(key: str, q: str, s: dict[str, Any] = s) -> str:
-            value = (s.get(key) or {}).get(q)
-            return "-" if value is None else f"{value * 1e3:,.0f} ms"
-
         split = s.get("split_share")
         rows.append(
             [
                 "never" if threshold >= NEVER else f"{threshold:,}",
                 f"{point.rate:.2f}",
                 f"{split:.0%}" if split is not None else "-",
-                ms("ttft_s", "p50"),
-                ms("ttft_s", "p99"),
-                ms("itl_s", "p99"),
+                _ms(s, "ttft_s", "p50"),
+                _ms(s, "ttft_s", "p99"),
+                _ms(s, "itl_s", "p99"),
                 "<- best" if point is best[1] and point.rate > 0 else "",
             ]
         )
