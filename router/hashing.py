@@ -10,13 +10,25 @@ zero-copy slice and no concatenation. The namespace is the model name, or the Lo
 adapter name when the request names an adapter; ``cache_salt`` (vLLM's per-tenant
 isolation) is folded in too, so salted prompts never share keys with unsalted ones.
 Only full blocks are hashed: a partial trailing block is never cached by an engine.
+
+A block that holds media placeholder tokens (``router.media``) also folds in its extra
+keys, the ``(identifier, offset)`` pairs of the items overlapping it (vLLM's per-block
+``extra_keys``)::
+
+    key[i]  = XXH3_64bits_withSeed(extra(block i), seed=XXH3_64(le_u32(block i), key[i-1]))
+
+where ``extra`` encodes each pair as ``"mm" le_u32(len) identifier le_i64(offset)`` (and a
+prompt-embedding digest as ``"pe" le_u32(len) digest``). Blocks without extra keys, and so
+every block of a text-only prompt and every block before a prompt's first media item,
+keep the plain key; every block from the first media item on depends on the item.
 """
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import xxhash
 
@@ -24,6 +36,15 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 assert array("I").itemsize == 4, "array('I') must hold 32-bit unsigned ints"
 _NATIVE_LE = sys.byteorder == "little"
+
+ExtraKey = tuple[str, int] | bytes
+"""A block's extra key: a media item's (identifier, offset in the block), or the digest of
+the block's prompt embeddings (which no request the router tokenizes can reproduce)."""
+BlockExtras = Mapping[int, Sequence[ExtraKey]]
+"""Extra keys per block index; blocks not in the map have none."""
+
+_LEN = struct.Struct("<I")
+_OFFSET = struct.Struct("<q")
 
 
 def seed_for(namespace: str, cache_salt: str | None = None) -> int:
@@ -44,13 +65,29 @@ def tokens_to_bytes(tokens: Sequence[int] | array) -> bytes:
     return buf.tobytes()
 
 
+def fold_extra(key: int, extra: Sequence[ExtraKey]) -> int:
+    """A block's key with its extra keys folded in (``key`` unchanged when there are none)."""
+    if not extra:
+        return key
+    parts: list[bytes] = []
+    for item in extra:
+        if isinstance(item, bytes):
+            parts += (b"pe", _LEN.pack(len(item)), item)
+        else:
+            ident = item[0].encode("utf-8", "surrogatepass")
+            parts += (b"mm", _LEN.pack(len(ident)), ident, _OFFSET.pack(item[1]))
+    return _xxh3(b"".join(parts), key)
+
+
 def block_keys(
     tokens: Sequence[int] | array | bytes,
     block_size: int,
     seed: int,
     max_blocks: int | None = None,
+    extra: BlockExtras | None = None,
 ) -> list[int]:
-    """Chained keys of every full block of ``tokens`` (at most ``max_blocks`` of them)."""
+    """Chained keys of every full block of ``tokens`` (at most ``max_blocks`` of them),
+    with ``extra`` keys folded into the blocks that have some."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
@@ -62,15 +99,24 @@ def block_keys(
     keys: list[int] = []
     append = keys.append
     key = seed
-    for off in range(0, nblocks * step, step):
+    if not extra:
+        for off in range(0, nblocks * step, step):
+            key = _xxh3(view[off : off + step], key)
+            append(key)
+        return keys
+    for i in range(nblocks):
+        off = i * step
         key = _xxh3(view[off : off + step], key)
+        block_extra = extra.get(i)
+        if block_extra:
+            key = fold_extra(key, block_extra)
         append(key)
     return keys
 
 
-def chain(parent_key: int, block_tokens: Sequence[int]) -> int:
+def chain(parent_key: int, block_tokens: Sequence[int], extra: Sequence[ExtraKey] = ()) -> int:
     """The key of one block that follows a block whose key is ``parent_key``."""
-    return _xxh3(tokens_to_bytes(block_tokens), parent_key)
+    return fold_extra(_xxh3(tokens_to_bytes(block_tokens), parent_key), extra)
 
 
 def extend_keys(parent_key: int, tokens: Sequence[int], block_size: int) -> list[int]:

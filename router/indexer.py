@@ -1,14 +1,16 @@
-"""``kvroute indexer``: keep the shared Redis index true from the engines' KV events.
+"""``kvroute indexer``: keep the shared index true from the engines' KV events.
 
-Routers can then run with events off and read Redis only. Several indexers may run
-for availability: each engine stream has one writer at a time, the holder of the
-stream's Redis lease (``SET NX PX``, renewed every ``renew_ms``). Every write carries
-the lease token and the stream's sequence number; the write script refuses a stale
-token and an already-applied sequence, and records the position it reached.
+Routers can then run with events off and read the shared index only. The indexer
+works on any :class:`~router.index.remote.FencedIndex` (Redis is the one shipped).
+Several indexers may run for availability: each engine stream has one writer at a
+time, the holder of the stream's lease (in Redis ``SET NX PX``, renewed every
+``renew_ms``). Every write carries the lease token and the stream's sequence number;
+the index refuses a stale token and an already-applied sequence, and records the
+position it reached.
 
-A writer that takes a stream over (at start, after another writer died, or after
-Redis failed under it) reads the position and the engine-hash -> block-key maps from
-Redis. If the engine still has the last applied batch, with the same timestamp (the
+A writer that takes a stream over (at start, after another writer died, or after the
+index failed under it) reads the position and the engine-hash -> block-key maps from
+the index. If the engine still has the last applied batch, with the same timestamp (the
 same engine life, not a restart that reused the numbers), it resumes: replay from the
 next sequence number, removals of earlier blocks still apply. Otherwise it rebuilds:
 the engine's entries are dropped and replayed from the start of the engine's buffer.
@@ -32,14 +34,26 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from router.config import Config, ConfigError, IndexerConfig, load_config
+from router.config import (
+    MAX_EVENT_MESSAGE_BYTES,
+    Config,
+    ConfigError,
+    IndexerConfig,
+    load_config,
+)
 from router.events.ingest import StreamState
-from router.events.redis_writer import RedisEventWriter
 from router.events.subscriber import EventSource, KVEventSubscriber
-from router.events.vllm import END_SEQ, EventDecodeError, decode_batch, decode_seq, encode_seq
+from router.events.vllm import (
+    END_SEQ,
+    EventDecodeError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+    replay_reply,
+)
+from router.events.writer import RemoteEventWriter
 from router.index.base import IndexUnavailable
-from router.index.redis import RedisIndex, StreamPosition
-from router.security import redacted
+from router.index.remote import FencedIndex, StreamPosition
 from router.types import EngineKey
 
 log = logging.getLogger("kvroute.indexer")
@@ -56,11 +70,11 @@ class IndexerStats:
     rebuilt: int = 0
     """Takeovers that dropped the engine's entries and replayed from scratch."""
     lost: int = 0
-    """Streams given up: lease lost, or Redis failed under the writes."""
+    """Streams given up: lease lost, or the index failed under the writes."""
 
 
 class Indexer:
-    """Follows engine streams and writes the Redis index, one lease per stream.
+    """Follows engine streams and writes the shared index, one lease per stream.
 
     ``token`` identifies this writer in leases (unique per process by default).
     ``renew_ms`` defaults to a third of ``lease_ms``.
@@ -68,7 +82,7 @@ class Indexer:
 
     def __init__(
         self,
-        index: RedisIndex,
+        index: FencedIndex,
         sources: Sequence[EventSource],
         *,
         lease_ms: int = 5000,
@@ -77,6 +91,7 @@ class Indexer:
         write_timeout: float = 5.0,
         token: str | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        max_message_bytes: int = MAX_EVENT_MESSAGE_BYTES,
     ) -> None:
         self.index = index
         self.sources = {s.engine: s for s in sources}
@@ -85,11 +100,14 @@ class Indexer:
         self.replay_timeout = replay_timeout
         self.token = token or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.writer = RedisEventWriter(
+        self.writer = RemoteEventWriter(
             index, token=self.token, on_lost=self._on_lost, write_timeout=write_timeout
         )
         self.subscriber = KVEventSubscriber(
-            self.writer, ctx=self.ctx, replay_timeout=replay_timeout
+            self.writer,
+            ctx=self.ctx,
+            replay_timeout=replay_timeout,
+            max_message_bytes=max_message_bytes,
         )
         self.owned: set[EngineKey] = set()
         """Streams this process holds the lease of and writes."""
@@ -133,14 +151,14 @@ class Indexer:
             try:
                 await self._step(source)
             except IndexUnavailable as exc:
-                log.debug("%s: Redis unavailable: %s", engine.label, exc)
+                log.debug("%s: index unavailable: %s", engine.label, exc)
                 # Renewals failing: past the lease's life another writer may hold it.
                 renewed = self._renewed.get(engine, 0.0)
                 if engine in self.owned and time.monotonic() - renewed > self.lease_ms / 1000:
-                    await self._drop(engine, "lease lapsed while Redis was unreachable")
+                    await self._drop(engine, "lease lapsed while the index was unreachable")
             except asyncio.CancelledError:
                 raise
-            except Exception:  # keep tending whatever an engine or Redis does
+            except Exception:  # keep tending whatever an engine or the index does
                 log.exception("%s: tending the stream failed", engine.label)
             self._tried.add(engine)
             if len(self._tried) == len(self.sources):
@@ -188,17 +206,17 @@ class Indexer:
             return False
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.subscriber.max_message_bytes)
         try:
             sock.connect(source.replay_endpoint)
             await sock.send_multipart([b"", encode_seq(position.seq or 0)])
             if not await sock.poll(int(self.replay_timeout * 1000), zmq.POLLIN):
                 return False
-            frames = await sock.recv_multipart()
-            if len(frames) != 3 or frames[1] == END_SEQ:
+            reply = replay_reply(await sock.recv_multipart())  # either release's frames
+            if reply is None or reply[0] == END_SEQ:
                 return False
-            return decode_seq(frames[1]) == position.seq and decode_batch(frames[2]).ts == (
-                position.ts
-            )
+            seq, payload = reply
+            return decode_seq(seq) == position.seq and decode_batch(payload).ts == position.ts
         except EventDecodeError:
             return False
         finally:
@@ -260,8 +278,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvroute indexer: {exc}", file=sys.stderr)
         return 2
-    if config.index.backend != "redis":
-        print("kvroute indexer: index.backend must be `redis`", file=sys.stderr)
+    for note in config.deprecations:
+        log.warning("%s", note)
+    if config.index.backend not in FENCED_BACKENDS:
+        print(
+            f"kvroute indexer: index.backend must be one of {', '.join(FENCED_BACKENDS)} "
+            "(a shared index with writer leases)",
+            file=sys.stderr,
+        )
         return 2
     if not config.indexer.engines:
         print("kvroute indexer: indexer.engines lists no engine", file=sys.stderr)
@@ -275,9 +299,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+FENCED_BACKENDS = ("redis",)
+"""``index.backend`` values the indexer can write (a :class:`FencedIndex` each)."""
+
+
+def fenced_index(config: Config) -> FencedIndex:
+    """The shared index the ``index`` section selects, for the indexer's fenced writes."""
+    if config.index.backend == "redis":
+        from router.index.redis import RedisIndex
+
+        # Calls without their own bound (stream positions) get the write timeout.
+        timeout = config.indexer.write_timeout_s
+        return RedisIndex.from_config(config.index.redis, admin_timeout=timeout)
+    raise ConfigError(f"index.backend {config.index.backend!r} has no writer leases")
+
+
 async def _serve(config: Config) -> None:
     settings: IndexerConfig = config.indexer
-    index = RedisIndex.from_config(config.index, admin_timeout=settings.write_timeout_s)
+    index = fenced_index(config)
     indexer = Indexer(
         index,
         sources_from_config(config),
@@ -285,6 +324,7 @@ async def _serve(config: Config) -> None:
         renew_ms=settings.renew_ms,
         replay_timeout=settings.replay_timeout_s,
         write_timeout=settings.write_timeout_s,
+        max_message_bytes=config.events.max_message_bytes,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -294,8 +334,7 @@ async def _serve(config: Config) -> None:
         await indexer.start()
         print(
             f"kvroute indexer listening for KV events of {len(indexer.sources)} engine streams "
-            f"({len(indexer.owned)} leased here), writing {redacted(config.index.url)} "
-            f"namespace {config.index.namespace}",
+            f"({len(indexer.owned)} leased here), writing {index.describe()}",
             flush=True,
         )
         await stop.wait()

@@ -3,10 +3,18 @@
 Engines name blocks by their own hashes (vLLM's default is a salted sha256 that cannot
 be reproduced outside the engine), so the router treats them as opaque ids and
 recomputes its own keys from the ``token_ids`` each ``BlockStored`` carries, chaining
-from the parent block's key. The map engine-hash -> key, kept per stream and per tier,
+from the parent block's key and folding in each block's media ``extra_keys`` as the
+request side does. The map engine-hash -> key, kept per stream and per tier,
 is what lets ``BlockRemoved`` (which carries only engine hashes) and child blocks be
 applied. A parent the map does not know is a gap: the event is skipped and counted
 (the subscriber's replay repairs gaps it can see).
+
+Tiers (``router.types.Tier``: GPU, CPU, disk/remote) come from each event's ``medium``
+and ``locality``; a block may be held on several at once, and a removal from one tier
+leaves the others. A *tokenless* ``BlockStored`` (no ``token_ids``: what vLLM's
+offloading connectors send when they copy a block GPU -> CPU) carries only engine
+hashes: each resolves through the map (any tier) to the key its tokens gave it, and
+hashes the map does not know are skipped and counted (``tokenless_unresolved``).
 """
 
 from __future__ import annotations
@@ -17,25 +25,66 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.hashing import block_keys, seed_for
+from router.events.vllm import SGLANG_SALT_PREFIX
+from router.hashing import ExtraKey, block_keys, seed_for
 from router.index.base import KVIndex
 from router.types import EngineKey, Tier
+
+
+def _entries(event: BlockStored) -> list[list[Any]]:
+    """Each block's extra keys as a list (an absent or null entry: none)."""
+    extra = event.extra_keys or []
+    return [list(e) if isinstance(e, (list, tuple)) else [] for e in extra]
+
+
+def _strings(entry: list[Any], lora_name: str | None) -> list[str]:
+    """An entry's bare strings, less the LoRA name vLLM puts first when there is one."""
+    strings = [k for k in entry if isinstance(k, str)]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings
 
 
 def cache_salt_of(event: BlockStored) -> str | None:
     """The cache salt vLLM folds into the first block's extra keys, if any.
 
-    vLLM's extra keys for a block are (multimodal hashes..., LoRA name, cache salt on the
-    first block only, prompt-embedding hashes...). The salt is the last string that is
-    not the LoRA name; multimodal prompts cannot be matched by token ids anyway.
+    vLLM publishes a block's extra keys untagged, in this order: the LoRA name (when
+    ``lora_name`` is set), ``(mm_identifier, offset)`` pairs, the cache salt (first block
+    of a prompt only), prompt-embedding digests (bytes). The salt is the bare string
+    after the LoRA name. SGLang puts its salt there too, prefixed ``dynamo-cache-salt:``
+    (Dynamo's convention), which is dropped.
     """
-    if not event.extra_keys:
+    entries = _entries(event)
+    if not entries:
         return None
-    first: Any = event.extra_keys[0]
-    if not isinstance(first, (list, tuple)):
+    strings = _strings(entries[0], event.lora_name)
+    if not strings:
         return None
-    strings = [k for k in first if isinstance(k, str) and k != event.lora_name]
-    return strings[-1] if strings else None
+    salt = strings[-1]
+    return salt.removeprefix(SGLANG_SALT_PREFIX)
+
+
+def block_extras_of(event: BlockStored) -> dict[int, list[ExtraKey]]:
+    """Per block of the event, the extra keys folded into its router key: media pairs
+    ``(identifier, offset)`` and prompt-embedding digests, as the request side folds
+    them (``router.media``). The LoRA name and the salt seed the chain instead."""
+    extras: dict[int, list[ExtraKey]] = {}
+    for i, entry in enumerate(_entries(event)):
+        keys: list[ExtraKey] = []
+        for key in entry:
+            if isinstance(key, bytes):
+                keys.append(key)
+            elif (
+                isinstance(key, (list, tuple))
+                and len(key) == 2
+                and isinstance(key[0], str)
+                and isinstance(key[1], int)
+                and not isinstance(key[1], bool)
+            ):
+                keys.append((key[0], key[1]))
+        if keys:
+            extras[i] = keys
+    return extras
 
 
 @dataclass(slots=True)
@@ -47,8 +96,8 @@ class StreamState:
     """Model name the engine serves; seeds root keys of blocks without a LoRA adapter."""
     block_size: int | None = None
     """Expected block size; learned from the first event when None."""
-    hashes: tuple[dict[int, int], dict[int, int]] = field(default_factory=lambda: ({}, {}))
-    """Engine hash -> block key, per tier (GPU, offloaded)."""
+    hashes: tuple[dict[int, int], ...] = field(default_factory=lambda: ({}, {}, {}))
+    """Engine hash -> block key, per tier (GPU, CPU, disk: indexed by ``Tier``)."""
     ignored_groups: set[int] = field(default_factory=set)
     last_seq: int | None = None
 
@@ -57,9 +106,12 @@ class StreamState:
             table.clear()
 
     def key_of(self, engine_hash: int) -> int | None:
-        gpu, offloaded = self.hashes
-        key = gpu.get(engine_hash)
-        return key if key is not None else offloaded.get(engine_hash)
+        """The block key of ``engine_hash`` in whichever tier holds it (None: unknown)."""
+        for table in self.hashes:
+            key = table.get(engine_hash)
+            if key is not None:
+                return key
+        return None
 
 
 @dataclass(slots=True)
@@ -70,13 +122,22 @@ class IngestCounters:
     """Applied events by type."""
     skipped: Counter[str] = field(default_factory=Counter)
     """Skipped events by reason: unknown_parent, ignored_group, block_size_mismatch,
-    malformed, unknown_hash."""
+    malformed, unknown_hash, unknown_type, tokenless_unresolved (blocks of a tokenless
+    store whose engine hash the stream's map does not know)."""
+    unknown_fields: int = 0
+    """Fields of applied events this version does not read (ignored)."""
     blocks_stored: int = 0
     blocks_removed: int = 0
+    tokenless_blocks: int = 0
+    """Blocks of tokenless stores resolved by engine hash and applied."""
+    block_size_mismatches: Counter[EngineKey] = field(default_factory=Counter)
+    """BlockStored events dropped per engine stream because their block size is not the
+    engine's."""
 
 
 BlockSizeListener = Callable[[EngineKey, int, int], None]
-"""Called with (engine, expected, got) when an engine's events use another block size."""
+"""Called with (engine, expected, got) when an event of an engine's stream uses another
+block size than the stream's; the event itself is dropped."""
 
 
 class EventIngestor:
@@ -94,6 +155,9 @@ class EventIngestor:
 
     async def apply(self, state: StreamState, batch: EventBatch) -> None:
         """Apply every event of ``batch`` in order."""
+        if batch.unknown_events:
+            self.counters.skipped["unknown_type"] += batch.unknown_events
+        self.counters.unknown_fields += batch.unknown_fields
         for event in batch.events:
             if isinstance(event, BlockStored):
                 await self._stored(state, event)
@@ -115,10 +179,14 @@ class EventIngestor:
                 state.ignored_groups.add(event.group_idx)
             skipped["ignored_group"] += 1
             return
+        if event.tokenless:
+            await self._stored_by_hash(state, event)
+            return
         if state.block_size is None:
             state.block_size = event.block_size
         elif event.block_size != state.block_size:
             skipped["block_size_mismatch"] += 1
+            self.counters.block_size_mismatches[state.engine] += 1
             if self._on_mismatch is not None:
                 self._on_mismatch(state.engine, state.block_size, event.block_size)
             return
@@ -134,12 +202,40 @@ class EventIngestor:
                 skipped["unknown_parent"] += 1
                 return
             root = parent
-        keys = block_keys(event.token_ids, event.block_size, root)
-        tier = Tier.from_medium(event.medium)
+        keys = block_keys(event.token_ids, event.block_size, root, extra=block_extras_of(event))
+        tier = Tier.from_medium(event.medium, event.locality, event.ownership)
         state.hashes[tier].update(zip(event.block_hashes, keys, strict=True))
         await self._store(state, event.block_hashes, keys, tier)
         self.counters.events["BlockStored"] += 1
         self.counters.blocks_stored += nblocks
+
+    async def _stored_by_hash(self, state: StreamState, event: BlockStored) -> None:
+        """A tokenless store: each engine hash resolves to the key the stream gave it."""
+        if event.block_size and state.block_size and event.block_size != state.block_size:
+            # A tokenless store names blocks by hash, so a size it carries must agree.
+            self.counters.skipped["block_size_mismatch"] += 1
+            return
+        if not event.block_hashes:
+            self.counters.skipped["malformed"] += 1
+            return
+        tier = Tier.from_medium(event.medium, event.locality, event.ownership)
+        hashes: list[int] = []
+        keys: list[int] = []
+        for engine_hash in event.block_hashes:
+            key = state.key_of(engine_hash)
+            if key is not None:
+                hashes.append(engine_hash)
+                keys.append(key)
+        unresolved = len(event.block_hashes) - len(keys)
+        if unresolved:
+            self.counters.skipped["tokenless_unresolved"] += unresolved
+        if not keys:
+            return
+        state.hashes[tier].update(zip(hashes, keys, strict=True))
+        await self._store(state, hashes, keys, tier)
+        self.counters.events["BlockStored"] += 1
+        self.counters.blocks_stored += len(keys)
+        self.counters.tokenless_blocks += len(keys)
 
     async def _store(
         self, state: StreamState, hashes: list[int], keys: list[int], tier: Tier
@@ -152,7 +248,10 @@ class EventIngestor:
         if event.group_idx is not None and event.group_idx in state.ignored_groups:
             self.counters.skipped["ignored_group"] += 1
             return
-        tier = Tier.from_medium(event.medium)
+        if event.all_tiers:
+            await self._removed_everywhere(state, event)
+            return
+        tier = Tier.from_medium(event.medium, event.locality, event.ownership)
         table = state.hashes[tier]
         keys = []
         for engine_hash in event.block_hashes:
@@ -166,3 +265,24 @@ class EventIngestor:
             await self.index.remove(state.engine, keys, tier)
         self.counters.events["BlockRemoved"] += 1
         self.counters.blocks_removed += len(keys)
+
+    async def _removed_everywhere(self, state: StreamState, event: BlockRemoved) -> None:
+        """Blocks gone from every tier that held them."""
+        seen: set[int] = set()
+        removed = 0
+        for tier in Tier:
+            table = state.hashes[tier]
+            keys = []
+            for engine_hash in event.block_hashes:
+                key = table.pop(engine_hash, None)
+                if key is not None:
+                    keys.append(key)
+                    seen.add(engine_hash)
+            if keys:
+                removed += len(keys)
+                await self.index.remove(state.engine, keys, tier)
+        unknown = len(set(event.block_hashes) - seen)
+        if unknown:
+            self.counters.skipped["unknown_hash"] += unknown
+        self.counters.events["BlockRemoved"] += 1
+        self.counters.blocks_removed += removed

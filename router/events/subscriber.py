@@ -23,7 +23,8 @@ re-admitted after an ejection, the stream *resyncs*: it replays from its last se
 number and checks that the engine still holds that very batch. If it does, only newer
 batches apply; if not, the engine restarted: clear, and rebuild from sequence 0.
 Garbage frames are counted and dropped; nothing here lets an exception end the
-subscriber.
+subscriber. Every socket has a ``MAXMSGSIZE`` (``events.max_message_bytes``): libzmq
+disconnects a publisher whose frame would be larger before allocating it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from router.config import MAX_EVENT_MESSAGE_BYTES
 from router.events.ingest import EventIngestor, StreamState
 from router.events.vllm import (
     END_SEQ,
@@ -47,6 +49,7 @@ from router.events.vllm import (
     decode_batch,
     decode_seq,
     encode_seq,
+    replay_reply,
 )
 from router.types import EngineKey
 
@@ -248,6 +251,7 @@ class _Stream:
         assert endpoint is not None
         sock = self.sub.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.sub.max_message_bytes)
         try:
             sock.connect(endpoint)
             await sock.send_multipart([b"", encode_seq(start)])
@@ -257,30 +261,39 @@ class _Stream:
                 if not await sock.poll(timeout_ms, zmq.POLLIN):
                     self.sub.stats.replays["failed"] += 1
                     log.warning("%s: replay from %d timed out", self.state.engine.label, start)
-                    if self.state.last_seq is not None and self.pending:
-                        # The gap stays unexplained: start over from live events.
-                        await self.sub.ingestor.clear(self.state)
-                        self.state.last_seq = None
+                    last = self.state.last_seq
+                    if last is not None and self.pending:
+                        if self.pending[0][0] <= last:
+                            # Live batches numbered from the start again: a restart.
+                            await self._restarted(
+                                f"sequence went back from {last} to {self.pending[0][0]}"
+                            )
+                        else:
+                            # The gap stays unexplained: start over from live events.
+                            await self.sub.ingestor.clear(self.state)
+                            self.state.last_seq = None
                     return False
                 frames = await sock.recv_multipart()
-                if len(frames) != 3 or frames[0] != b"":
+                reply = replay_reply(frames)
+                if reply is None:
                     self.sub.stats.garbage += 1
                     continue
-                if frames[1] == END_SEQ:
+                seq_frame, payload = reply
+                if seq_frame == END_SEQ:
                     self.sub.stats.replays["ok"] += 1
                     if verify and first:
                         await self._restarted(f"it no longer holds batch {start}")
                         return True
                     return False
                 try:
-                    seq = decode_seq(frames[1])
+                    seq = decode_seq(seq_frame)
                 except EventDecodeError:
                     self.sub.stats.garbage += 1
                     continue
                 if first:
                     first = False
                     if verify and seq == start:
-                        if xxhash.xxh3_64_intdigest(frames[2]) != self.last_digest:
+                        if xxhash.xxh3_64_intdigest(payload) != self.last_digest:
                             await self._restarted(f"its batch {seq} is not the one applied")
                             return True
                         continue
@@ -297,7 +310,7 @@ class _Stream:
                 last = self.state.last_seq
                 if last is not None and seq <= last:
                     continue
-                await self.apply(seq, frames[2])
+                await self.apply(seq, payload)
         finally:
             sock.close(0)
         return False
@@ -313,11 +326,15 @@ class KVEventSubscriber:
         ctx: zmq.asyncio.Context | None = None,
         replay_timeout: float = 2.0,
         receive_hwm: int = 100_000,
+        max_message_bytes: int = MAX_EVENT_MESSAGE_BYTES,
     ) -> None:
         self.ingestor = ingestor
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.replay_timeout = replay_timeout
         self.receive_hwm = receive_hwm
+        self.max_message_bytes = max_message_bytes
+        """ZMQ ``MAXMSGSIZE`` of every socket: libzmq disconnects a peer whose frame header
+        announces more, before allocating it."""
         self.stats = SubscriberStats()
         self._streams: dict[EngineKey, _Stream] = {}
         self._readers: dict[EngineKey, tuple[zmq.asyncio.Socket, list[asyncio.Task[None]]]] = {}
@@ -329,6 +346,7 @@ class KVEventSubscriber:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.receive_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         return sock
 
     def stream_state(self, engine: EngineKey) -> StreamState | None:
@@ -466,26 +484,37 @@ class KVEventSubscriber:
                     return
                 log.warning("KV-event socket error: %s", exc)
                 continue
-            try:
-                if len(frames) != 3:
-                    self.stats.garbage += 1
-                    continue
-                topic_raw, seq_raw, payload = frames
-                seq = decode_seq(seq_raw)
-                rank = None
-                if by_topic:
-                    rank = _peek_rank(payload)
-                stream = route(topic_raw.decode("utf-8", "replace"), rank)
-                if stream is None:
-                    self.stats.unknown_topics += 1
-                    continue
-                await stream.on_message(seq, payload)
-            except EventDecodeError:
+            await self._dispatch(frames, route, by_topic)
+            # Not kept alive while waiting for the next message (a large frame would be).
+            del frames
+
+    async def _dispatch(
+        self,
+        frames: list[bytes],
+        route: Callable[[str, int | None], _Stream | None],
+        by_topic: bool,
+    ) -> None:
+        """Hand one message to its stream; garbage is counted, nothing raises."""
+        try:
+            if len(frames) != 3:
                 self.stats.garbage += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("KV-event message dropped")
+                return
+            topic_raw, seq_raw, payload = frames
+            seq = decode_seq(seq_raw)
+            rank = None
+            if by_topic:
+                rank = _peek_rank(payload)
+            stream = route(topic_raw.decode("utf-8", "replace"), rank)
+            if stream is None:
+                self.stats.unknown_topics += 1
+                return
+            await stream.on_message(seq, payload)
+        except EventDecodeError:
+            self.stats.garbage += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV-event message dropped")
 
     async def close(self) -> None:
         for engine in list(self._readers):

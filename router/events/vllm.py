@@ -6,8 +6,10 @@ A ZMQ message is ``[topic, seq (8-byte big-endian), payload]``; the payload is a
 * ``v0-array``: ``[ts, events]`` or ``[ts, events, dp_rank]`` with positional events of
   older schemas (6-, 7-, 8-element ``BlockStored``; 2-, 3-element ``BlockRemoved``);
 * ``v1-array``: ``[ts, events, dp_rank]`` with 12-element positional ``BlockStored``;
-* ``v2-mixed``: the same array batch holding map events tagged by ``"type"``;
-* ``v3-map``: a map batch ``{"ts", "events", "data_parallel_rank"}`` of map events.
+* ``v2-mixed``: the same array batch holding map events tagged by ``"type"`` (what vLLM
+  0.32 publishes);
+* ``v3-map``: a map batch ``{"ts", "events", "data_parallel_rank"}`` of map events (other
+  publishers).
 
 Hashes arrive as ints (the low 64 bits of the engine's digest) or raw digest bytes, of
 which the low 64 bits (the last 8 bytes, big-endian) are used.
@@ -20,10 +22,23 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.events import trtllm
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 
 WireFormat = Literal["v1-array", "v2-mixed", "v3-map"]
 WIRE_FORMATS: tuple[WireFormat, ...] = ("v1-array", "v2-mixed", "v3-map")
+#: The shape vLLM 0.32 publishes: an array batch of map events.
+VLLM_WIRE_FORMAT: WireFormat = "v2-mixed"
+
+#: What the emulator can publish: vLLM's shapes, and SGLang's (``router.events.sglang``).
+EventFormat = Literal["v1-array", "v2-mixed", "v3-map", "sglang", "trtllm"]
+EVENT_FORMATS: tuple[EventFormat, ...] = (*WIRE_FORMATS, "sglang", "trtllm")
+
+ReplayFrames = Literal["topic", "legacy"]
+#: ``topic``: vLLM 0.32's replies ``[b"", topic, seq, payload]`` ending with
+#: ``[b"", b"", END_SEQ, b""]``; ``legacy``: older releases' ``[b"", seq, payload]``
+#: ending with ``[b"", END_SEQ, b""]``.
+REPLAY_FRAMES: tuple[ReplayFrames, ...] = ("topic", "legacy")
 
 SEQ_BYTES = 8
 #: The replay socket's end-of-replay marker in the seq frame.
@@ -98,6 +113,9 @@ def _tokens(value: Any) -> list[int]:
     return value
 
 
+#: Field order of vLLM's positional events (SGLang's ``BlockStored`` uses the same
+#: order); ``locality`` and ``ownership`` arrived with vLLM 0.32 and choose the tier,
+#: ``session_id`` is read but not used (nor are fields past these).
 _STORED_FIELDS = (
     "block_hashes",
     "parent_block_hash",
@@ -110,33 +128,79 @@ _STORED_FIELDS = (
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+#: SGLang's newest positional ``BlockRemoved`` carries the store's cache-spec slots
+#: before locality and ownership (7 fields; vLLM's positional form never had 7).
+_SGLANG_REMOVED_FIELDS = (
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+)
+#: SGLang's prefix on a cache salt it puts in ``extra_keys`` (Dynamo's convention).
+SGLANG_SALT_PREFIX = "dynamo-cache-salt:"
+_KNOWN_FIELDS = {
+    "BlockStored": frozenset(("type", *_STORED_FIELDS)),
+    "BlockRemoved": frozenset(("type", *_SGLANG_REMOVED_FIELDS)),
+    "AllBlocksCleared": frozenset(("type",)),
+}
+
+
+class _UnknownEvent(Exception):
+    """An event of a type this decoder does not know (counted, never fatal)."""
+
+
+def _metadata_salt(value: Any) -> str | None:
+    """The cache salt of SGLang's typed ``BlockStored`` metadata map, if any."""
+    salt = value.get("cache_salt") if isinstance(value, dict) else None
+    return salt if isinstance(salt, str) else None
 
 
 def _stored(f: dict[str, Any]) -> BlockStored:
-    if "block_hashes" not in f or "token_ids" not in f or "block_size" not in f:
-        raise EventDecodeError("BlockStored lacks block_hashes, token_ids or block_size")
+    if "block_hashes" not in f:
+        raise EventDecodeError("BlockStored lacks block_hashes")
+    if "block_size" not in f and f.get("token_ids"):
+        raise EventDecodeError("BlockStored has token_ids but no block_size")
     extra = f.get("extra_keys")
+    lora_name = f.get("lora_name")
+    # SGLang before its positional layout settled put a metadata map ({"cache_salt"})
+    # right after ``medium``, in the ``lora_name`` slot: read the salt, not a name.
+    salt = _metadata_salt(lora_name)
+    if isinstance(lora_name, dict):
+        lora_name = None
     if extra is not None and not isinstance(extra, list):
         raise EventDecodeError("extra_keys must be a list or nil")
-    block_size = _int(f["block_size"], "block_size")
-    if block_size <= 0:
+    if extra is None and salt is not None:
+        extra = [[salt]]
+    # A tokenless store (token_ids empty or absent, block_size 0 or absent) names
+    # blocks by engine hash alone: the GPU -> CPU offload placeholder.
+    tokens = _tokens(f.get("token_ids") or [])
+    block_size = _int(f.get("block_size", 0), "block_size")
+    if block_size < 0 or (block_size == 0 and tokens):
         raise EventDecodeError("block_size must be positive")
     return BlockStored(
         block_hashes=_hashes(f["block_hashes"]),
         parent_block_hash=_opt_hash(f.get("parent_block_hash")),
-        token_ids=_tokens(f["token_ids"]),
+        token_ids=tokens,
         block_size=block_size,
         lora_id=_opt_int(f.get("lora_id"), "lora_id"),
         medium=_opt_str(f.get("medium"), "medium"),
-        lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+        lora_name=_opt_str(lora_name, "lora_name"),
         extra_keys=extra,
         group_idx=_opt_int(f.get("group_idx"), "group_idx"),
         kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
         kv_cache_spec_sliding_window=_opt_int(
             f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
         ),
+        locality=_opt_str(f.get("locality"), "locality"),
+        ownership=_opt_str(f.get("ownership"), "ownership"),
     )
 
 
@@ -147,38 +211,68 @@ def _removed(f: dict[str, Any]) -> BlockRemoved:
         block_hashes=_hashes(f["block_hashes"]),
         medium=_opt_str(f.get("medium"), "medium"),
         group_idx=_opt_int(f.get("group_idx"), "group_idx"),
+        locality=_opt_str(f.get("locality"), "locality"),
+        ownership=_opt_str(f.get("ownership"), "ownership"),
     )
 
 
-def _event(raw: Any) -> KVEvent:
+def _event(raw: Any) -> tuple[KVEvent, int]:
+    """One event and how many of its fields this decoder does not know."""
     if isinstance(raw, dict):
         tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise EventDecodeError("event map lacks a string 'type'")
         fields = raw
+        known = _KNOWN_FIELDS.get(tag)
+        if known is None:
+            raise _UnknownEvent(tag)
+        unknown = sum(1 for name in raw if name not in known)
     elif isinstance(raw, list) and raw:
         tag = raw[0]
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS
-        if len(raw) - 1 > len(names):
-            raise EventDecodeError(f"{tag} has {len(raw) - 1} fields, at most {len(names)} known")
+        if not isinstance(tag, str):
+            raise EventDecodeError("positional event lacks its type name")
+        if tag not in _KNOWN_FIELDS:
+            raise _UnknownEvent(tag)
+        if tag == "BlockStored":
+            names: tuple[str, ...] = _STORED_FIELDS
+        elif tag == "BlockRemoved":
+            names = _SGLANG_REMOVED_FIELDS if len(raw) == 8 else _REMOVED_FIELDS
+        else:
+            names = ()
         fields = dict(zip(names, raw[1:], strict=False))
+        unknown = max(len(raw) - 1 - len(names), 0)
     else:
         raise EventDecodeError("event must be a tagged array or a map with 'type'")
+    return _known_event(tag, fields), unknown
+
+
+def _known_event(tag: str, fields: dict[str, Any]) -> KVEvent:
     if tag == "BlockStored":
         return _stored(fields)
     if tag == "BlockRemoved":
         return _removed(fields)
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    raise EventDecodeError(f"unknown event type {tag!r}")
+    return AllBlocksCleared()
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Decode one payload frame in any known shape into domain events."""
+    """Decode one payload frame in any known shape into domain events: vLLM's,
+    SGLang's (the same positional layout, see ``router.events.sglang``) or a relayed
+    TensorRT-LLM event list (``router.events.trtllm``)."""
     try:
         obj = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise EventDecodeError(f"not msgpack: {exc}") from None
+        obj = trtllm.parse_json(payload) if payload[:1] == b"[" else None
+        if obj is None:
+            raise EventDecodeError(f"not msgpack: {exc}") from None
     except RecursionError:  # nesting past the interpreter's limit: hostile, not vLLM
         raise EventDecodeError("payload nests too deeply") from None
+    if obj == []:  # a TensorRT-LLM relay's empty poll
+        return EventBatch(ts=0.0, events=[])
+    if trtllm.looks_like_trtllm(obj):
+        try:
+            return trtllm.decode_trtllm(obj)
+        except (trtllm.TrtllmDecodeError, RecursionError) as exc:
+            raise EventDecodeError(f"TensorRT-LLM events: {exc}") from None
     if isinstance(obj, dict):
         ts, events, rank = obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")
     elif isinstance(obj, list) and len(obj) in (2, 3):
@@ -190,10 +284,22 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise EventDecodeError("batch ts must be a number")
     if not isinstance(events, list):
         raise EventDecodeError("batch events must be a list")
+    decoded: list[KVEvent] = []
+    unknown_events = unknown_fields = 0
+    for raw in events:
+        try:
+            event, unknown = _event(raw)
+        except _UnknownEvent:
+            unknown_events += 1
+            continue
+        decoded.append(event)
+        unknown_fields += unknown
     return EventBatch(
         ts=float(ts),
-        events=[_event(e) for e in events],
+        events=decoded,
         data_parallel_rank=_opt_int(rank, "data_parallel_rank"),
+        unknown_events=unknown_events,
+        unknown_fields=unknown_fields,
     )
 
 
@@ -298,7 +404,7 @@ def encode_batch(
     events: Sequence[KVEvent],
     ts: float,
     data_parallel_rank: int | None = None,
-    wire_format: WireFormat = "v3-map",
+    wire_format: WireFormat = VLLM_WIRE_FORMAT,
 ) -> bytes:
     """Encode events as one payload frame, byte-compatible with vLLM's publisher."""
     as_map = wire_format != "v1-array"
@@ -311,3 +417,19 @@ def encode_batch(
     else:
         raise ValueError(f"unknown KV-event wire format {wire_format!r}")
     return _encoder.encode(batch)
+
+
+def replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """``(seq, payload)`` of one replay reply, or None if it is not one.
+
+    vLLM 0.32 answers ``[b"", topic, seq, payload]`` and ends with
+    ``[b"", b"", END_SEQ, b""]``; older releases answered ``[b"", seq, payload]`` and
+    ``[b"", END_SEQ, b""]``.
+    """
+    if not frames or frames[0] != b"":
+        return None
+    if len(frames) == 4:
+        return frames[2], frames[3]
+    if len(frames) == 3:
+        return frames[1], frames[2]
+    return None

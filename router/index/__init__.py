@@ -1,4 +1,9 @@
-"""The KV-block index: which engine holds which block keys."""
+"""The KV-block index: which engines hold which block keys.
+
+``base.py`` is the contract every backend implements, ``remote.py`` what a shared
+backend adds to it; ``memory.py`` and ``redis.py`` are the backends, ``shadow.py`` the
+router's wrapper of a shared one.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ if TYPE_CHECKING:
 
 
 def index_from_config(config: IndexConfig) -> KVIndex:
-    """The backend an ``index:`` section selects (Redis is imported only when chosen)."""
+    """The backend ``index.backend`` selects, built from its own section (``index.redis``
+    for Redis, which is imported only when chosen)."""
     if config.backend == "redis":
         from router.index.redis import RedisIndex
 
-        return RedisIndex.from_config(config)
+        return RedisIndex.from_config(config.redis)
     return MemoryIndex()
 
 

@@ -22,16 +22,24 @@ class Match(msgspec.Struct, gc=False):
     """How much of a prompt's prefix one engine holds.
 
     ``blocks`` is the match depth: leading blocks held in any tier, counted from block 0
-    and stopping at the engine's first miss. ``offloaded`` of them are held only in an
-    offloaded tier (cheaper than recomputing, dearer than a GPU hit).
+    and stopping at the engine's first miss. Each block counts at its best (fastest)
+    tier: ``offloaded`` of them are held in no GPU tier (the CPU and disk tiers: cheaper
+    than recomputing, dearer than a GPU hit), and ``disk`` of those ``offloaded`` are
+    held in neither GPU nor CPU (disk, shared storage, remote pools).
     """
 
     blocks: int
     offloaded: int = 0
+    disk: int = 0
 
-    def weighted(self, offload_weight: float) -> float:
-        """Depth with offloaded blocks counted at ``offload_weight``."""
-        return self.blocks - self.offloaded * (1.0 - offload_weight)
+    def weighted(self, offload_weight: float, disk_weight: float | None = None) -> float:
+        """Depth with CPU-tier blocks counted at ``offload_weight`` and disk-tier blocks
+        at ``disk_weight`` (``offload_weight`` too when None: the one-offload-tier
+        weighting)."""
+        if disk_weight is None:
+            disk_weight = offload_weight
+        cpu = self.offloaded - self.disk
+        return self.blocks - cpu * (1.0 - offload_weight) - self.disk * (1.0 - disk_weight)
 
 
 @dataclass(slots=True)
@@ -47,7 +55,27 @@ class IndexStats:
 
 
 class IndexUnavailable(RuntimeError):
-    """The backend cannot answer now (for example Redis is down); route on load alone."""
+    """The backend cannot answer now (for example Redis is down); route on load alone.
+
+    ``why`` is a short code for the decision's reason: ``over_budget`` (no answer within
+    ``index.redis.budget_ms``), ``unreachable``, ``refused`` (an error answer), ``unavailable``.
+    """
+
+    def __init__(self, message: str, why: str = "unavailable") -> None:
+        super().__init__(message)
+        self.why = why
+
+
+class FallbackMatches(dict[EngineKey, Match]):
+    """Matches a backend answered without the index itself, e.g. from a router's shadow
+    of its own decisions; ``note`` (``shadow:over_budget``) says how and why, and the
+    decision's reason carries it."""
+
+    __slots__ = ("note",)
+
+    def __init__(self, matches: Mapping[EngineKey, Match], note: str) -> None:
+        super().__init__(matches)
+        self.note = note
 
 
 class KVIndex(ABC):

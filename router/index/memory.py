@@ -10,6 +10,8 @@ Expiring holders (provisional and approximate-mode records) are set in the GPU m
 like firm ones and remembered with their deadline; every read first sweeps out what
 has expired (a heap check when nothing has), so lookups never test deadlines per key.
 Whether a GPU bit is firm is known from the engine's per-tier sets of firmly held keys.
+There is one mask dict per tier (GPU, CPU, disk); a block held in several tiers has a
+bit in each, and a match counts it at the fastest.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ class MemoryIndex(KVIndex):
         self._ids: dict[EngineKey, int] = {}
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
-        self._tiers: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        self._held: list[tuple[set[int], set[int]]] = []
-        """Per engine id: keys it holds firmly, per tier (GPU, offloaded)."""
+        self._tiers: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
+        self._held: list[tuple[set[int], ...]] = []
+        """Per engine id: keys it holds firmly, per tier (GPU, CPU, disk)."""
         self._exp: dict[int, dict[int, float]] = {}
         """key -> engine id -> deadline of an expiring GPU record."""
         self._exp_heap: list[tuple[float, int, int, Sequence[int]]] = []
@@ -68,7 +70,7 @@ class MemoryIndex(KVIndex):
             else:
                 idx = len(self._names)
                 self._names.append(engine)
-                self._held.append((set(), set()))
+                self._held.append(tuple(set() for _ in Tier))
             self._ids[engine] = idx
         return idx
 
@@ -97,12 +99,15 @@ class MemoryIndex(KVIndex):
             return {}
         if self._exp_heap and self._exp_heap[0][0] <= self._clock():
             self._sweep(self._clock())
-        gpu, off = self._tiers
-        gpu_get, off_get = gpu.get, off.get
+        gpu, cpu, disk = self._tiers
+        off = cpu or disk
+        gpu_get, cpu_get, disk_get = gpu.get, cpu.get, disk.get
         depth: dict[int, int] = {}
         pos = 0
         for pos, key in enumerate(keys):
-            held = (gpu_get(key, 0) | off_get(key, 0) if off else gpu_get(key, 0)) & alive
+            held = (
+                gpu_get(key, 0) | cpu_get(key, 0) | disk_get(key, 0) if off else gpu_get(key, 0)
+            ) & alive
             if held != alive:
                 for idx in _bits(alive & ~held):
                     depth[idx] = pos
@@ -120,10 +125,13 @@ class MemoryIndex(KVIndex):
         for idx, d in depth.items():
             if d:
                 bit = 1 << idx
-                only_off = sum(
-                    1 for k in keys[:d] if not gpu.get(k, 0) & bit and off.get(k, 0) & bit
-                )
-                result[names[idx]] = Match(d, only_off)  # type: ignore[index]
+                only_off = only_disk = 0
+                for k in keys[:d]:
+                    if not gpu_get(k, 0) & bit:
+                        only_off += 1
+                        if not cpu_get(k, 0) & bit:
+                            only_disk += 1
+                result[names[idx]] = Match(d, only_off, only_disk)  # type: ignore[index]
         return result
 
     # ------------------------------------------------------------------ writes
@@ -191,11 +199,16 @@ class MemoryIndex(KVIndex):
         if idx is None:
             return
         bit = 1 << idx
-        gpu, off = self._tiers
-        held_gpu, held_off = self._held[idx]
+        gpu = self._tiers[Tier.GPU]
+        held_gpu = self._held[idx][Tier.GPU]
         exp = self._exp
+        slower = [
+            (self._tiers[t], self._held[idx][t])
+            for t in Tier
+            if t is not Tier.GPU and (tier is None or tier is t)
+        ]
         for key in keys:
-            if tier is not Tier.OFFLOADED:
+            if tier is None or tier is Tier.GPU:
                 _clear_bit(gpu, key, bit)
                 held_gpu.discard(key)
                 if exp:
@@ -204,9 +217,9 @@ class MemoryIndex(KVIndex):
                         self._exp_count -= 1
                         if not pending:
                             del exp[key]
-            if tier is not Tier.GPU:
-                _clear_bit(off, key, bit)
-                held_off.discard(key)
+            for table, held in slower:
+                _clear_bit(table, key, bit)
+                held.discard(key)
 
     async def clear(self, engine: EngineKey) -> None:
         self.clear_now(engine)
@@ -220,7 +233,7 @@ class MemoryIndex(KVIndex):
         for table, held in zip(self._tiers, self._held[idx], strict=True):
             for key in held:
                 _clear_bit(table, key, bit)
-        self._held[idx] = (set(), set())
+        self._held[idx] = tuple(set() for _ in Tier)
         exp = self._exp
         gpu = self._tiers[Tier.GPU]
         kept = []
@@ -270,17 +283,17 @@ class MemoryIndex(KVIndex):
     async def held_blocks(self) -> Mapping[EngineKey, int]:
         held: dict[EngineKey, int] = {}
         for engine, idx in self._ids.items():
-            gpu, off = self._held[idx]
-            held[engine] = len(gpu) + len(off - gpu)
+            gpu, cpu, disk = self._held[idx]
+            held[engine] = len(gpu | cpu | disk)
         return held
 
     def stats_now(self) -> IndexStats:
         """Synchronous :meth:`stats`."""
         self._sweep(self._clock())
-        gpu, off = self._tiers
-        blocks = len(gpu) + (len(off.keys() - gpu.keys()) if off else 0)
+        gpu, cpu, disk = self._tiers
+        blocks = len(gpu) if not (cpu or disk) else len(gpu.keys() | cpu.keys() | disk.keys())
         return IndexStats(
             blocks=blocks,
-            entries=sum(len(g) + len(o) for g, o in self._held) + self._exp_count,
-            engines=sum(1 for g, o in self._held if g or o),
+            entries=sum(sum(len(t) for t in held) for held in self._held) + self._exp_count,
+            engines=sum(1 for held in self._held if any(held)),
         )

@@ -1,12 +1,13 @@
-"""The Redis-backed KV-block index, shared by router replicas and the standalone indexer.
+"""The Redis-backed KV-block index, shared by router replicas and the standalone indexer:
+the :class:`~router.index.remote.FencedIndex` kvroute ships.
 
 Layout (``docs/redis-schema.md`` has every key and the reasons): all keys live under
 the hash tag ``{namespace}``, so a namespace sits in one Redis Cluster slot and every
 script may touch all of it. One field of the hash ``{ns}:blocks`` per block key holds
 the block's firm holders (engine id and tier bits, sorted) followed by its expiring
-holders (engine id and deadline). Per engine, ``{ns}:held:<engine>:<tier>`` maps each
-firmly held block to the engine's own hash for it: what ``clear`` drops and what a new
-indexer reloads to apply removals after taking over.
+holders (engine id and deadline). Per engine, ``{ns}:held:<engine>:<tier>`` (tiers 0 GPU,
+1 CPU, 2 disk) maps each firmly held block to the engine's own hash for it: what
+``clear`` drops and what a new indexer reloads to apply removals after taking over.
 
 Every operation is one Lua script call, so a lookup costs exactly one round trip and
 stops walking at the first block no candidate holds. Time comes from the caller's
@@ -32,10 +33,8 @@ import sys
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from enum import IntEnum
 from importlib import resources
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -44,9 +43,45 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from router.config import IndexConfig
-from router.index.base import IndexStats, IndexUnavailable, KVIndex, Match
+from router.config import RedisIndexConfig
+from router.index.base import IndexStats, IndexUnavailable, Match
+from router.index.remote import (
+    AddOp,
+    AvailabilityListener,
+    ClearOp,
+    ExpireOp,
+    Fence,
+    FencedIndex,
+    LeaseMode,
+    RemoteCounters,
+    RemoveOp,
+    StreamPosition,
+    WriteBatch,
+    WriteOp,
+    WriteResult,
+)
 from router.types import EngineKey, Tier
+
+# The write vocabulary lived here before it was shared by remote backends: still
+# importable from this module.
+__all__ = [
+    "MAX_CONNECTIONS",
+    "AddOp",
+    "AvailabilityListener",
+    "ClearOp",
+    "ExpireOp",
+    "Fence",
+    "RedisIndex",
+    "RedisIndexCounters",
+    "RemoveOp",
+    "StreamPosition",
+    "WriteBatch",
+    "WriteOp",
+    "WriteResult",
+    "client_from_url",
+    "pack_keys",
+    "unpack_key",
+]
 
 log = logging.getLogger("kvroute.index.redis")
 
@@ -101,102 +136,8 @@ _LEASE = _Script("lease.lua")
 _LOAD = _Script("load.lua")
 _SCRIPTS = (_LOOKUP, _WRITE, _STATS, _LEASE, _LOAD)
 
-AvailabilityListener = Callable[[bool, bool], None]
-"""Called with (available, data_lost) on every transition. ``data_lost`` is only ever
-True on the way back up: Redis may have lost what was written before the outage (its
-incarnation marker is gone or changed, or this process never learned it)."""
-
-# --------------------------------------------------------------------------- writes
-
-
-class AddOp(NamedTuple):
-    """Firm holder of ``keys`` in ``tier``; ``hashes`` are the engine's own ids for them
-    (kept so a new indexer can apply removals after taking over)."""
-
-    keys: Sequence[int]
-    tier: Tier = Tier.GPU
-    hashes: Sequence[int] | None = None
-
-
-class ExpireOp(NamedTuple):
-    """Expiring (provisional or approximate) GPU holder of ``keys`` for ``ttl`` seconds."""
-
-    keys: Sequence[int]
-    ttl: float
-
-
-class RemoveOp(NamedTuple):
-    """Drop records of ``keys`` in ``tier`` (every tier when None)."""
-
-    keys: Sequence[int]
-    tier: Tier | None = None
-
-
-class ClearOp(NamedTuple):
-    """Drop everything the engine holds."""
-
-
-WriteOp = AddOp | ExpireOp | RemoveOp | ClearOp
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:
-    """The lease token and stream position a fenced write carries.
-
-    The script applies the batch only while ``token`` holds the engine's lease and
-    ``seq`` is newer than the last applied one, then records ``seq`` and ``ts``. A
-    fence with ``seq`` None forgets the stream position instead (the stream restarts).
-    """
-
-    token: str
-    seq: int | None
-    ts: float = 0.0
-
-
-@dataclass(slots=True)
-class WriteBatch:
-    """Writes for one engine applied atomically by one script call."""
-
-    engine: EngineKey
-    ops: list[WriteOp]
-    fence: Fence | None = None
-
-
-class WriteResult(IntEnum):
-    """What the write script did with a batch."""
-
-    APPLIED = 1
-    STALE_TOKEN = -1
-    """Another writer holds the engine's lease (or it expired): nothing was written."""
-    OLD_SEQ = -2
-    """The batch's sequence number was already applied: nothing was written."""
-
-
-@dataclass(slots=True)
-class StreamPosition:
-    """What a new writer needs to continue an engine's stream where the last one left."""
-
-    seq: int | None
-    """Last applied sequence number, None when the stream starts afresh."""
-    ts: float | None
-    """Timestamp of that batch (tells the same engine life from a restarted one)."""
-    hashes: tuple[dict[int, int], dict[int, int]]
-    """Engine hash -> block key of firmly held blocks, per tier (GPU, offloaded)."""
-
-
-@dataclass(slots=True)
-class RedisIndexCounters:
-    """What the backend did, for metrics (never reset)."""
-
-    calls: int = 0
-    failures: int = 0
-    """Calls that timed out or could not reach Redis."""
-    fast_failures: int = 0
-    """Calls refused at once because Redis was known to be unreachable."""
-    outages: int = 0
-    """Transitions from reachable to unreachable."""
-    slow_calls: int = 0
-    """Calls over the budget that did not (yet) count as an outage."""
+#: The name this module gave the counters before they were shared by remote backends.
+RedisIndexCounters = RemoteCounters
 
 
 # --------------------------------------------------------------------------- the index
@@ -214,13 +155,24 @@ class _CandidateIds:
         self.ids = b""
 
 
+LAYOUT = 2
+"""The layout of the index's keys and values (docs/redis-schema.md): 2 since the disk
+tier took a third tier bit (``engine id x 8 + tier bits``). It is part of every index
+key's name (``{ns}:v2:blocks``), so a router of another layout never reads values it
+would misread: it builds its own keys from replay and events, and routers of both
+layouts can share a namespace during a rolling upgrade."""
+
+
 class _Keys:
-    """Key names under the namespace's hash tag."""
+    """Key names under the namespace's hash tag: the index's under the layout's prefix,
+    the load exchange, the incarnation marker and stored responses beside it (their
+    values do not depend on the index's layout)."""
 
     def __init__(self, namespace: str) -> None:
         if "{" in namespace or "}" in namespace:
             raise ValueError(f"Redis namespace {namespace!r} must not contain braces")
-        self.prefix = f"{{{namespace}}}:"
+        self.tag = f"{{{namespace}}}:"
+        self.prefix = f"{self.tag}v{LAYOUT}:"
         p = self.prefix
         self.fixed = (
             f"{p}blocks",
@@ -232,9 +184,13 @@ class _Keys:
             f"{p}engine-epoch",
         )
         self.lookup = (self.fixed[0], self.fixed[2], self.fixed[6])
-        self.incarnation = f"{p}incarnation"
-        self.load = f"{p}load"
+        self.incarnation = f"{self.tag}incarnation"
+        self.load = f"{self.tag}load"
         self._engine: dict[EngineKey, tuple[str, ...]] = {}
+
+    def response(self, response_id: str) -> str:
+        """The key naming the engine that holds a stored Responses API response."""
+        return f"{self.tag}response:{response_id}"
 
     def engine(self, engine: EngineKey) -> tuple[str, ...]:
         """Fixed keys plus the engine's own, as write.lua takes them."""
@@ -249,6 +205,7 @@ class _Keys:
                 f"{p}expiring-n:{label}",
                 f"{p}stream:{label}",
                 f"{p}lease:{label}",
+                f"{p}held:{label}:2",
             )
             self._engine[engine] = keys
         return keys
@@ -309,8 +266,9 @@ def _arg_ops(ops: Sequence[WriteOp]) -> list[bytes | str]:
     return args
 
 
-class RedisIndex(KVIndex):
-    """A :class:`KVIndex` kept in Redis (or Valkey), read and written by Lua scripts.
+class RedisIndex(FencedIndex):
+    """A :class:`~router.index.remote.FencedIndex` kept in Redis (or Valkey), read and
+    written by Lua scripts.
 
     ``clock`` gives the time deadlines are measured on; every process sharing the
     namespace must use the same one (the default wall clock: keep hosts NTP-synced).
@@ -337,7 +295,7 @@ class RedisIndex(KVIndex):
         self._slow_in_a_row = 0
         self.retry_interval = retry_interval
         self.admin_timeout = admin_timeout
-        self.counters = RedisIndexCounters()
+        self.counters = RemoteCounters()
         self._clock = clock
         self._keys = _Keys(namespace)
         self._client = client if client is not None else client_from_url(url)
@@ -350,8 +308,8 @@ class RedisIndex(KVIndex):
         """Told of every availability transition (see :data:`AvailabilityListener`)."""
 
     @classmethod
-    def from_config(cls, config: IndexConfig, **kwargs: Any) -> RedisIndex:
-        """The index an ``index:`` configuration section describes."""
+    def from_config(cls, config: RedisIndexConfig, **kwargs: Any) -> RedisIndex:
+        """The index an ``index.redis`` configuration section describes."""
         return cls(
             config.url,
             config.namespace,
@@ -365,6 +323,16 @@ class RedisIndex(KVIndex):
         """False from a failed call until Redis answers the background probe."""
         return self._up
 
+    def key(self, name: str) -> str:
+        """The full Redis name of the index key ``name`` (``blocks``,
+        ``lease:<engine>``, ...), layout prefix included: for operators and tests."""
+        return self._keys.prefix + name
+
+    def describe(self) -> str:
+        from router.security import redacted
+
+        return f"{redacted(self.url)} namespace {self.namespace}"
+
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
         """The underlying redis-py client (for tools and tests; not for index data)."""
@@ -375,7 +343,7 @@ class RedisIndex(KVIndex):
     async def _call(self, fn: Callable[[], Awaitable[T]], timeout: float) -> T:
         if not self._up:
             self.counters.fast_failures += 1
-            raise IndexUnavailable("Redis is unreachable; routing without the index")
+            raise IndexUnavailable("Redis is unreachable; routing without the index", "unreachable")
         self.counters.calls += 1
         try:
             answer = await _within(fn(), timeout)
@@ -386,13 +354,15 @@ class RedisIndex(KVIndex):
             else:
                 self.counters.failures += 1
                 self.counters.slow_calls += 1
-            raise IndexUnavailable(f"Redis did not answer within {timeout * 1000:.1f} ms") from exc
+            raise IndexUnavailable(
+                f"Redis did not answer within {timeout * 1000:.1f} ms", "over_budget"
+            ) from exc
         except ResponseError as exc:  # Redis answered: an error, not an outage
             self.counters.failures += 1
-            raise IndexUnavailable(f"Redis refused the call: {exc}") from exc
+            raise IndexUnavailable(f"Redis refused the call: {exc}", "refused") from exc
         except (RedisError, OSError) as exc:
             self._lost(str(exc) or type(exc).__name__)
-            raise IndexUnavailable(f"Redis is unreachable: {exc}") from exc
+            raise IndexUnavailable(f"Redis is unreachable: {exc}", "unreachable") from exc
         self._slow_in_a_row = 0
         return answer
 
@@ -495,8 +465,8 @@ class RedisIndex(KVIndex):
             ids.epoch, ids.ids = flat[1], flat[2]
             first = 3
         return {
-            candidates[flat[i] - 1]: Match(flat[i + 1], flat[i + 2])
-            for i in range(first, len(flat), 3)
+            candidates[flat[i] - 1]: Match(flat[i + 1], flat[i + 2], flat[i + 3])
+            for i in range(first, len(flat), 4)
         }
 
     def _candidate_ids(self, candidates: Sequence[EngineKey]) -> _CandidateIds:
@@ -646,6 +616,30 @@ class RedisIndex(KVIndex):
             for k, v in zip(flat[::2], flat[1::2], strict=True)
         }
 
+    # ------------------------------------------------------------------ stored responses
+
+    async def remember_response(
+        self, response_id: str, endpoint: str, ttl_ms: int, timeout: float | None = None
+    ) -> None:
+        """Record that the engine at ``endpoint`` holds ``response_id``, for ``ttl_ms``
+        (one ``SET PX``). ``timeout`` defaults to ``admin_timeout``."""
+        key = self._keys.response(response_id)
+        await self._call(
+            lambda: self._client.set(key, endpoint, px=int(ttl_ms)),
+            self.admin_timeout if timeout is None else timeout,
+        )
+
+    async def response_engine(self, response_id: str, timeout: float | None = None) -> str | None:
+        """The endpoint of the engine holding ``response_id``, None when no replica
+        recorded it (or it expired). ``timeout`` defaults to the budget."""
+        key = self._keys.response(response_id)
+        raw = await self._call(
+            lambda: self._client.get(key), self.budget if timeout is None else timeout
+        )
+        if raw is None:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
     # ------------------------------------------------------------------ leases and positions
 
     async def lease(
@@ -653,7 +647,7 @@ class RedisIndex(KVIndex):
         engine: EngineKey,
         token: str,
         ttl_ms: int,
-        mode: str,
+        mode: LeaseMode,
         timeout: float | None = None,
     ) -> bool:
         """Acquire (``SET NX PX``, or extend if ``token`` holds it), ``renew`` or
@@ -661,7 +655,7 @@ class RedisIndex(KVIndex):
         (or released it). ``timeout`` defaults to ``admin_timeout``."""
         if mode not in ("acquire", "renew", "release"):
             raise ValueError(f"unknown lease mode {mode!r}")
-        key = self._keys.engine(engine)[-1]
+        key = self._keys.engine(engine)[12]
         reply = await self._call(
             lambda: self._evalsha(_LEASE, [key], [token, int(ttl_ms), mode]),
             self.admin_timeout if timeout is None else timeout,
@@ -676,8 +670,8 @@ class RedisIndex(KVIndex):
 
         async def run() -> StreamPosition:
             seq, ts = await self._client.hmget(keys[11], ["seq", "ts"])
-            maps: tuple[dict[int, int], dict[int, int]] = ({}, {})
-            for tier, held in zip(Tier, keys[7:9], strict=True):
+            maps: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
+            for tier, held in zip(Tier, (keys[7], keys[8], keys[13]), strict=True):
                 table = maps[tier]
                 async for block, engine_hash in self._client.hscan_iter(held, count=2000):
                     if engine_hash:  # entries recorded without an engine hash have none

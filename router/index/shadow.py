@@ -1,17 +1,19 @@
-"""A router's view of the shared Redis index, with a local shadow of its own decisions.
+"""A router's view of a shared (remote) index, with a local shadow of its own decisions.
 
-:class:`ShadowedIndex` wraps a :class:`~router.index.redis.RedisIndex` for a router:
+:class:`ShadowedIndex` wraps a :class:`~router.index.remote.RemoteIndex` (Redis, say)
+for a router:
 
 * **Records are off the request path.** A decision's expiring record (``add`` with a
   ``ttl``) goes into the shadow at once and into a bounded queue that a background task
-  writes to Redis in pipelines; the request never waits for Redis to store it. Until a
-  record is written, lookups merge it into Redis's answer, so a burst sharing a prefix
-  follows its first request as it does with the memory index.
-* **Lookups degrade.** While Redis is unreachable or slower than ``index.budget_ms``,
-  lookups are answered from the shadow: where this router recently sent each prefix.
-  Routing goes on, on load and that, and no request fails because of Redis.
-* **Reconciliation.** When Redis answers again, the decisions whose records never
-  reached it and are still live are written (every live one if Redis lost its data).
+  writes to the remote index in batches; the request never waits for the remote to
+  store it. Until a record is written, lookups merge it into the remote's answer, so a
+  burst sharing a prefix follows its first request as it does with the memory index.
+* **Lookups degrade.** While the remote index is unavailable or slower than its budget
+  (``index.redis.budget_ms``), lookups are answered from the shadow: where this router
+  recently sent each prefix. Routing goes on, on load and that, and no request fails
+  because of the remote index.
+* **Reconciliation.** When the remote answers again, the decisions whose records never
+  reached it and are still live are written (every live one if it lost its data).
   Engines' own KV events are reconciled by whoever writes them (the router's event
   writer or the standalone indexer).
 
@@ -32,8 +34,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from router.index.base import IndexStats, IndexUnavailable, KVIndex, Match
-from router.index.redis import ExpireOp, RedisIndex, WriteBatch
+from router.index.base import FallbackMatches, IndexStats, IndexUnavailable, KVIndex, Match
+from router.index.remote import ExpireOp, RemoteIndex, WriteBatch
 from router.types import EngineKey, Tier
 
 log = logging.getLogger("kvroute.index.shadow")
@@ -60,7 +62,7 @@ class _Decision:
         self.marks = marks
         """The keys the shadow indexes it by."""
         self.written = False
-        """Whether its record reached Redis."""
+        """Whether its record reached the remote index."""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -82,7 +84,7 @@ def _with_unwritten(
     matches: Mapping[EngineKey, Match],
     unwritten: Sequence[_Decision],
 ) -> Mapping[EngineKey, Match]:
-    """Redis's answer plus this router's records that it may not have yet."""
+    """The remote index's answer plus this router's records that it may not have yet."""
     merged: dict[EngineKey, Match] | None = None
     first = keys[0]
     for decision in unwritten:
@@ -193,27 +195,29 @@ class ShadowCounters:
     """What the shadowed index did, for metrics (never reset)."""
 
     fallbacks: int = 0
-    """Lookups answered from the shadow (Redis unavailable or over budget)."""
+    """Lookups answered from the shadow (remote index unavailable or over budget)."""
     errors: int = 0
-    """Redis calls of the request path that failed or ran over budget."""
+    """Remote calls of the request path that failed or ran over budget."""
     unwritten: int = 0
-    """Decision records that did not reach Redis when made (it was unavailable, the
-    write failed, or the queue was full); the live ones are replayed when it returns."""
+    """Decision records that did not reach the remote index when made (it was
+    unavailable, the write failed, or the queue was full); the live ones are replayed
+    when it returns."""
     replayed: int = 0
-    """Decision records written to Redis by reconciliation after an outage."""
+    """Decision records written to the remote index by reconciliation after an outage."""
 
 
 class ShadowedIndex(KVIndex):
-    """A router's :class:`KVIndex` over Redis: off-path records, fallback, reconciliation.
+    """A router's :class:`KVIndex` over a remote one: off-path records, fallback,
+    reconciliation.
 
-    ``max_pending`` bounds the queue of records waiting for Redis (the oldest are left
+    ``max_pending`` bounds the queue of records waiting for the remote (the oldest are left
     to the shadow when it overflows); ``max_flush`` and ``max_flush_keys`` bound one
     pipeline; ``write_timeout`` bounds one (it runs off the request path).
     """
 
     def __init__(
         self,
-        redis: RedisIndex,
+        remote: RemoteIndex,
         shadow: DecisionShadow | None = None,
         *,
         max_pending: int = 4096,
@@ -222,7 +226,7 @@ class ShadowedIndex(KVIndex):
         write_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.redis = redis
+        self.remote = remote
         self.shadow = shadow if shadow is not None else DecisionShadow(clock=clock)
         self.max_pending = max_pending
         self.max_flush = max_flush
@@ -236,33 +240,35 @@ class ShadowedIndex(KVIndex):
         self._drained = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._replay: asyncio.Task[None] | None = None
-        redis.listeners.append(self._on_availability)
+        remote.listeners.append(self._on_availability)
 
     @property
     def available(self) -> bool:
-        """Whether lookups are answered by Redis (else by the shadow)."""
-        return self.redis.available
+        """Whether lookups are answered by the remote index (else by the shadow)."""
+        return self.remote.available
 
     # ------------------------------------------------------------------ KVIndex
 
     async def lookup(
         self, keys: Sequence[int], candidates: Sequence[EngineKey]
     ) -> Mapping[EngineKey, Match]:
-        if self.redis.available:
-            # Records still on their way may reach Redis after it reads: take them as
+        why = "unavailable"  # the remote is marked down: not even tried
+        if self.remote.available:
+            # Records still on their way may reach the remote after it reads: take them as
             # they are now, before the round trip.
             unwritten = (*self._sending, *self._queue) if self._sending or self._queue else ()
             try:
-                matches = await self.redis.lookup(keys, candidates)
+                matches = await self.remote.lookup(keys, candidates)
             except IndexUnavailable as exc:
                 self.counters.errors += 1
+                why = exc.why
                 log.debug("index lookup failed, answering from the shadow: %s", exc)
             else:
                 if unwritten and keys:
                     return _with_unwritten(keys, candidates, matches, unwritten)
                 return matches
         self.counters.fallbacks += 1
-        return self.shadow.lookup(keys, candidates)
+        return FallbackMatches(self.shadow.lookup(keys, candidates), f"shadow:{why}")
 
     async def add(
         self,
@@ -271,15 +277,16 @@ class ShadowedIndex(KVIndex):
         tier: Tier = Tier.GPU,
         ttl: float | None = None,
     ) -> None:
-        """Firm records go to Redis and are awaited; an expiring record (a decision) is
-        kept in the shadow and queued for Redis, and this returns at once."""
+        """Firm records go to the remote index and are awaited; an expiring record (a
+        decision) is kept in the shadow and queued for the remote, and this returns at
+        once."""
         if not keys:
             return
         if ttl is None:
-            await self.redis.add(engine, keys, tier)
+            await self.remote.add(engine, keys, tier)
             return
         decision = self.shadow.record(engine, keys, ttl)
-        if not self.redis.available:
+        if not self.remote.available:
             self.counters.unwritten += 1
             return
         if len(self._queue) >= self.max_pending:
@@ -293,14 +300,14 @@ class ShadowedIndex(KVIndex):
     async def remove(
         self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None
     ) -> None:
-        await self.redis.remove(engine, keys, tier)
+        await self.remote.remove(engine, keys, tier)
 
     async def clear(self, engine: EngineKey) -> None:
         self.shadow.forget(engine)
-        await self.redis.clear(engine)
+        await self.remote.clear(engine)
 
     async def stats(self) -> IndexStats:
-        return await self.redis.stats()
+        return await self.remote.stats()
 
     async def drain(self) -> None:
         """Wait until the records queued so far have been sent (written or not)."""
@@ -310,15 +317,15 @@ class ShadowedIndex(KVIndex):
 
     async def close(self) -> None:
         """Send what is queued (for at most ``write_timeout``), then stop."""
-        if self._on_availability in self.redis.listeners:
-            self.redis.listeners.remove(self._on_availability)
+        if self._on_availability in self.remote.listeners:
+            self.remote.listeners.remove(self._on_availability)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.drain(), self.write_timeout)
         for task in (self._flusher, self._replay):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await self.redis.close()
+        await self.remote.close()
 
     # ------------------------------------------------------------------ writing records
 
@@ -349,8 +356,8 @@ class ShadowedIndex(KVIndex):
         return taken
 
     async def _write(self, decisions: list[_Decision]) -> bool:
-        """Write ``decisions``' records, one script call per engine, pipelined; True if
-        Redis took them.
+        """Write ``decisions``' records, one batch per engine, in one call; True if the
+        remote index took them.
 
         A burst of requests sharing a prefix, routed to one engine while the previous
         pipeline was out, records that prefix once: newest first, each decision sends
@@ -387,7 +394,7 @@ class ShadowedIndex(KVIndex):
                 decision.written = True
             return True
         try:
-            await self.redis.write(list(batches.values()), timeout=self.write_timeout)
+            await self.remote.write(list(batches.values()), timeout=self.write_timeout)
         except IndexUnavailable as exc:
             log.debug("could not write %d decision records: %s", len(sent), exc)
             return False
@@ -413,10 +420,10 @@ class ShadowedIndex(KVIndex):
         self._replay = asyncio.ensure_future(self._reconcile())
 
     async def _reconcile(self) -> None:
-        """Write the live decisions Redis does not have."""
+        """Write the live decisions the remote index does not have."""
         live = deque(d for d in self.shadow.live() if not d.written)
         written = 0
-        while live and self.redis.available:
+        while live and self.remote.available:
             chunk: list[_Decision] = []
             keys = 0
             while live and len(chunk) < self.max_flush and keys < self.max_flush_keys:
@@ -428,4 +435,4 @@ class ShadowedIndex(KVIndex):
             written += len(chunk)
         self.counters.replayed += written
         if written:
-            log.info("replayed %d recent decisions into the Redis index", written)
+            log.info("replayed %d recent decisions into the shared index", written)

@@ -3,13 +3,15 @@
 -- Block keys travel as 8-byte little-endian strings packed back to back in one
 -- argument. A block's value in the blocks hash is
 --   uint16 n | n firm entries | expiring records
--- firm entry: uint16 (engine id * 4 + tier bits: 1 GPU, 2 offloaded), sorted by id, so
+-- firm entry: uint16 (engine id * 8 + tier bits: 1 GPU, 2 CPU, 4 disk), sorted by id, so
 -- equal holder sets are equal strings; expiring record: uint16 engine id, float64
 -- deadline (seconds on the caller's clock). All integers little-endian.
 
 local CHUNK = 1000 -- keys per bulk command (Lua's unpack limit is ~8000 values)
 local REC = 10
-local MAX_ID = 16383 -- engine ids share a uint16 with 2 tier bits
+local MAX_ID = 8191 -- engine ids share a uint16 with 3 tier bits
+local TIER_BITS = 8
+local TIER_MASK = { [0] = 1, [1] = 2, [2] = 4 } -- tier number -> its bit
 
 local function key_at(blob, i)
   return string.sub(blob, i * 8 - 7, i * 8)
@@ -36,9 +38,9 @@ end
 local function firm_bits(firm, id)
   for o = 1, #firm, 2 do
     local e = string.byte(firm, o) + 256 * string.byte(firm, o + 1)
-    local eid = math.floor(e / 4)
+    local eid = math.floor(e / TIER_BITS)
     if eid == id then
-      return e % 4
+      return e % TIER_BITS
     elseif eid > id then
       return 0
     end
@@ -47,7 +49,7 @@ local function firm_bits(firm, id)
 end
 
 local function entry(id, bits)
-  local e = id * 4 + bits
+  local e = id * TIER_BITS + bits
   return string.char(e % 256, math.floor(e / 256))
 end
 
@@ -56,9 +58,9 @@ local function firm_update(firm, id, set, clear)
   local o = 1
   while o <= #firm do
     local e = string.byte(firm, o) + 256 * string.byte(firm, o + 1)
-    local eid = math.floor(e / 4)
+    local eid = math.floor(e / TIER_BITS)
     if eid >= id then
-      local old = eid == id and e % 4 or 0
+      local old = eid == id and e % TIER_BITS or 0
       local new = bit.band(bit.bor(old, set), bit.bnot(clear))
       if new == old then
         return firm, false
@@ -213,12 +215,12 @@ local function gc_step(now, prefix, budget)
     end
     local id, after = string.match(item, '^(%d+):(.+)$')
     local left = 0
-    for tier = 0, 1 do
+    for tier = 0, 2 do
       local hk = prefix .. 'gc:' .. id .. ':' .. tier
       if budget > 0 then
         local fields = redis.call('HRANDFIELD', hk, math.min(budget, CHUNK))
         if #fields > 0 then
-          drop_holder(now, tonumber(id), tier == 0 and 1 or 2, fields, nil)
+          drop_holder(now, tonumber(id), TIER_MASK[tier], fields, nil)
           redis.call('HDEL', hk, unpack(fields))
           budget = budget - #fields
         end

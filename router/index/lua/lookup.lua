@@ -5,7 +5,8 @@
 --       labels joined by "\n"
 -- Returns {0, results...} when the caller's ids are current, else
 -- {1, epoch, packed ids, results...}; results are (candidate position, depth,
--- offloaded-only blocks) for each depth > 0.
+-- blocks held on no GPU tier, blocks of those held on the disk tier only) for each
+-- depth > 0. A block counts at its best tier: GPU, then CPU, then disk.
 --
 -- Keys are fetched in chunks (small first: most walks end early) and the walk stops at
 -- the first block no remaining candidate holds. Consecutive blocks usually have the
@@ -50,12 +51,23 @@ if na == 0 or n == 0 then
   return result
 end
 
--- Per candidate position: status (1 GPU, 2 offloaded only), the block where that status
--- began, offloaded-only blocks counted so far.
-local status, since, off = {}, {}, {}
+-- Per candidate position: status (1 GPU, 2 CPU at best, 3 disk only), the block where
+-- that status began, blocks counted so far held on no GPU tier and on disk only.
+local status, since, off, dsk = {}, {}, {}, {}
 for j = 1, na do
   local c = alive_pos[j]
-  status[c], since[c], off[c] = 1, 0, 0
+  status[c], since[c], off[c], dsk[c] = 1, 0, 0, 0
+end
+
+-- Credit the run of blocks [since, pos) to candidate c's counts by its status.
+local function credit(c, pos)
+  local s = status[c]
+  if s >= 2 then
+    off[c] = off[c] + pos - since[c]
+    if s == 3 then
+      dsk[c] = dsk[c] + pos - since[c]
+    end
+  end
 end
 
 local prev = 0 -- a number never equals a reply, so block 0 is decoded
@@ -77,7 +89,7 @@ while start <= n do
         local firm, recs = split(v)
         for o = 1, #firm, 2 do
           local e = byte(firm, o) + 256 * byte(firm, o + 1)
-          tiers[floor(e / 4)] = e % 4
+          tiers[floor(e / TIER_BITS)] = e % TIER_BITS
         end
         for o = 1, #recs, REC do
           local id, d = unpack_rec('<I2d', recs, o)
@@ -91,13 +103,11 @@ while start <= n do
         local c = alive_pos[j]
         local bits = tiers[alive_id[j]]
         local s = 0
-        if bits then
-          s = bits % 2 == 1 and 1 or 2
+        if bits and bits ~= 0 then
+          s = (bits % 2 == 1 and 1) or (bits % 4 >= 2 and 2) or 3
         end
         if s ~= status[c] then
-          if status[c] == 2 then
-            off[c] = off[c] + pos - since[c]
-          end
+          credit(c, pos)
           status[c], since[c] = s, pos
         end
         if s == 0 then
@@ -105,6 +115,7 @@ while start <= n do
             result[#result + 1] = c
             result[#result + 1] = pos
             result[#result + 1] = off[c]
+            result[#result + 1] = dsk[c]
           end
           alive_pos[j], alive_id[j] = alive_pos[na], alive_id[na]
           na = na - 1
@@ -122,11 +133,10 @@ while start <= n do
 end
 for j = 1, na do
   local c = alive_pos[j]
-  if status[c] == 2 then
-    off[c] = off[c] + n - since[c]
-  end
+  credit(c, n)
   result[#result + 1] = c
   result[#result + 1] = n
   result[#result + 1] = off[c]
+  result[#result + 1] = dsk[c]
 end
 return result

@@ -13,6 +13,7 @@ local entries, engines = 0, 0
 for _, label in ipairs(redis.call('HKEYS', KEYS[3])) do
   local firm = redis.call('HLEN', prefix .. 'held:' .. label .. ':0')
     + redis.call('HLEN', prefix .. 'held:' .. label .. ':1')
+    + redis.call('HLEN', prefix .. 'held:' .. label .. ':2')
   entries = entries + firm
   local live = redis.call('ZRANGEBYSCORE', prefix .. 'expiring:' .. label, after, '+inf')
   for start = 1, #live, CHUNK do

@@ -1,12 +1,13 @@
 -- Apply one batch of index writes for one engine, optionally fenced by a lease.
 -- KEYS: 1 blocks, 2 expiring adds by deadline, 3 engines, 4 free ids, 5 next id, 6 gc queue,
---       7 engine epoch, then the engine's own: 8 GPU holdings, 9 offloaded holdings,
---       10 expiring buckets, 11 expiring counts, 12 stream position, 13 lease
+--       7 engine epoch, then the engine's own: 8 GPU holdings, 9 CPU holdings,
+--       10 expiring buckets, 11 expiring counts, 12 stream position, 13 lease,
+--       14 disk holdings
 -- ARGV: 1 now, 2 key prefix, 3 engine label, 4 lease token ('' = unfenced),
 --       5 stream seq ('' = none: with a token, forget the stream position),
 --       6 batch timestamp, then 5 per op: kind, tier, ttl, packed keys, packed hashes
---   kinds: A firm add (tier 0/1, hashes optional), E expiring add (ttl seconds),
---          R remove (tier 0, 1, or * for both), C clear
+--   kinds: A firm add (tier 0 GPU, 1 CPU, 2 disk; hashes optional), E expiring add
+--          (ttl seconds), R remove (tier 0, 1, 2, or * for all), C clear
 -- Returns 1 applied, -1 stale lease token, -2 sequence already applied.
 local now, prefix, label = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local token, seq = ARGV[4], ARGV[5]
@@ -79,9 +80,17 @@ local function count_records(changes)
   end
 end
 
+-- The engine's holdings hash of `tier` (0 GPU, 1 CPU, 2 disk).
+local function held_key(tier)
+  if tier == 2 then
+    return KEYS[14]
+  end
+  return KEYS[8 + tier]
+end
+
 local function firm_add(tier, keys, hashes)
   local me = engine_id(true)
-  local mask = tier == 0 and 1 or 2
+  local mask = TIER_MASK[tier]
   chunks(keys, function(fields, first)
     update_blocks(fields, function(firm, recs)
       return (firm_update(firm, me, mask, 0)), (rewrite_records(recs, now))
@@ -90,7 +99,7 @@ local function firm_add(tier, keys, hashes)
     for j = 1, #fields do
       push(owned, fields[j], hashes ~= '' and key_at(hashes, first + j - 1) or '')
     end
-    bulk_pairs('HSET', KEYS[8 + tier], owned)
+    bulk_pairs('HSET', held_key(tier), owned)
   end)
 end
 
@@ -136,15 +145,14 @@ local function remove(tier, keys)
   if not me then
     return
   end
-  local mask = (tier == '0' and 1) or (tier == '1' and 2) or 3
-  local gone = mask ~= 2 and {} or nil -- expiring records are GPU-tier predictions
+  local mask = (tier == '0' and 1) or (tier == '1' and 2) or (tier == '2' and 4) or 7
+  local gone = mask % 2 == 1 and {} or nil -- expiring records are GPU-tier predictions
   chunks(keys, function(fields)
     drop_holder(now, me, mask, fields, gone)
-    if mask ~= 2 then
-      redis.call('HDEL', KEYS[8], unpack(fields))
-    end
-    if mask ~= 1 then
-      redis.call('HDEL', KEYS[9], unpack(fields))
+    for t = 0, 2 do
+      if bit.band(mask, TIER_MASK[t]) ~= 0 then
+        redis.call('HDEL', held_key(t), unpack(fields))
+      end
     end
   end)
   if gone then
@@ -162,9 +170,9 @@ local function clear()
   end
   redis.call('HDEL', KEYS[3], label)
   new_epoch()
-  for tier = 0, 1 do
-    if redis.call('EXISTS', KEYS[8 + tier]) == 1 then
-      redis.call('RENAME', KEYS[8 + tier], prefix .. 'gc:' .. me .. ':' .. tier)
+  for tier = 0, 2 do
+    if redis.call('EXISTS', held_key(tier)) == 1 then
+      redis.call('RENAME', held_key(tier), prefix .. 'gc:' .. me .. ':' .. tier)
     end
   end
   local last = redis.call('ZRANGE', KEYS[10], -1, -1, 'WITHSCORES')
