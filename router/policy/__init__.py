@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 
-from router.config import DisaggregationConfig, PolicyConfig
+from router.config import POLICIES, POLICY_NAMES, DisaggregationConfig, PolicyConfig
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest, Score
-from router.policy.baselines import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, Session
-from router.policy.kv_cost import DecodeCostPolicy, KVCostPolicy
-from router.policy.sglang import CacheAwareSGLang
+from router.policy.kv_cost import DecodeCostPolicy
 
-#: Every policy name ``--policy`` accepts; ``default`` is an alias of ``kv_cost``.
-POLICY_NAMES = (
-    "kv_cost",
-    "round_robin",
-    "random",
-    "least_loaded",
-    "power_of_two",
-    "session",
-    "cache_aware_sglang",
-)
 DEFAULT_POLICY = "kv_cost"
 
 
 def make_policy(config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> Policy:
-    """Build the policy ``config.name`` names."""
+    """Build the policy ``config.name`` names (``router.config.POLICIES``)."""
     name = DEFAULT_POLICY if config.name == "default" else config.name
-    if name == "kv_cost":
-        return KVCostPolicy(config, clock)
-    if name == "cache_aware_sglang":
-        return CacheAwareSGLang(config.sglang, clock)
-    simple: dict[str, Callable[[], Policy]] = {
-        "round_robin": RoundRobin,
-        "random": RandomChoice,
-        "least_loaded": LeastLoaded,
-        "power_of_two": PowerOfTwo,
-        "session": Session,
-    }
-    if name not in simple:
-        raise ValueError(f"unknown policy {config.name!r}; choose one of {', '.join(POLICY_NAMES)}")
-    return simple[name]()
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {config.name!r}; choose one of {', '.join(POLICIES)}")
+    module, _, attr = POLICIES[name].partition(":")
+    policy: type[Policy] = getattr(importlib.import_module(module), attr)
+    return policy.from_config(config, clock)
 
 
 def make_decode_policy(
@@ -73,6 +53,7 @@ def make_decode_policy(
 
 __all__ = [
     "DEFAULT_POLICY",
+    "POLICIES",
     "POLICY_NAMES",
     "Decision",
     "NoCandidates",

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 import xxhash
@@ -22,6 +22,9 @@ import xxhash
 from router.engines.load import LoadView
 from router.index.base import Match
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.config import PolicyConfig
 
 
 @dataclass(slots=True)
@@ -41,6 +44,11 @@ class RouteRequest:
     wait_until: float | None = None
     """When every candidate is at its in-flight limit, wait for room until this
     ``time.monotonic()``; None: fail at once (429 / RESOURCE_EXHAUSTED)."""
+    transfer_tokens: Mapping[EngineKey, float] | None = None
+    """Prefill choice with engine topology known: per candidate, what moving the KV to
+    the chosen decode engine costs, in prompt tokens' worth of prefill (transfer seconds
+    over ``disaggregation.prefill_s_per_token``). Cost policies add it to the
+    candidate's prefill; None: every link alike (no topology)."""
 
 
 class Score(msgspec.Struct, gc=False):
@@ -54,6 +62,9 @@ class Score(msgspec.Struct, gc=False):
     decode: float
     reported: float
     total: float
+    transfer: float = 0.0
+    """The KV transfer to the decode engine, in blocks like ``prefill`` (a prefill
+    engine's choice with topology known; included in ``total``)."""
 
 
 @dataclass(slots=True)
@@ -68,16 +79,28 @@ class Decision:
     cached_tokens: int = 0
     """Prompt tokens the chosen engine is expected to serve from cache."""
     scores: list[Score] = field(default_factory=list)
+    index: str = ""
+    """How the index lookup went when it did not answer itself: ``shadow:<why>`` (from
+    the router's recent decisions) or ``skipped:<why>``; ``why`` is ``over_budget``,
+    ``unreachable``, ``refused`` or ``unavailable``. Empty when the index answered."""
+    note: str = ""
+    """What the plan adds to the reason (the prefill/decode link with topology known)."""
 
     def summary(self) -> str:
-        """One line for the ``x-kvroute-reason`` header."""
+        """One line for the ``x-kvroute-reason`` header (and the access log)."""
         text = f"{self.policy}:{self.reason} match={self.matched_blocks}"
+        if self.index:
+            text += f" index={self.index}"
         chosen = next((s for s in self.scores if s.engine == self.engine), None)
         if chosen is not None:
             text += (
                 f" cost={chosen.total:.1f} queue={chosen.queue:.1f}"
                 f" prefill={chosen.prefill:.1f} decode={chosen.decode:.1f}"
             )
+            if chosen.transfer:
+                text += f" transfer={chosen.transfer:.1f}"
+        if self.note:
+            text += f" {self.note}"
         return text
 
     def describe(self) -> str:
@@ -87,7 +110,9 @@ class Decision:
             parts.append(
                 f"{s.engine.label}[match={s.matched_blocks} cached={s.cached_tokens}"
                 f" queue={s.queue:.1f} prefill={s.prefill:.1f} decode={s.decode:.1f}"
-                f" reported={s.reported:.1f} total={s.total:.1f}]"
+                f" reported={s.reported:.1f}"
+                + (f" transfer={s.transfer:.1f}" if s.transfer else "")
+                + f" total={s.total:.1f}]"
             )
         return " ".join(parts)
 
@@ -126,6 +151,12 @@ class Policy(ABC):
         loads: LoadView,
     ) -> Decision:
         """Pick one of ``candidates`` (never empty)."""
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig, clock: Callable[[], float]) -> Policy:
+        """Build the policy from the ``policy`` section (a policy with parameters reads
+        its own field of it); a policy without any takes none."""
+        return cls()
 
     def forget(self, engine: EngineKey) -> None:  # noqa: B027 - stateless policies ignore it
         """Drop any state about an engine that left the fleet."""

@@ -7,10 +7,16 @@ Per candidate, in KV blocks (lower wins)::
     decode   = decode_weight  * blocks held by the engine's decoding requests
     reported = waiting_weight * reported_waiting + running_weight * reported_running
                + kv_usage_weight * reported_kv_usage
-    cost     = queue + prefill + decode + reported
+    transfer = prefill_weight * transfer tokens to the decode engine / block_size
+    cost     = queue + prefill + decode + reported + transfer
 
-``cached_tokens`` is the match depth (offloaded blocks weighted by ``offload_weight``)
-capped by the engine's never-the-last-token rule.
+``cached_tokens`` is the match depth, each block at its best tier (GPU 1, CPU
+``offload_weight``, disk/remote ``disk_weight``), capped by the engine's
+never-the-last-token rule. ``transfer`` is there only when a prefill engine is chosen
+for a decode engine with topology known (``RouteRequest.transfer_tokens``): the
+handoff's seconds counted as the prompt tokens a prefill does in that time, so a prefill
+engine further away wins exactly when its cache saves more prefill than its longer
+transfer costs.
 
 Decode load weighs a quarter of a prefill block by default (``decode_weight`` 0.25): a
 decoding sequence shares each engine step with a newcomer rather than queueing ahead of
@@ -53,6 +59,10 @@ class KVCostPolicy(Policy):
     name = "kv_cost"
     uses_index = True
 
+    @classmethod
+    def from_config(cls, config: PolicyConfig, clock: Callable[[], float]) -> KVCostPolicy:
+        return cls(config, clock)
+
     def __init__(self, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
@@ -73,8 +83,12 @@ class KVCostPolicy(Policy):
         per_uncached = cfg.prefill_weight / bs
         per_decode_block = cfg.decode_weight
         offload_discount = 1.0 - cfg.offload_weight
+        disk_extra = (
+            0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight
+        )  # what a disk block loses beyond a CPU block's discount
         ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
         fresh_after = self._clock() - cfg.report_max_age_s if ww or wr or wk else None
+        transfers = request.transfer_tokens
         get_match, get_load = matches.get, loads.get
         scores = []
         append = scores.append
@@ -84,14 +98,20 @@ class KVCostPolicy(Policy):
                 blocks = cached = 0
             else:
                 blocks = match.blocks
-                held = blocks - match.offloaded * offload_discount if match.offloaded else blocks
-                cached = int(held * bs)
+                held: float = blocks
+                if match.offloaded:
+                    held -= match.offloaded * offload_discount
+                    if match.disk:
+                        held -= match.disk * disk_extra
+                cached = int(held * bs + 1e-6)  # 1e-6: weights' float error
                 if cached > cap:
                     cached = cap
             prefill = per_uncached * (isl - cached)
+            transfer = per_uncached * transfers.get(engine, 0.0) if transfers else 0.0
             load = get_load(engine)
             if load is None:
-                append(Score(engine, blocks, cached, 0.0, prefill, 0.0, 0.0, prefill))
+                total = prefill + transfer
+                append(Score(engine, blocks, cached, 0.0, prefill, 0.0, 0.0, total, transfer))
                 continue
             queue = per_queued * load.prefill_tokens
             decode = per_decode_block * load.decode_blocks
@@ -115,7 +135,8 @@ class KVCostPolicy(Policy):
                     prefill,
                     decode,
                     reported,
-                    queue + prefill + decode + reported,
+                    queue + prefill + decode + reported + transfer,
+                    transfer,
                 )
             )
         return scores

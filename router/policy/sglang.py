@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from router.config import SGLangCacheAwareConfig
+from router.config import PolicyConfig, SGLangCacheAwareConfig
 from router.engines.load import LoadView, load_of
 from router.index.base import Match
 from router.policy.base import Decision, Policy, RouteRequest
@@ -33,6 +33,10 @@ class CacheAwareSGLang(Policy):
     """sglang-router's cache_aware rule over an approximate per-engine prefix tree."""
 
     name = "cache_aware_sglang"
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig, clock: Callable[[], float]) -> CacheAwareSGLang:
+        return cls(config.sglang, clock)
 
     def __init__(
         self, config: SGLangCacheAwareConfig, clock: Callable[[], float] = time.monotonic

@@ -36,7 +36,7 @@ from router.config import Config, ConfigError, load_config
 from router.engine_model import EngineParams
 from router.engine_model.flags import add_model_arguments, engine_params
 from router.policy import DEFAULT_POLICY, POLICY_NAMES
-from router.sim.cluster import ClusterSim, Fleet, SimRun, SimSettings
+from router.sim.cluster import LAYOUTS, ClusterSim, Fleet, Layout, SimRun, SimSettings
 
 #: KV-cache capacity, in blocks, that ``--infinite-cache`` gives every engine. The block
 #: cache keeps state only for blocks in use, so this costs nothing until used.
@@ -60,6 +60,7 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("prefill load max/mean", "prefill_imbalance", "x", "lower"),
     ("requests max/mean", "request_imbalance", "x", "lower"),
     ("split share", "split_share", "pct", ""),
+    ("splits crossing racks", "cross_rack_share", "pct", ""),
     ("preemptions", "preemptions", "int", "lower"),
     ("simulated time", "duration_s", "s", ""),
     ("wall time", "wall_s", "s", ""),
@@ -100,6 +101,42 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_layout_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Racks and where the engines sit on them (the router knows it, as
+    ``engines[].topology``; docs/simulator.md, "Racks and links")."""
+    group = parser.add_argument_group("racks and links")
+    group.add_argument(
+        "--racks",
+        type=int,
+        metavar="R",
+        help="engines sit on R racks of one zone, one engine per node (default: no topology, "
+        "one flat link)",
+    )
+    group.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="packed",
+        help="packed: each rack holds its share of both pools; spread: engines fill the racks "
+        "in order, prefill pool first",
+    )
+    group.add_argument(
+        "--rack-uplink-gb-s",
+        type=float,
+        default=25.0,
+        metavar="GB_S",
+        help="capacity of each rack's uplink, shared by the transfers leaving or entering it",
+    )
+    return group
+
+
+def layout_of(args: argparse.Namespace, style: str | None = None) -> Layout | None:
+    """The layout the flags name (``style`` overrides ``--layout``); None without
+    ``--racks``."""
+    if args.racks is None:
+        return None
+    return Layout(args.racks, style or args.layout, args.rack_uplink_gb_s)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``kvroute simulate`` (docs/simulator.md describes each)."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -130,6 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every engine's KV cache is unbounded (no eviction)",
     )
     add_router_arguments(parser)
+    add_layout_arguments(parser)
     add_workload_arguments(parser, trace_alias=True, prompt_format="tokens")
     out = parser.add_argument_group("output")
     out.add_argument(
@@ -174,8 +212,12 @@ def settings_for(
     config: Config,
     args: argparse.Namespace,
     concurrency: int,
+    layout: Layout | None = None,
 ) -> SimSettings:
-    """One run's settings: the router configuration with ``policy`` in it."""
+    """One run's settings: the router configuration with ``policy`` in it; ``layout``
+    (default: the flags') places a disaggregated fleet on racks."""
+    if layout is None and fleet.disaggregated and getattr(args, "racks", None) is not None:
+        layout = layout_of(args)
     return SimSettings(
         fleet=fleet,
         params=params,
@@ -186,6 +228,7 @@ def settings_for(
         scrape_interval_s=config.scrape.interval_s,
         concurrency=concurrency,
         duration_s=args.duration,
+        layout=layout,
     )
 
 
@@ -205,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         params = model_params(args)
         config = load_config(args.config)
         workload = build_workload(args, compact=True)
+        layout = layout_of(args)
     except (ConfigError, TraceError, ValueError, FileNotFoundError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
@@ -221,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
         f"engines   {args.preset}: block {params.block_size}, cache {cache}, "
         f"{params.max_num_batched_tokens:,} batched tokens, {params.max_num_seqs} sequences"
     )
+    if layout is not None:
+        print(f"racks     {layout.describe()}")
     print(f"runs      {', '.join(names)}\n")
     summaries = []
     for (fleet, policy), name in zip(plan, names, strict=True):

@@ -4,8 +4,9 @@ virtual clock.
 Nothing here is a second router. Each request goes through the objects ``kvroute serve``
 routes with: :class:`~router.core.RoutingCore` over a :class:`~router.index.memory.MemoryIndex`
 (provisional holders included), the configured policy from :func:`~router.policy.make_policy`,
-the :class:`~router.engines.load.LoadTracker` in-flight accounting, the decode policy and
-:func:`~router.policy.disagg.decide_split` for prefill/decode pools, and the
+the :class:`~router.engines.load.LoadTracker` in-flight accounting, the router's request
+plan (:class:`~router.plan.Planner`: the decode policy, the split decision and the
+prefill choice for prefill/decode pools, over the fleet as :class:`SimPools`), and the
 :class:`~router.events.ingest.EventIngestor` that turns the engines' KV events into index
 writes. The engines are :class:`~router.engine_model.EngineModel`, the same object the
 emulator serves over HTTP. Only the clock differs: a heap of timed events replaces
@@ -22,6 +23,14 @@ A disaggregated request follows the NIXL dialect's timing: a prefill leg with
 the decode engine, which allocates the prompt, waits for the transfer (bytes per token
 over the link bandwidth) and decodes; the prefill engine's hold is released when the
 decode leg has its KV.
+
+With a :class:`Layout`, engines sit on racks of one zone (one engine per node) and the
+router knows it (``engines[].topology``, as a live router would): a transfer between two
+engines takes the link of their locality (``disaggregation.links``, the same numbers the
+router prices with), and a transfer that leaves its rack shares the uplinks of both
+racks with every other transfer crossing them at that moment (``uplink_gb_s`` each; the
+share is fixed when the decode leg is sent). The router's cost does not see the contention:
+only the simulated links pay it.
 """
 
 from __future__ import annotations
@@ -47,10 +56,11 @@ from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
 from router.hashing import block_keys, seed_for
 from router.index.memory import MemoryIndex
+from router.plan import Planner
 from router.policy import make_decode_policy, make_policy
 from router.policy.base import Decision, RouteRequest
-from router.policy.disagg import decide_split
 from router.tokenization.words import WordTokenizer
+from router.topology import Topology, link_between
 from router.types import EngineKey
 
 #: The model name requests carry (seeds the block keys, as in the live router).
@@ -91,6 +101,51 @@ class Fleet:
         return f"{self.prefill}P+{self.decode}D"
 
 
+#: How a :class:`Layout` places the pools on racks.
+LAYOUTS = ("packed", "spread")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a fleet's engines sit: ``racks`` racks of one zone, one engine per node.
+
+    ``packed``: every rack holds its share of both pools (prefill engine *i* and decode
+    engine *i* on rack *i* mod ``racks``), as llm-d's ``packDomain: rack`` places each
+    prefill/decode clique. ``spread``: engines fill the racks in order, the prefill pool
+    first, as a scheduler placing each deployment where it has room does: the pools end
+    up on different racks and transfers cross the spine.
+    """
+
+    racks: int = 2
+    style: str = "packed"
+    uplink_gb_s: float = 25.0
+    """Capacity of each rack's link to the spine, shared by the transfers crossing it."""
+
+    def __post_init__(self) -> None:
+        if self.racks < 1:
+            raise ValueError("a layout needs at least one rack")
+        if self.style not in LAYOUTS:
+            raise ValueError(f"layout {self.style!r}: choose one of {', '.join(LAYOUTS)}")
+        if not self.uplink_gb_s > 0:
+            raise ValueError("the rack uplink's capacity must be positive")
+
+    def place(self, roles: Sequence[str]) -> list[Topology]:
+        """Each engine's topology, for engines of ``roles`` in fleet order."""
+        racks: list[int] = []
+        if self.style == "packed":
+            seen: Counter[str] = Counter()
+            for role in roles:
+                racks.append(seen[role] % self.racks)
+                seen[role] += 1
+        else:
+            per_rack = math.ceil(len(roles) / self.racks)
+            racks = [n // per_rack for n in range(len(roles))]
+        return [Topology(f"node-{n}", f"rack-{r}", "zone-0") for n, r in enumerate(racks)]
+
+    def describe(self) -> str:
+        return f"{self.style} on {self.racks} racks ({self.uplink_gb_s:g} GB/s uplinks)"
+
+
 @dataclass(frozen=True, slots=True)
 class SimSettings:
     """Everything one simulated run depends on besides the workload."""
@@ -109,6 +164,8 @@ class SimSettings:
     concurrency: int = 8
     #: Stop sending new closed-loop requests after this many virtual seconds.
     duration_s: float | None = None
+    #: Racks and where the engines sit on them; None: no topology (one flat link).
+    layout: Layout | None = None
 
 
 @dataclass(slots=True)
@@ -129,6 +186,8 @@ class RequestRecord:
     ttft: float
     e2e: float
     group: str = ""
+    link: str = ""
+    """Split requests with a layout: the locality of the prefill-to-decode link."""
 
 
 @dataclass(eq=False, slots=True)
@@ -137,6 +196,7 @@ class _Engine:
     role: str
     model: EngineModel
     stream: StreamState
+    topology: Topology | None = None
     busy: bool = False
     wake_at: float | None = None
     requests: int = 0
@@ -164,6 +224,9 @@ class _Flight:
     first_at: float | None = None
     last_at: float = 0.0
     output: list[int] = field(default_factory=list)
+    link: str = ""
+    uplinks: tuple[str, ...] = ()
+    """Racks whose uplinks its transfer shares, until the decode leg has its KV."""
 
 
 @dataclass(slots=True)
@@ -220,11 +283,54 @@ class SimRun:
                 if recs and self.settings.fleet.disaggregated
                 else None
             ),
+            "layout": self.settings.layout.describe() if self.settings.layout else None,
+            "cross_rack_share": _cross_rack_share(recs) if self.settings.layout else None,
             "preemptions": self.preemptions,
             "decisions": self.decisions,
             "index_events_skipped": self.index_events_skipped,
             "engines": self.engines,
         }
+
+
+class SimPools:
+    """The simulated fleet as the planner's :class:`~router.plan.Pools`: one model,
+    every engine healthy."""
+
+    def __init__(self, disaggregated: bool) -> None:
+        self.disaggregated = disaggregated
+        self._engines: list[tuple[EngineKey, str]] = []
+        self._where: dict[EngineKey, Topology] = {}
+
+    def add(self, key: EngineKey, role: str, topology: Topology | None = None) -> None:
+        self._engines.append((key, role))
+        if topology is not None:
+            self._where[key] = topology
+
+    def topology_of(self, key: EngineKey) -> Topology | None:
+        """Where the engine sits (the planner's ``locate``)."""
+        return self._where.get(key)
+
+    def candidates(
+        self, model: str, roles: tuple[str, ...] = ("both",), exclude: Iterable[str] = ()
+    ) -> list[EngineKey]:
+        skip = set(exclude)
+        return [k for k, role in self._engines if role in roles and k.endpoint not in skip]
+
+    def is_disaggregated(self, model: str) -> bool:
+        return self.disaggregated
+
+    def models(self) -> list[str]:
+        return [MODEL]
+
+
+def _cross_rack_share(records: Sequence[RequestRecord]) -> float | None:
+    """The share of split requests whose transfer left its rack."""
+    links = [r.link for r in records if r.mode == "split"]
+    return (
+        sum(link not in ("same_node", "same_rack") for link in links) / len(links)
+        if links
+        else None
+    )
 
 
 def _imbalance(values: Sequence[float]) -> float | None:
@@ -235,7 +341,15 @@ def _imbalance(values: Sequence[float]) -> float | None:
 class ClusterSim:
     """One simulated fleet behind one router; :meth:`run` replays a workload once."""
 
-    def __init__(self, settings: SimSettings, name: str | None = None) -> None:
+    def __init__(
+        self, settings: SimSettings, name: str | None = None, endpoints: Sequence[str] = ()
+    ) -> None:
+        """``endpoints``: the engines' ``host:port`` names, prefill engines first
+        (default ``sim-ROLE-N:8000``); a comparison with a live fleet gives the live
+        names, so that ties (broken by a hash of the request id and the engine name) break
+        alike."""
+        if endpoints and len(endpoints) != settings.fleet.gpus:
+            raise ValueError(f"{len(endpoints)} endpoints for {settings.fleet.gpus} engines")
         self.settings = settings
         self.name = name or settings.policy.name
         self.now = 0.0
@@ -253,8 +367,15 @@ class ClusterSim:
             has_events=lambda engine: settings.events,
             clock=clock,
         )
-        self.decode_policy = make_decode_policy(
-            settings.policy, settings.disaggregation, policy, clock
+        decode_policy = make_decode_policy(settings.policy, settings.disaggregation, policy, clock)
+        self.pools = SimPools(settings.fleet.disaggregated)
+        self.planner = Planner(
+            self.pools,
+            self.core,
+            decode_policy,
+            settings.disaggregation,
+            lambda model: settings.disaggregation.handoff,
+            locate=self.pools.topology_of if settings.layout else None,
         )
         self.ingestor = EventIngestor(self.index)
         self.seed = seed_for(MODEL)
@@ -265,23 +386,26 @@ class ClusterSim:
             else [("prefill", fleet.prefill), ("decode", fleet.decode)]
         )
         self.engines: list[_Engine] = []
-        for role, count in roles:
-            for _ in range(count):
-                n = len(self.engines)
-                key = EngineKey(f"sim-{role}-{n}:8000")
-                self.engines.append(
-                    _Engine(
-                        key,
-                        role,
-                        EngineModel(p, hash_seed=n + 1, emit_events=settings.events),
-                        StreamState(key, MODEL, p.block_size),
-                    )
+        order = [role for role, count in roles for _ in range(count)]
+        places = settings.layout.place(order) if settings.layout else [None] * len(order)
+        for n, (role, where) in enumerate(zip(order, places, strict=True)):
+            key = EngineKey(endpoints[n] if endpoints else f"sim-{role}-{n}:8000")
+            self.engines.append(
+                _Engine(
+                    key,
+                    role,
+                    EngineModel(p, hash_seed=n + 1, emit_events=settings.events),
+                    StreamState(key, MODEL, p.block_size),
+                    where,
                 )
+            )
         self.prefill_pool = [e for e in self.engines if e.role == "prefill"]
         self.serving_pool = [e for e in self.engines if e.role in ("both", "decode")]
         self._by_key = {e.key: e for e in self.engines}
-        self._prefill_keys = [e.key for e in self.prefill_pool]
-        self._serving_keys = [e.key for e in self.serving_pool]
+        for e in self.engines:
+            self.pools.add(e.key, e.role, e.topology)
+        self._crossing: Counter[str] = Counter()
+        """Transfers crossing each rack's uplink now."""
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -378,35 +502,23 @@ class ClusterSim:
             spec.max_tokens,
             session=spec.group or None,
         )
-        core = self.core
-        if not self.settings.fleet.disaggregated:
-            decision = await core.route(route, self._serving_keys)
-            self._start(rid, spec, tokens, route.keys, decision, "aggregated", decision.reason)
+        plan = await self.planner.plan(MODEL, route, len(tokens))
+        if plan.prefill is None:
+            self._start(rid, spec, tokens, route.keys, plan.decode, plan.mode, plan.reason)
             return
-        decision = await core.route(route, self._serving_keys, self.decode_policy)
-        split = decide_split(
-            len(tokens),
-            decision.cached_tokens,
-            bool(self.prefill_pool),
-            self.settings.disaggregation,
-        )
-        if not split.split:
-            self._start(rid, spec, tokens, route.keys, decision, "local", split.reason)
-            return
-        prefill = await core.route(route, self._prefill_keys)
-        serve = self._by_key[decision.engine]
-        engine = self._by_key[prefill.engine]
+        serve = self._by_key[plan.decode.engine]
+        engine = self._by_key[plan.prefill.engine]
         flight = _Flight(
             rid,
             spec,
             tokens,
             now,
             "split",
-            split.reason,
+            plan.reason,
             serve,
             self.loads.begin(serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens),
             prefill=engine,
-            prefill_ticket=self.loads.begin(engine.key, len(tokens), prefill.cached_tokens, 1),
+            prefill_ticket=self.loads.begin(engine.key, len(tokens), plan.prefill.cached_tokens, 1),
             keys=route.keys,
         )
         self._submit(engine, flight, EngineRequest(rid, tokens, 1, remote_decode=True))
@@ -438,6 +550,7 @@ class ClusterSim:
         self._kick(engine)
 
     def _refuse(self, flight: _Flight, reason: str) -> None:
+        self._transferred(flight)
         self.loads.end(flight.ticket)
         if flight.prefill_ticket is not None:
             self.loads.end(flight.prefill_ticket)
@@ -478,6 +591,7 @@ class ClusterSim:
             engine.prefill_tokens += prompt - cached
         else:
             # The decode leg has its KV: the prefill engine's hold is read and freed.
+            self._transferred(flight)
             prefill = flight.prefill
             prefill.model.release_hold(flight.rid, self.now)
             self._kick(prefill)
@@ -488,10 +602,40 @@ class ClusterSim:
         assert flight.prefill_ticket is not None
         self.loads.end(flight.prefill_ticket)
         engine.model.claim_hold(flight.rid, None, self.now)
+        bandwidth, latency = self._link(flight, engine)
         request = EngineRequest(
-            flight.rid, flight.tokens, flight.spec.max_tokens, remote_prefill=True
+            flight.rid,
+            flight.tokens,
+            flight.spec.max_tokens,
+            remote_prefill=True,
+            transfer_bandwidth=bandwidth,
+            transfer_latency_s=latency,
         )
         self._submit(flight.serve, flight, request)
+
+    def _link(self, flight: _Flight, prefill: _Engine) -> tuple[float | None, float]:
+        """The decode leg's transfer link: (bytes per second, fixed seconds), by the
+        pair's locality and, leaving the rack, the share of both racks' uplinks; (None,
+        0) without a layout (the engine's own ``kv_transfer_bandwidth``)."""
+        layout = self.settings.layout
+        src, dst = prefill.topology, flight.serve.topology
+        if layout is None or src is None or dst is None:
+            return None, 0.0
+        link = link_between(src, dst, self.settings.disaggregation)
+        flight.link = link.locality
+        bandwidth = link.bandwidth_gb_s * 1e9
+        if link.locality not in ("same_node", "same_rack"):
+            flight.uplinks = tuple(r for r in (src.rack, dst.rack) if r is not None)
+            for rack in flight.uplinks:
+                self._crossing[rack] += 1
+                bandwidth = min(bandwidth, layout.uplink_gb_s * 1e9 / self._crossing[rack])
+        return bandwidth, link.latency_s
+
+    def _transferred(self, flight: _Flight) -> None:
+        """The flight's transfer no longer shares its racks' uplinks."""
+        for rack in flight.uplinks:
+            self._crossing[rack] -= 1
+        flight.uplinks = ()
 
     def _finish(self, flight: _Flight, engine: _Engine, last: list[int]) -> None:
         del self._flights[(id(engine), flight.rid)]
@@ -513,6 +657,7 @@ class ClusterSim:
                 ttft=first - flight.arrival,
                 e2e=now - flight.arrival,
                 group=flight.spec.group,
+                link=flight.link,
             )
         )
         spec = flight.spec

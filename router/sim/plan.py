@@ -18,12 +18,19 @@ workload: below how many uncached prompt tokens should a request be served by it
 decode engine alone (``disaggregation.min_uncached_tokens``)? Each threshold's goodput
 comes from the same search.
 
+``--compare-layouts`` asks where the pools should sit: one prefill/decode fleet on
+``--racks`` racks, packed (each rack holds its share of both pools) against spread (the
+pools on different racks), with each rack's uplink shared by the transfers crossing it
+(``--rack-uplink-gb-s``); the router knows the layout, as ``engines[].topology``.
+
 Examples::
 
     kvroute plan --trace mooncake-conversation --requests 1500 --gpus 8 \\
         --ttft-slo-ms 2000 --itl-slo-ms 50
     kvroute plan --sweep-lengths --gpus 2 --ttft-slo-ms 500 --itl-slo-ms 30
     kvroute plan --sweep-threshold --fleet 2P+2D --trace azure-conv --requests 3000
+    kvroute plan --compare-layouts --fleet 4P+4D --racks 2 --trace mooncake-synthetic \
+        --requests 600
 """
 
 from __future__ import annotations
@@ -45,13 +52,15 @@ from router.engine_model.flags import add_model_arguments
 from router.policy import DEFAULT_POLICY, POLICY_NAMES
 from router.sim.cli import (
     INFINITE_BLOCKS,
+    add_layout_arguments,
     add_router_arguments,
+    layout_of,
     model_params,
     parse_fleet,
     settings_for,
     simulate,
 )
-from router.sim.cluster import Fleet, SimRun
+from router.sim.cluster import LAYOUTS, Fleet, SimRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +328,15 @@ def sweep_lengths(
 
 # ------------------------------------------------------------------------------ threshold
 
+
+def _pd_fleet(args: argparse.Namespace, flag: str) -> Fleet:
+    """``--fleet`` (half the GPUs prefill by default), which ``flag`` needs split."""
+    fleet = parse_fleet(args.fleet or f"{args.gpus // 2}P+{args.gpus - args.gpus // 2}D")
+    if not fleet.disaggregated or not fleet.prefill:
+        raise ValueError(f"{flag} needs a prefill/decode fleet, not {fleet.describe()}")
+    return fleet
+
+
 #: Stands for "never split" in the threshold sweep.
 NEVER = 10**9
 
@@ -332,9 +350,7 @@ def sweep_threshold(
     concurrency: int,
 ) -> list[list[str]]:
     """Goodput of one prefill/decode fleet per ``min_uncached_tokens`` threshold."""
-    fleet = parse_fleet(args.fleet or f"{args.gpus // 2}P+{args.gpus - args.gpus // 2}D")
-    if not fleet.disaggregated or not fleet.prefill:
-        raise ValueError(f"--sweep-threshold needs a prefill/decode fleet, not {fleet.describe()}")
+    fleet = _pd_fleet(args, "--sweep-threshold")
     rows = [
         ["split when uncached >=", "goodput req/s", "split share", "TTFT p50", "TTFT p99",
          "ITL p99", ""]
@@ -367,6 +383,61 @@ def sweep_threshold(
                 _ms(s, "ttft_s", "p50"),
                 _ms(s, "ttft_s", "p99"),
                 _ms(s, "itl_s", "p99"),
+                "<- best" if point is best[1] and point.rate > 0 else "",
+            ]
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------ layouts
+
+
+def compare_layouts(
+    args: argparse.Namespace,
+    params: EngineParams,
+    config: Config,
+    slo: Slo,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+) -> list[list[str]]:
+    """Goodput of one prefill/decode fleet per layout on ``--racks`` racks."""
+    fleet = _pd_fleet(args, "--compare-layouts")
+    if args.racks is None:
+        args.racks = 2
+    rows = [
+        ["layout", "goodput req/s", "within SLOs", "TTFT p50", "TTFT p99", "ITL p99",
+         "split share", "splits crossing racks", ""]
+    ]  # fmt: skip
+    points = []
+    for style in LAYOUTS:
+        layout = layout_of(args, style)
+        (point,) = plan_fleets(
+            [fleet],
+            lambda factor: at_rate(specs, factor),
+            base_rate(specs),
+            lambda f, layout=layout: settings_for(
+                f, args.policy, params, config, args, concurrency, layout
+            ),
+            slo,
+            args.search_steps,
+        )
+        points.append((layout, point))
+        if not args.quiet:
+            print(f"  {style}: {point.rate:.2f} req/s within the SLOs", flush=True)
+    best = max(points, key=lambda lp: lp[1].rate)
+    for layout, point in points:
+        s = point.summary or {}
+        split, crossing = s.get("split_share"), s.get("cross_rack_share")
+        rows.append(
+            [
+                layout.describe() if layout else "-",
+                f"{point.rate:.2f}",
+                f"{point.attainment:.0%}" if point.summary else "-",
+                _ms(s, "ttft_s", "p50"),
+                _ms(s, "ttft_s", "p99"),
+                _ms(s, "itl_s", "p99"),
+                f"{split:.0%}" if split is not None else "-",
+                f"{crossing:.0%}" if crossing is not None else "-",
                 "<- best" if point is best[1] and point.rate > 0 else "",
             ]
         )
@@ -450,7 +521,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="goodput of one prefill/decode fleet per disaggregation.min_uncached_tokens",
     )
     threshold.add_argument(
-        "--fleet", metavar="PP+DD", help="the fleet of the threshold sweep (default: half and half)"
+        "--fleet",
+        metavar="PP+DD",
+        help="the fleet of the threshold sweep and the layout comparison (default: half and half)",
     )
     threshold.add_argument(
         "--thresholds",
@@ -459,6 +532,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[0, 128, 256, 512, 1_024, 2_048, 4_096, NEVER],
         metavar="N",
         help=f"thresholds to try ({NEVER} = never split)",
+    )
+    add_layout_arguments(parser).add_argument(
+        "--compare-layouts",
+        action="store_true",
+        help="goodput of one prefill/decode fleet (--fleet) packed vs spread on --racks racks",
     )
     add_model_arguments(parser).add_argument(
         "--infinite-cache", action="store_true", help="every engine's KV cache is unbounded"
@@ -509,6 +587,19 @@ def run(args: argparse.Namespace) -> int:
     if all(s.at is None for s in specs):
         specs = poisson_arrivals(specs, args.rate, args.seed)
     print(f"workload  {workload.description}")
+    if args.compare_layouts:
+        print(
+            f"layouts   {args.fleet or 'half prefill, half decode'} on {args.racks or 2} racks, "
+            f"{args.rack_uplink_gb_s:g} GB/s uplinks\n"
+        )
+        try:
+            rows = compare_layouts(args, params, config, slo, specs, workload.concurrency)
+        except ValueError as exc:
+            print(f"kvroute plan: {exc}", file=sys.stderr)
+            return 2
+        print()
+        print(render_text(rows))
+        return 0
     if args.sweep_threshold:
         print(f"sweep     split thresholds on {args.fleet or 'half prefill, half decode'}\n")
         try:
