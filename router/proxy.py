@@ -21,11 +21,22 @@ from router.http1 import Client, ConnectError, HTTPError, Response
 class UpstreamError(Exception):
     """The engine could not be reached, timed out, or answered with a server error."""
 
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, kind: str, message: str, status: int | None = None, *, accepted: bool = False
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         """``connect``, ``timeout``, ``status`` (5xx/429 answer) or ``protocol``."""
         self.status = status
+        self.accepted = accepted
+        """A timeout after the engine had the whole request (it may have queued or
+        started it): not one to resend elsewhere."""
+
+    @property
+    def engine_fault(self) -> bool:
+        """Whether this counts toward ejecting the engine: a 429 says the engine is busy
+        (the request goes elsewhere), not that it is broken."""
+        return not (self.kind == "status" and self.status is not None and self.status < 500)
 
     @property
     def http_status(self) -> int:
@@ -51,7 +62,8 @@ class Deadlines:
     def __init__(self, resolution: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._active: set[Deadline] = set()
-        self._resolution = resolution
+        self.resolution = resolution
+        """How often silent exchanges are looked for (a fraction of the shortest limit)."""
         self._task = asyncio.ensure_future(self._sweep())
 
     def start(self, limit: float) -> Deadline:
@@ -69,7 +81,7 @@ class Deadlines:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(self._resolution)
+            await asyncio.sleep(self.resolution)
             now = self._loop.time()
             for d in [d for d in self._active if now - d.last > d.limit]:
                 d.expired = True
@@ -85,10 +97,17 @@ class Deadlines:
 
 def _upstream_error(exc: HTTPError, deadline: Deadline, url: str) -> UpstreamError:
     if deadline.expired or exc.timeout:
-        return UpstreamError("timeout", f"{url}: no answer in time")
+        return UpstreamError(
+            "timeout", f"{url}: no answer in time", accepted=not isinstance(exc, ConnectError)
+        )
     if isinstance(exc, ConnectError):
         return UpstreamError("connect", str(exc))
     return UpstreamError("protocol", f"{url}: {exc}")
+
+
+def _resolution(config: ProxyConfig) -> float:
+    shortest = min(config.first_byte_timeout_s, config.idle_timeout_s)
+    return min(max(shortest / 20, 0.01), 0.5)
 
 
 class Upstream:
@@ -102,8 +121,14 @@ class Upstream:
         self.own_authorization: str | None = None
         """``Authorization`` of the router's own calls (discovery, probes, scrapes,
         tokenization): the engines' key when ``auth.upstream`` is ``token``."""
-        shortest = min(config.first_byte_timeout_s, config.idle_timeout_s)
-        self.deadlines = Deadlines(resolution=min(max(shortest / 20, 0.01), 0.5))
+        self.deadlines = Deadlines(_resolution(config))
+
+    def reconfigure(self, config: ProxyConfig, own_authorization: str | None) -> None:
+        """Apply a reloaded ``proxy`` section (its timeouts and retries; the connection
+        pool's settings wait for a restart) and the router's own ``Authorization``."""
+        self.config = config
+        self.deadlines.resolution = _resolution(config)
+        self.own_authorization = own_authorization
 
     async def open(
         self, url: str, body: bytes, headers: Mapping[str, str]

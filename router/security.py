@@ -3,8 +3,9 @@
 * :class:`Credentials`: the client and admin keys (``auth.*``), checked in constant
   time, and the ``Authorization`` engines are sent. Keys never reach logs, metrics or
   error messages: they live here as bytes and are only ever compared.
-* :func:`engine_allowed`: whether an engine URL added at run time resolves into
-  ``auth.engine_cidrs`` (the admin API and Kubernetes discovery ask before adding).
+* :func:`engine_allowed`, :func:`endpoint_allowed`, :func:`engine_refused`: whether an
+  address the router would connect to (an engine URL added at run time, its KV-event and
+  replay endpoints, a NIXL side channel) lies in ``auth.engine_cidrs``.
 * :class:`ServerTLS` / :func:`grpc_credentials`: TLS for the HTTP, gRPC and ext_proc
   listeners, with certificate files re-read when they change; :func:`client_tls` for
   engines with https URLs.
@@ -20,13 +21,22 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import grpc
 
-from router.config import AuthConfig, ConfigError, ProxyConfig, TlsConfig
+from router.api.errors import anthropic_route
+from router.config import (
+    AuthConfig,
+    ConfigError,
+    EngineConfig,
+    EventEndpoints,
+    ProxyConfig,
+    TlsConfig,
+)
+from router.redaction import redacted as redacted  # re-exported: callers import it here
 
 log = logging.getLogger("kvroute.security")
 
@@ -42,20 +52,34 @@ class AuthError(Exception):
         self.message = message
 
 
-def read_keys(inline: Iterable[object], path: Path | None) -> list[bytes]:
-    """Keys from the configuration and from a file (one per line, ``#`` comments)."""
-    keys = [_secret(k).encode() for k in inline]
+def read_keys(inline: Iterable[object], path: Path | None, setting: str = "") -> list[bytes]:
+    """Keys from the configuration and from a file (one per line, ``#`` comments).
+
+    A source that is configured but yields no key (an empty or all-comment file, a
+    list of blank keys) raises ConfigError naming ``setting``: with no keys the API it
+    guards would be open, so a truncated Secret must not open it.
+    """
+    inline = list(inline)
+    keys = [k for k in (_secret(k).strip().encode() for k in inline) if k]
+    if inline and not keys:
+        raise ConfigError(f"{setting}: every key is blank; refusing to run with no keys")
     if path is not None:
         try:
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
-        keys += [
+        from_file = [
             line.strip().encode()
             for line in text.splitlines()
             if line.strip() and not line.lstrip().startswith("#")
         ]
-    return [k for k in keys if k]
+        if not from_file:
+            raise ConfigError(
+                f"{setting}_file: {path} holds no keys; refusing to run with no keys "
+                f"(add a key, or remove {setting}_file)"
+            )
+        keys += from_file
+    return keys
 
 
 def _secret(value: object) -> str:
@@ -105,29 +129,57 @@ class Credentials:
         self.reload(auth)
 
     def reload(self, auth: AuthConfig) -> None:
-        """Read every key (raises ConfigError for an unreadable file, changing nothing)."""
-        client = read_keys(auth.api_keys, auth.api_keys_file)
-        admin = read_keys(auth.admin_keys, auth.admin_keys_file)
-        token = read_keys([auth.upstream_token] if auth.upstream_token else [], None)
+        """Read every key (raises ConfigError, changing nothing, for an unreadable file or a
+        configured source that yields no key)."""
+        client = read_keys(auth.api_keys, auth.api_keys_file, "auth.api_keys")
+        admin = read_keys(auth.admin_keys, auth.admin_keys_file, "auth.admin_keys")
+        token = read_keys(
+            [auth.upstream_token] if auth.upstream_token else [], None, "auth.upstream_token"
+        )
         if auth.upstream_token_file is not None:
-            token = read_keys([], auth.upstream_token_file)[:1]
+            token = read_keys([], auth.upstream_token_file, "auth.upstream_token")[:1]
         self.client, self.admin = client, admin
         self._upstream = f"Bearer {token[0].decode()}" if token else None
         self.upstream_mode = auth.upstream
         self.metrics_need_key = auth.metrics_need_key
+        self.x_api_key = auth.accept_x_api_key
 
     @property
     def client_open(self) -> bool:
         """No client keys: the client API needs no credential."""
         return not self.client
 
-    def check_client(self, authorization: str | None) -> None:
-        """A client call: any client or admin key (raises :class:`AuthError` 401)."""
+    def accepts_x_api_key(self, path: str) -> bool:
+        """Whether a client key may come as ``x-api-key`` on ``path``
+        (``auth.accept_x_api_key``)."""
+        return self.x_api_key == "all" or (self.x_api_key == "anthropic" and anthropic_route(path))
+
+    def x_api_key_of(self, headers: Mapping[str, str], path: str) -> str | None:
+        """The ``x-api-key`` a request to ``path`` carries, if accepted there."""
+        return headers.get("x-api-key") if self.accepts_x_api_key(path) else None
+
+    def check_http(self, headers: Mapping[str, str], path: str) -> None:
+        """A client call over HTTP: its ``Authorization``, or its ``x-api-key`` where
+        :meth:`accepts_x_api_key` (raises :class:`AuthError` 401)."""
+        accepted = self.accepts_x_api_key(path)
+        self.check_client(
+            headers.get("authorization"), headers.get("x-api-key") if accepted else None, accepted
+        )
+
+    def check_client(
+        self, authorization: str | None, x_api_key: str | None = None, hint: bool = False
+    ) -> None:
+        """A client call: any client or admin key (raises :class:`AuthError` 401), as
+        ``Authorization: Bearer KEY`` or else ``x_api_key`` (``hint``: name that header
+        in the refusal too)."""
         if not self.client:
             return
         token = bearer(authorization)
+        if token is None and x_api_key and x_api_key.strip():
+            token = x_api_key.strip().encode()
         if token is None:
-            raise AuthError(401, "missing API key: send 'Authorization: Bearer <key>'")
+            how = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'" if hint else "")
+            raise AuthError(401, f"missing API key: send {how}")
         if not (_matches(token, self.client) | _matches(token, self.admin)):
             raise AuthError(401, "invalid API key")
 
@@ -151,25 +203,21 @@ class Credentials:
             raise AuthError(403, "this key may not make admin calls")
         raise AuthError(401, "invalid admin key")
 
-    def upstream_authorization(self, client: str | None) -> str | None:
-        """The ``Authorization`` header engines are sent (``auth.upstream``)."""
+    def upstream_authorization(
+        self, client: str | None, x_api_key: str | None = None
+    ) -> str | None:
+        """The ``Authorization`` header engines are sent (``auth.upstream``).
+
+        ``pass`` passes the client's key: its ``Authorization``, or else the
+        ``x_api_key`` it was accepted with, as ``Bearer`` (engines read no other header).
+        """
         if self.upstream_mode == "pass":
+            if client is None and x_api_key and x_api_key.strip():
+                return f"Bearer {x_api_key.strip()}"
             return client
         if self.upstream_mode == "token":
             return self._upstream
         return None
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password (Redis URLs carry one), for logs and printouts."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-    except ValueError:  # not parseable (an unclosed IPv6 bracket): show none of it
-        return "***"
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 # --------------------------------------------------------------------------- networks
@@ -184,9 +232,15 @@ async def engine_allowed(url: str, cidrs: Iterable[str]) -> str | None:
     host = urlsplit(url).hostname
     if not host:
         return f"{url!r} has no host"
+    return await host_allowed(host, cidrs)
+
+
+async def host_allowed(host: str, cidrs: Iterable[str]) -> str | None:
+    """None if every address ``host`` (a name or a literal address) resolves to lies in
+    ``cidrs``, else why not."""
     allowed = networks(cidrs)
     try:
-        addresses = [ipaddress.ip_address(host)]
+        addresses = [ipaddress.ip_address(host.strip("[]").split("%", 1)[0])]
     except ValueError:
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
@@ -198,6 +252,61 @@ async def engine_allowed(url: str, cidrs: Iterable[str]) -> str | None:
     for address in addresses:
         if not any(address in net for net in allowed if net.version == address.version):
             return f"{host} ({address}) is outside auth.engine_cidrs"
+    return None
+
+
+_LOOPBACK = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+
+
+def zmq_host(endpoint: str) -> str | None:
+    """The host a ``tcp://host:port`` ZMQ endpoint connects to; None for any other form
+    (``ipc://``, ``inproc://``, other transports, ZMQ's ``source;destination`` syntax)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp" or ";" in rest:
+        return None
+    try:
+        return urlsplit(f"tcp://{rest}").hostname
+    except ValueError:
+        return None
+
+
+async def endpoint_allowed(
+    endpoint: str, cidrs: Iterable[str], own_host: str | None = None
+) -> str | None:
+    """None if the router may connect to a KV-event (or replay) ZMQ endpoint, else why not.
+
+    ``tcp://`` hosts must resolve into ``cidrs``, unless the host is ``own_host`` (the
+    engine's own, already allowed or configured); ``ipc://`` and ``inproc://`` stay on
+    this host, so they need loopback in ``cidrs``; other transports are refused.
+    """
+    cidrs = list(cidrs)
+    scheme = endpoint.partition("://")[0]
+    if scheme in ("ipc", "inproc"):
+        nets = networks(cidrs)
+        if any(a in net for a in _LOOPBACK for net in nets if net.version == a.version):
+            return None
+        return f"{endpoint!r} is on this host, and auth.engine_cidrs has no loopback network"
+    host = zmq_host(endpoint)
+    if not host:
+        return f"{endpoint!r} is not a tcp://host:port, ipc:// or inproc:// endpoint"
+    if own_host is not None and host == own_host:
+        return None
+    return await host_allowed(host, cidrs)
+
+
+async def engine_refused(cfg: EngineConfig, cidrs: Iterable[str]) -> str | None:
+    """Why an engine added at run time may not be added (its URL or an explicit KV-event
+    or replay endpoint outside ``cidrs``), or None."""
+    cidrs = list(cidrs)
+    refused = await engine_allowed(cfg.url, cidrs)
+    if refused is not None:
+        return refused
+    if isinstance(cfg.kv_events, EventEndpoints):
+        for endpoint in (cfg.kv_events.endpoint, cfg.kv_events.replay_endpoint):
+            if endpoint is not None:
+                refused = await endpoint_allowed(endpoint, cidrs)
+                if refused is not None:
+                    return f"kv_events: {refused}"
     return None
 
 

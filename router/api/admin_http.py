@@ -19,21 +19,24 @@ import msgspec
 from aiohttp import web
 
 from router import admin
+from router.api.body import read_body
 from router.api.errors import ApiError
 from router.api.http import error_response
+from router.api.openai import decode_body
 
 if TYPE_CHECKING:
-    from router.app import RouterApp
+    from router.admin import Admin
+    from router.live_config import LiveConfig
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder().decode
 
 
 class AdminHttp:
-    """Admin handlers bound to one running router."""
+    """Admin handlers bound to one router's admin layer."""
 
-    def __init__(self, app: RouterApp) -> None:
-        self.app = app
+    def __init__(self, layer: Admin, live: LiveConfig) -> None:
+        self.admin = layer
+        self.live = live
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -49,7 +52,7 @@ class AdminHttp:
         self, request: web.Request, action: Callable[[], Awaitable[Any]], status: int = 200
     ) -> web.Response:
         try:
-            admin.authorize(self.app, request.headers.get("Authorization"), request.remote, "http")
+            self.admin.authorize(request.headers.get("Authorization"), request.remote, "http")
             result = await action()
         except admin.AdminError as err:
             return error_response(ApiError(err.status, err.message))
@@ -57,31 +60,33 @@ class AdminHttp:
 
     async def list(self, request: web.Request) -> web.Response:
         async def action() -> dict[str, Any]:
-            return {"engines": await admin.engines(self.app)}
+            return {"engines": await self.admin.engines()}
 
         return await self._call(request, action)
 
     async def add(self, request: web.Request) -> web.Response:
         async def action() -> dict[str, Any]:
+            limits = self.live.current.limits
             try:
-                entry = _decode(await request.read())
-            except msgspec.DecodeError as exc:
-                raise admin.AdminError(400, f"request body is not valid JSON: {exc}") from None
-            return await admin.add_engine(self.app, entry)
+                body = await read_body(request)
+                entry = decode_body(body, limits.max_json_depth)
+            except ApiError as err:
+                raise admin.AdminError(err.status, err.message) from None
+            return await self.admin.add_engine(entry)
 
         return await self._call(request, action, status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
         endpoint = request.match_info["endpoint"]
-        return await self._call(request, lambda: admin.remove_engine(self.app, endpoint))
+        return await self._call(request, lambda: self.admin.remove_engine(endpoint))
 
     async def drain(self, request: web.Request) -> web.Response:
         endpoint = request.match_info["endpoint"]
-        return await self._call(request, lambda: admin.drain(self.app, endpoint))
+        return await self._call(request, lambda: self.admin.drain(endpoint))
 
     async def undrain(self, request: web.Request) -> web.Response:
         endpoint = request.match_info["endpoint"]
-        return await self._call(request, lambda: admin.undrain(self.app, endpoint))
+        return await self._call(request, lambda: self.admin.undrain(endpoint))
 
     async def reload(self, request: web.Request) -> web.Response:
-        return await self._call(request, lambda: admin.reload(self.app))
+        return await self._call(request, self.admin.reload)

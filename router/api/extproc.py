@@ -11,9 +11,12 @@ request; in ``FULL_DUPLEX_STREAMED`` body mode the messages are:
    ``x-gateway-destination-endpoint: ip:port`` (an ordered, comma-separated fallback
    list with ``extproc.fallbacks``), the same value in dynamic metadata
    ``envoy.lb`` / ``x-gateway-destination-endpoint``, ``clear_route_cache``, and for a
-   split ``x-prefiller-host-port`` (the llm-d decode sidecar runs the prefill leg);
+   split what the plan's handoff dialect asks for
+   (:meth:`~router.handoff.base.Handoff.directions`: ``x-prefiller-host-port``, so the
+   llm-d decode sidecar runs the prefill leg);
    then every body chunk echoed back as a ``StreamedBodyResponse`` (at most 62,000
-   bytes each), the last with ``end_of_stream``;
+   bytes each), the last with ``end_of_stream``; a body carrying the router's own
+   handoff fields (:mod:`router.handoff.fields`) is echoed without them;
 3. response headers: the endpoint the gateway used, from
    ``metadata_context["envoy.lb"]["x-gateway-destination-endpoint-served"]``, takes the
    request's load if it is another than the chosen one; answered with ``x-kvroute-*``
@@ -40,6 +43,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -52,23 +56,31 @@ from router.api.decide import Plan
 from router.api.errors import ApiError
 from router.api.grpc import fallbacks
 from router.api.http import REQUEST_ID
-from router.api.openai import decode_body, parse_chat, parse_completion, resolve_model
+from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import Lease
+from router.api.validate import check_prompt_tokens, check_request
+from router.flow.ticket import FlowTicket
+from router.handoff import base
+from router.handoff import registry as dialects
+from router.handoff.fields import owned_fields, strip_owned
 from router.policy.base import Decision, NoCandidates
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.app import RouterApp
+    from router.api.services import Services
 
 log = logging.getLogger("kvroute.extproc")
+_encode = msgspec.json.Encoder().encode
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+FLOW_NAMESPACE = "kvroute.flow"
+"""Dynamic metadata a gateway may set for flow control: ``priority``, ``tenant``."""
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
-PREFILLER = "x-prefiller-host-port"
+PREFILLER = base.PREFILLER
 #: Some gateways cap a streamed body chunk at 64 KiB; stay under it (as llm-d does).
 CHUNK_LIMIT = 62_000
 
@@ -117,7 +129,7 @@ def _echo(chunks: list[bytes], ended: bool, request: bool) -> Iterator[ep.Proces
 class ExtProcService(ep_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` bound to one router."""
 
-    def __init__(self, app: RouterApp) -> None:
+    def __init__(self, app: Services) -> None:
         self.app = app
 
     async def Process(
@@ -137,7 +149,7 @@ class ExtProcService(ep_grpc.ExternalProcessorServicer):
 class Exchange:
     """One request's ext_proc stream: its state from headers to the end of the response."""
 
-    def __init__(self, app: RouterApp) -> None:
+    def __init__(self, app: Services) -> None:
         self.app = app
         self.request_mode: int = _Mode.FULL_DUPLEX_STREAMED
         self.response_mode: int = _Mode.FULL_DUPLEX_STREAMED
@@ -149,7 +161,10 @@ class Exchange:
         self.routed = False
         self.finished = False
         self.lease: Lease | None = None
+        self.ticket: FlowTicket | None = None
         self.summary: dict[str, str] = {}
+        self.rewritten = False
+        """The body lost router-owned fields: the gateway must forward the new one."""
 
     # ------------------------------------------------------------------ dispatch
 
@@ -239,6 +254,8 @@ class Exchange:
             if has_body:
                 out.extend(_echo(self.chunks, ended, request=True))
         else:  # buffered or streamed: the headers went on already; route in the body answer
+            if self.rewritten:
+                common.body_mutation.body = self.chunks[0]
             out = [
                 ep.ProcessingResponse(
                     request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
@@ -266,12 +283,13 @@ class Exchange:
     def _kind(self, body: bytes) -> tuple[str | None, dict[str, Any] | None]:
         """Chat or completion, from the path (or the body on other paths)."""
         path = self.headers.get(":path", "").split("?", 1)[0]
+        depth = self.app.config.limits.max_json_depth
         if path.endswith("/chat/completions"):
-            return "chat", decode_body(body)
+            return "chat", decode_body(body, depth)
         if path.endswith("/completions"):
-            return "completions", decode_body(body)
+            return "completions", decode_body(body, depth)
         try:
-            payload = decode_body(body) if body else None
+            payload = decode_body(body, depth) if body else None
         except ApiError:
             return None, None
         if payload is not None and "messages" in payload:
@@ -280,17 +298,45 @@ class Exchange:
             return "completions", payload
         return None, payload
 
+    def _strip_owned(self, payload: dict[str, Any], body: bytes) -> bytes:
+        """The body without router-owned handoff fields; the gateway is sent the new one."""
+        if not owned_fields(payload):
+            return body
+        if not self._duplex and len(self.chunks) > 1:
+            # STREAMED mode: the earlier chunks went on unchanged already.
+            raise ApiError(
+                400,
+                f"the router sets {', '.join(owned_fields(payload))} itself; a client may not "
+                "send them",
+                param=owned_fields(payload)[0],
+            )
+        for name in strip_owned(payload):
+            self.app.metrics.handoff_fields_removed.labels(name).inc()
+        body = _encode(payload)
+        self.chunks = [body]
+        self.rewritten = True
+        return body
+
     async def _decide(self) -> tuple[ep.HeaderMutation, struct_pb2.Struct]:
         app = self.app
         if app.draining:
             raise ApiError(503, "the router is shutting down", retry_after=1)
         if app.core.loads.in_flight >= app.config.limits.max_inflight:
             raise ApiError(429, "too many requests in flight", retry_after=1)
+        body = b"".join(self.chunks)
+        if app.flow is not None:  # no wait: Envoy bounds each answer (message_timeout)
+            meta = self.metadata.get(FLOW_NAMESPACE)
+            ticket = app.flow.ticket(
+                self.headers, body, metadata=meta if isinstance(meta, dict) else None
+            )
+            await app.flow.check(ticket)
+            self.ticket = ticket
         subset = self._subset()
         if subset is not None and not subset:
             raise ApiError(503, "no eligible endpoint in the gateway's subset hint", retry_after=1)
-        body = b"".join(self.chunks)
         kind, payload = self._kind(body)
+        if payload is not None and not app.config.auth.allow_client_handoff_fields:
+            body = self._strip_owned(payload, body)
         decode: Decision
         plan: Plan | None = None
         try:
@@ -298,11 +344,12 @@ class Exchange:
                 decode = await app.decider.plan_on_load(self.request_id, subset)
             else:
                 parsed = (parse_chat if kind == "chat" else parse_completion)(payload)
-                model = resolve_model(parsed.model, app.registry.models())
+                model = check_request(parsed, app.config.limits, app.registry.models())
                 parsed.model = model
                 route = await app.decider.prepare(
                     self.request_id, model, parsed, self.headers.get("x-session-id")
                 )
+                check_prompt_tokens(parsed, app.config.limits)
                 load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
                 plan = await app.decider.plan(model, route, load_tokens, subset)
                 decode = plan.decode
@@ -313,7 +360,7 @@ class Exchange:
         limit = app.config.extproc.fallbacks
         if plan is not None and limit:
             roles = ("decode", "both") if plan.split is not None else ("both",)
-            pool = app.decider.candidates(plan.model, roles, subset=subset)
+            pool = app.decider.planner.candidates(plan.model, roles, subset=subset)
             destination = ",".join([destination, *fallbacks(plan, pool, limit)])
         set_headers = [_header(DESTINATION, destination)]
         remove = []
@@ -327,15 +374,18 @@ class Exchange:
         mode = "aggregated"
         if plan is not None:
             mode = plan.mode
-            if plan.prefill is not None:
-                set_headers.append(_header(PREFILLER, plan.prefill.engine.endpoint))
+            if plan.prefill is not None and plan.dialect is not None:
+                prefill = app.registry.engine_of(plan.prefill.engine)
+                directions = dialects.get(plan.dialect).directions(plan, prefill)
+                set_headers.extend(_header(k, v) for k, v in directions.headers.items())
             self.lease = app.picks.hold(plan, register=False)
             app.metrics.picks.labels("extproc", mode).inc()
         if plan is None or plan.prefill is None:
             remove.append(PREFILLER)  # a client must not steer the decode sidecar
         self.summary = {
             "x-kvroute-engine": decode.engine.label,
-            "x-kvroute-reason": decode.summary(),
+            "x-kvroute-reason": decode.summary()
+            + (f"; {self.ticket.describe()}" if self.ticket is not None else ""),
             "x-kvroute-mode": mode,
             "x-request-id": self.request_id,
         }

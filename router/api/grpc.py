@@ -1,7 +1,9 @@
 """kvroute.v1 over gRPC: the Router service (Pick, Generate, Release) and Admin.
 
-``Pick`` prepares and decides exactly as the HTTP API does (:mod:`router.api.decide`)
-and holds the chosen engines' load until ``Release`` (or expiry, :mod:`router.api.picks`).
+``Pick`` prepares and plans exactly as the HTTP API does (:mod:`router.api.decide`,
+:mod:`router.plan`), says what a split's handoff dialect needs sent
+(:meth:`~router.handoff.base.Handoff.directions`) and holds the chosen engines' load
+until ``Release`` (or expiry, :mod:`router.api.picks`).
 ``Generate`` is the HTTP API's own forwarding path (:meth:`HttpApi.handle`) writing into
 the call's stream. Admin calls go through :mod:`router.admin`, like ``/admin/engines``.
 
@@ -17,27 +19,28 @@ import os
 import time
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
 
 import grpc
-import msgspec
 from grpc import aio
 
-from router import admin
 from router.admin import AdminError, endpoint_key
 from router.api.decide import Plan
 from router.api.errors import ApiError, bad_request
+from router.api.headers import check_headers
 from router.api.http import REQUEST_ID, HttpApi, Outcome
-from router.api.openai import decode_body, parse_chat, parse_completion, resolve_model
+from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import DuplicatePick
+from router.api.validate import check_keyed, check_prompt_tokens, check_request, resolve_model
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
-from router.handoff import nixl, sglang
-from router.policy.base import Decision, NoCandidates, RouteRequest, request_rng
+from router.handoff import registry as dialects
+from router.handoff.base import Directions
+from router.handoff.fields import owned_fields
+from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.app import RouterApp
+    from router.api.services import Services
 
 log = logging.getLogger("kvroute.grpc")
 T = TypeVar("T")
@@ -56,7 +59,6 @@ _CODES = {
 }
 _MODES = {"aggregated": pb.MODE_AGGREGATED, "local": pb.MODE_LOCAL, "split": pb.MODE_SPLIT}
 _ROUTES = {pb.ENDPOINT_COMPLETIONS: "completions", pb.ENDPOINT_CHAT_COMPLETIONS: "chat"}
-_encode = msgspec.json.Encoder().encode
 
 
 def status_code(http_status: int) -> grpc.StatusCode:
@@ -72,7 +74,13 @@ def _metadata(context: aio.ServicerContext) -> dict[str, str]:
     }
 
 
-async def _call(app: RouterApp, method: str, context: aio.ServicerContext, work: Awaitable[T]) -> T:
+def _caller_deadline(context: aio.ServicerContext) -> float | None:
+    """When the caller's deadline passes (``time.monotonic``), if it set one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def _call(app: Services, method: str, context: aio.ServicerContext, work: Awaitable[T]) -> T:
     """Run one RPC: count it, and turn a refusal into its status code and message."""
     try:
         result = await work
@@ -121,7 +129,7 @@ def _decision(decision: Decision) -> pb.Decision:
     )
 
 
-def _target(app: RouterApp, decision: Decision) -> pb.Target:
+def _target(app: Services, decision: Decision) -> pb.Target:
     engine = app.registry.engine_of(decision.engine)
     return pb.Target(
         endpoint=decision.engine.endpoint,
@@ -133,34 +141,27 @@ def _target(app: RouterApp, decision: Decision) -> pb.Target:
     )
 
 
-def routing_headers(app: RouterApp, plan: Plan) -> dict[str, str]:
+def _directions(app: Services, plan: Plan) -> Directions | None:
+    """What the plan's handoff dialect asks the caller to send, when it splits."""
+    if plan.prefill is None or plan.dialect is None:
+        return None
+    prefill = app.registry.engine_of(plan.prefill.engine)
+    return dialects.get(plan.dialect).directions(plan, prefill)
+
+
+def routing_headers(app: Services, plan: Plan) -> dict[str, str]:
     """Headers a request sent to the plan's serving engine carries."""
     headers = {"x-request-id": plan.route.request_id}
     engine = app.registry.engine_of(plan.decode.engine)
     if engine is not None and engine.dp_size > 1:
         headers["X-data-parallel-rank"] = str(plan.decode.engine.rank)
-    if plan.prefill is not None:
-        headers["x-prefiller-host-port"] = plan.prefill.engine.endpoint
+    directions = _directions(app, plan)
+    if directions is not None:
+        headers.update(directions.headers)
     return headers
 
 
-def _handoff(app: RouterApp, plan: Plan) -> pb.Handoff | None:
-    if plan.prefill is None:
-        return None
-    dialect = app.config.handoff_for(app.registry.base_of(plan.model))
-    if dialect == "nixl":
-        params = _encode(nixl.REMOTE_DECODE_PARAMS).decode()
-        return pb.Handoff(dialect=dialect, prefill_kv_transfer_params_json=params)
-    engine = app.registry.engine_of(plan.prefill.engine)
-    return pb.Handoff(
-        dialect=dialect,
-        bootstrap_host=(urlsplit(engine.url).hostname or "") if engine else "",
-        bootstrap_port=(engine.bootstrap_port or 0) if engine else 0,
-        bootstrap_room=sglang.new_room(request_rng(plan.route.request_id)),
-    )
-
-
-def pick_response(app: RouterApp, plan: Plan, fallbacks: list[str]) -> pb.PickResponse:
+def pick_response(app: Services, plan: Plan, fallbacks: list[str]) -> pb.PickResponse:
     response = pb.PickResponse(
         request_id=plan.route.request_id,
         model=plan.model,
@@ -185,9 +186,9 @@ def pick_response(app: RouterApp, plan: Plan, fallbacks: list[str]) -> pb.PickRe
                 saved_s=s.saved_s,
             )
         )
-    handoff = _handoff(app, plan)
-    if handoff is not None:
-        response.handoff.CopyFrom(handoff)
+    directions = _directions(app, plan)
+    if directions is not None:
+        response.handoff.CopyFrom(pb.Handoff(**directions.pick))
     return response
 
 
@@ -223,6 +224,10 @@ def _engine_status(entry: Mapping[str, Any]) -> pb.EngineStatus:
     if entry["index_blocks"] is not None:
         status.index_blocks = entry["index_blocks"]
         status.index_share = entry["index_share"]
+    if entry.get("topology"):
+        status.topology.CopyFrom(
+            pb.EngineTopology(**{k: v for k, v in entry["topology"].items() if v})
+        )
     for rank in entry["ranks"]:
         r = status.ranks.add(
             rank=rank["rank"],
@@ -284,7 +289,7 @@ def _lower(headers: Mapping[str, str]) -> dict[str, str]:
 class RouterService(pb_grpc.RouterServicer):
     """kvroute.v1.Router."""
 
-    def __init__(self, app: RouterApp) -> None:
+    def __init__(self, app: Services) -> None:
         self.app = app
         self.api = HttpApi(app)
 
@@ -310,10 +315,20 @@ class RouterService(pb_grpc.RouterServicer):
     async def _pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
         app = self.app
         headers = {k.lower(): v for k, v in request.headers.items()}
+        check_headers(headers)
         request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
         self._admit(request_id)
         if app.picks.get(request_id) is not None:
             raise ApiError(409, f"a pick with request id {request_id!r} is open; release it first")
+        if app.flow is not None:  # no wait: the caller forwards, and retries, itself
+            ticket = app.flow.ticket(
+                {**_metadata(context), **headers},
+                request.body if request.WhichOneof("prompt") == "body" else b"",
+            )
+            ticket.model = ticket.model or request.model or None
+            if request.WhichOneof("prompt") == "text":
+                ticket.estimate += len(request.text) // 4
+            await app.flow.check(ticket)
         subset = {endpoint_key(e) for e in request.subset} or None
         session = request.session or headers.get("x-session-id")
         kind = request.WhichOneof("prompt")
@@ -327,9 +342,10 @@ class RouterService(pb_grpc.RouterServicer):
         else:
             payload = self._payload(request, kind)
             parsed = (parse_chat if "messages" in payload else parse_completion)(payload)
-            model = resolve_model(parsed.model, app.registry.models())
+            model = check_request(parsed, app.config.limits, app.registry.models())
             parsed.model = model
             route = await app.decider.prepare(request_id, model, parsed, session)
+            check_prompt_tokens(parsed, app.config.limits)
             load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
         try:
             plan = await app.decider.plan(model, route, load_tokens, subset)
@@ -346,7 +362,7 @@ class RouterService(pb_grpc.RouterServicer):
             ) from None
         app.metrics.picks.labels("grpc", plan.mode).inc()
         roles = ("decode", "both") if plan.split is not None else ("both",)
-        others = fallbacks(plan, app.decider.candidates(model, roles, subset=subset), 16)
+        others = fallbacks(plan, app.decider.planner.candidates(model, roles, subset=subset), 16)
         return pick_response(app, plan, others)
 
     def _payload(self, request: pb.PickRequest, kind: str) -> dict[str, Any]:
@@ -355,7 +371,16 @@ class RouterService(pb_grpc.RouterServicer):
             limit = self.app.config.limits.max_body_bytes
             if len(request.body) > limit:
                 raise ApiError(413, f"request body is larger than {limit} bytes")
-            return decode_body(request.body)
+            body = decode_body(request.body, self.app.config.limits.max_json_depth)
+            owned = owned_fields(body)
+            if owned and not self.app.config.auth.allow_client_handoff_fields:
+                # The caller forwards this body itself: the router cannot take them out.
+                raise bad_request(
+                    f"the router sets {', '.join(owned)} itself; remove them from the body "
+                    "(PickResponse.handoff says what to send)",
+                    owned[0],
+                )
+            return body
         payload: dict[str, Any] = {}
         if kind == "text":
             payload["prompt"] = request.text
@@ -392,12 +417,10 @@ class RouterService(pb_grpc.RouterServicer):
                 f"{bs} tokens",
                 "block_keys",
             )
-        max_tokens = (
-            request.max_tokens
-            if request.HasField("max_tokens")
-            else app.config.limits.default_max_tokens
-        )
         n = request.n or 1
+        given = request.max_tokens if request.HasField("max_tokens") else None
+        check_keyed(n, given, prompt_tokens, app.config.limits)
+        max_tokens = app.config.limits.default_max_tokens if given is None else given
         route = RouteRequest(request_id, keys, prompt_tokens, bs, max_tokens * n, session=session)
         return route, prompt_tokens * n
 
@@ -433,16 +456,24 @@ class RouterService(pb_grpc.RouterServicer):
         admitted = False
         try:
             headers = {**_metadata(context), **{k.lower(): v for k, v in request.headers.items()}}
+            check_headers(headers)
             request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
             self._admit(request_id, count_inflight=False)
             deadline = app.admission.deadline(time.monotonic())
-            await app.admission.enter(deadline)  # the same queue as the HTTP API's
+            if app.flow is None:
+                await app.admission.enter(deadline)  # the same queue as the HTTP API's
+            else:
+                outcome.ticket = app.flow.ticket(
+                    headers, request.body, deadline=_caller_deadline(context)
+                )
+                await app.flow.admit(outcome.ticket, deadline)
             admitted = True
             limit = app.config.limits.max_body_bytes
             if len(request.body) > limit:
                 raise ApiError(413, f"request body is larger than {limit} bytes")
             if not route:
-                route = "chat" if "messages" in decode_body(request.body) else "completions"
+                payload = decode_body(request.body, app.config.limits.max_json_depth)
+                route = "chat" if "messages" in payload else "completions"
             await self.api.handle(
                 GrpcDownstream(context, headers),
                 route,
@@ -471,7 +502,9 @@ class RouterService(pb_grpc.RouterServicer):
             app.metrics.grpc_requests.labels("Generate", "OK").inc()
         finally:
             if admitted:
-                app.admission.leave()
+                app.admission.leave(outcome.ticket)
+            if outcome.ticket is not None and app.flow is not None:
+                app.flow.finish(outcome.ticket, outcome.usage)
             app.metrics.requests.labels(
                 route or "completions", outcome.outcome, outcome.status
             ).inc()
@@ -481,13 +514,13 @@ class RouterService(pb_grpc.RouterServicer):
 class AdminService(pb_grpc.AdminServicer):
     """kvroute.v1.Admin: the engines at run time (the same layer as /admin/engines)."""
 
-    def __init__(self, app: RouterApp) -> None:
+    def __init__(self, app: Services) -> None:
         self.app = app
 
     async def _admin(self, method: str, context: aio.ServicerContext, work: Any) -> pb.EngineStatus:
         async def run() -> pb.EngineStatus:
-            admin.authorize(
-                self.app, _metadata(context).get("authorization"), context.peer(), "grpc"
+            self.app.admin.authorize(
+                _metadata(context).get("authorization"), context.peer(), "grpc"
             )
             return _engine_status(await work())
 
@@ -497,10 +530,10 @@ class AdminService(pb_grpc.AdminServicer):
         self, request: pb.ListEnginesRequest, context: aio.ServicerContext
     ) -> pb.ListEnginesResponse:
         async def run() -> pb.ListEnginesResponse:
-            admin.authorize(
-                self.app, _metadata(context).get("authorization"), context.peer(), "grpc"
+            self.app.admin.authorize(
+                _metadata(context).get("authorization"), context.peer(), "grpc"
             )
-            entries = await admin.engines(self.app)
+            entries = await self.app.admin.engines()
             return pb.ListEnginesResponse(engines=[_engine_status(e) for e in entries])
 
         return await _call(self.app, "ListEngines", context, run())
@@ -525,37 +558,48 @@ class AdminService(pb_grpc.AdminServicer):
                 "replay_endpoint": request.kv_events_replay or None,
                 "topic": request.kv_events_topic,
             }
-        return await self._admin("AddEngine", context, lambda: admin.add_engine(self.app, entry))
+        if request.HasField("topology"):
+            where = request.topology
+            entry["topology"] = {
+                name: value
+                for name, value in (
+                    ("node", where.node),
+                    ("rack", where.rack),
+                    ("zone", where.zone),
+                )
+                if value
+            }
+        return await self._admin("AddEngine", context, lambda: self.app.admin.add_engine(entry))
 
     async def RemoveEngine(
         self, request: pb.EngineRef, context: aio.ServicerContext
     ) -> pb.EngineStatus:
         return await self._admin(
-            "RemoveEngine", context, lambda: admin.remove_engine(self.app, request.endpoint)
+            "RemoveEngine", context, lambda: self.app.admin.remove_engine(request.endpoint)
         )
 
     async def DrainEngine(
         self, request: pb.EngineRef, context: aio.ServicerContext
     ) -> pb.EngineStatus:
         return await self._admin(
-            "DrainEngine", context, lambda: admin.drain(self.app, request.endpoint)
+            "DrainEngine", context, lambda: self.app.admin.drain(request.endpoint)
         )
 
     async def UndrainEngine(
         self, request: pb.EngineRef, context: aio.ServicerContext
     ) -> pb.EngineStatus:
         return await self._admin(
-            "UndrainEngine", context, lambda: admin.undrain(self.app, request.endpoint)
+            "UndrainEngine", context, lambda: self.app.admin.undrain(request.endpoint)
         )
 
     async def Reload(
         self, request: pb.ReloadRequest, context: aio.ServicerContext
     ) -> pb.ReloadResponse:
         async def run() -> pb.ReloadResponse:
-            admin.authorize(
-                self.app, _metadata(context).get("authorization"), context.peer(), "grpc"
+            self.app.admin.authorize(
+                _metadata(context).get("authorization"), context.peer(), "grpc"
             )
-            result = await admin.reload(self.app)
+            result = await self.app.admin.reload()
             return pb.ReloadResponse(applied=result["applied"], restart=result["restart"])
 
         return await _call(self.app, "Reload", context, run())

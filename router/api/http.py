@@ -6,10 +6,12 @@ and ext_proc front ends), forward the original bytes unchanged, and relay the an
 The answer goes through a :class:`~router.api.downstream.Downstream`, so gRPC
 ``Generate`` runs this same forwarding code (:meth:`HttpApi.handle`).
 
-A failure before the first byte reaches the client (connection refused, 5xx, 429,
-timeout) is retried on another engine; after it, a stream ends with
-an SSE error event and ``[DONE]``. A client that leaves cancels the handler, which
-closes the upstream connection (the engine aborts) and releases the load it held.
+A failure before the first byte reaches the client (connection refused or timed out,
+5xx, 429) is retried on another engine; a first-byte timeout after the engine had the
+request is not (504: it had the work queued, see :meth:`HttpApi.not_retried`). After the
+first byte, a stream ends with an SSE error event and ``[DONE]``. A client that leaves
+cancels the handler, which closes the upstream connection (the engine aborts) and
+releases the load it held.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -26,28 +28,43 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.api.anthropic import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    CountTokens,
+    engine_input_tokens,
+    parse_messages,
+    stream_input_tokens,
+)
+from router.api.body import read_body
+from router.api.context import AnswerWatch, Outcome, RequestContext
 from router.api.downstream import Downstream
-from router.api.errors import ApiError
+from router.api.engine_routes import ENGINE_ROUTES, EngineRoute, unknown_route
+from router.api.errors import ApiError, shape_for
+from router.api.headers import REQUEST_ID, check_headers
 from router.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    CountTokensRequest,
+    MessagesRequest,
     ParsedRequest,
-    check_limits,
-    check_prompt_tokens,
+    ResponsesRequest,
     decode_body,
     parse_chat,
     parse_completion,
-    resolve_model,
 )
+from router.api.responses import ResponsesApi, parse_responses
 from router.api.usage import UsageTap
+from router.api.validate import check_prompt_tokens, check_request
 from router.engines.load import Ticket
+from router.handoff.fields import strip_owned
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.app import RouterApp
+    from router.api.services import Services
 
 log = logging.getLogger("kvroute.http")
 
@@ -55,10 +72,25 @@ _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
 _SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
 """What an event of a server-sent event stream starts with."""
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
-"""What a request id may look like (it goes into headers and logs)."""
+_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": MESSAGES_PATH,
+    "responses": "/v1/responses",
+}
+_PARSERS: dict[str, Callable[[dict[str, Any]], ParsedRequest]] = {
+    "chat": parse_chat,
+    "completions": parse_completion,
+    "messages": parse_messages,
+    "responses": parse_responses,
+}
+BeforePlan = Callable[[RequestContext], Awaitable[None]]
+"""A front end's own step between preparing a request and planning it."""
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+#: Serves a request whose body has been read: (sink, route label, request id, body,
+#: start time, outcome, admission deadline), as :meth:`HttpApi.handle`.
+Handler = Callable[[Downstream, str, str, bytes, float, Outcome, float | None], Awaitable[None]]
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -66,14 +98,19 @@ def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
 
 
 def error_response(
-    err: ApiError, request_id: str | None = None, extra_headers: dict[str, str] | None = None
+    err: ApiError,
+    request_id: str | None = None,
+    extra_headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> web.Response:
+    """``err`` as the API served at ``path`` writes errors (:func:`shape_for`)."""
     headers: dict[str, str] = dict(extra_headers or {})
     if request_id:
         headers["x-request-id"] = request_id
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(int(err.retry_after), 1))
-    return web.Response(body=err.body(), status=err.status, content_type=_JSON, headers=headers)
+    body = shape_for(path).body(err)
+    return web.Response(body=body, status=err.status, content_type=_JSON, headers=headers)
 
 
 class HttpDownstream:
@@ -109,72 +146,64 @@ class HttpDownstream:
         await self.response.write_eof()
 
 
-class Outcome:
-    """What finally happened to one request, for the requests metric."""
-
-    __slots__ = ("outcome", "status")
-
-    def __init__(self) -> None:
-        self.outcome = "cancelled"
-        self.status = 499
-
-    def set(self, outcome: str, status: int) -> None:
-        self.outcome, self.status = outcome, status
-
-    def failed(self, err: ApiError) -> None:
-        """The request ended with ``err`` before any answer."""
-        if err.status == 429:
-            self.set("rejected", 429)
-        else:
-            self.set(
-                "client_error" if err.status < 500 else _server_outcome(err.status), err.status
-            )
-
-
 @web.middleware
 async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Answer every failure in OpenAI's error form: unknown paths and methods included.
+    """Answer every failure in the error form of the route's API (OpenAI's, Anthropic's on
+    /v1/messages): unknown paths and methods included.
 
-    An exception nobody expected is logged with its traceback and answered 503 (this
-    router could not serve the request; another replica may), never 500.
+    Client headers the router reads or forwards are checked first (400 unless printable
+    ASCII). An exception nobody expected is logged with its traceback and answered 503
+    (this router could not serve the request; another replica may), never 500.
     """
     try:
+        check_headers(request.headers)
         return await handler(request)
+    except ApiError as err:
+        return error_response(err, path=request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         status = exc.status if exc.status in (400, 401, 403, 404, 405, 413, 429) else 400
         if status == 405:
             err = ApiError(404, f"{request.method} {request.path} is not supported")
+        elif status == 404:  # no route matched: not guessed at, not forwarded
+            err = unknown_route(request.method, request.path)
         else:
             err = ApiError(status, exc.reason or "request rejected")
-        return error_response(err, request.headers.get("x-request-id"))
+        return error_response(err, request.headers.get("x-request-id"), path=request.path)
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("unexpected error serving %s %s", request.method, request.path)
         err = ApiError(503, "the router failed to serve this request", code="router_error")
-        return error_response(err, request.headers.get("x-request-id"))
+        return error_response(err, request.headers.get("x-request-id"), path=request.path)
 
 
 class HttpApi:
     """Handlers bound to one running router."""
 
-    def __init__(self, app: RouterApp) -> None:
+    def __init__(self, app: Services) -> None:
+        from router.api.passthrough import Passthrough
         from router.api.pd import PDForwarder
 
         self.app = app
         self.pd = PDForwarder(self)
+        self.passthrough = Passthrough(self)
+        self.responses = ResponsesApi(self)
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post(MESSAGES_PATH, self.messages),
+            web.post(COUNT_TOKENS_PATH, CountTokens(self).handle),
+            *self.responses.routes(),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
+            *self.passthrough.routes(),  # every other engine route (router/api/engine_routes.py)
         ]
 
     # ------------------------------------------------------------------ small endpoints
@@ -212,7 +241,20 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
-    async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "messages")
+
+    async def _generate(
+        self,
+        request: web.Request,
+        route: str,
+        handle: Handler | None = None,
+        *,
+        before_plan: BeforePlan | None = None,
+    ) -> web.StreamResponse:
+        """Admit a client request, read its body and serve it with ``handle`` (default:
+        :meth:`handle`, completions, chat, Messages and Responses, with ``before_plan``);
+        ``route`` is its metrics label."""
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         outcome = Outcome()
@@ -227,23 +269,34 @@ class HttpApi:
                 )
             if app.draining:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
-            # Admitted before the body is read: a waiting request holds no body in memory.
             deadline = app.admission.deadline(time.monotonic())
-            await app.admission.enter(deadline)
-            admitted = True
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise ApiError(
-                    413, f"request body is larger than {app.config.limits.max_body_bytes} bytes"
-                ) from None
+            if app.flow is None:
+                # Admitted before the body is read: a waiting request holds no body.
+                await app.admission.enter(deadline)
+                admitted = True
+                app.admission.reading_body += 1
+                try:
+                    body = await read_body(request)
+                finally:
+                    app.admission.reading_body -= 1
+            else:
+                # Flow control reads the body first: its tenant and model may be there.
+                body = await read_body(request)
+                outcome.ticket = app.flow.ticket(request.headers, body)
+                await app.flow.admit(outcome.ticket, deadline)
+                admitted = True
             sink = HttpDownstream(request)
-            await self.handle(sink, route, request_id, body, started, outcome, deadline)
+            if handle is not None:
+                await handle(sink, route, request_id, body, started, outcome, deadline)
+            else:
+                await self.handle(
+                    sink, route, request_id, body, started, outcome, deadline, before_plan
+                )
             assert sink.response is not None
             return sink.response
         except ApiError as err:
             outcome.failed(err)
-            return error_response(err, request_id)
+            return error_response(err, request_id, path=request.path)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -252,7 +305,9 @@ class HttpApi:
             raise
         finally:
             if admitted:
-                app.admission.leave()
+                app.admission.leave(outcome.ticket)
+            if outcome.ticket is not None and app.flow is not None:
+                app.flow.finish(outcome.ticket, outcome.usage)
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
 
@@ -265,75 +320,96 @@ class HttpApi:
         started: float,
         outcome: Outcome,
         deadline: float | None = None,
+        before_plan: BeforePlan | None = None,
     ) -> None:
-        """Serve a completion (``route`` ``completions``) or chat (``chat``) request whose
-        body has been read: parse, decide, forward, relay the answer into ``sink``.
+        """Serve a completion (``route`` ``completions``), chat (``chat``), Anthropic
+        Messages (``messages``) or Responses (``responses``) request whose body has been
+        read: parse, decide, forward, relay the answer into ``sink``.
 
         ``deadline`` (``time.monotonic``): how long the request may wait for an engine
         with room (``limits.max_inflight_per_engine``); None: 429 at once.
+        ``before_plan`` runs once the request is prepared (tokenized), before planning.
         Raises :class:`ApiError` while nothing has reached ``sink``.
         """
         app = self.app
         limits = app.config.limits
+        check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
         payload = decode_body(body, limits.max_json_depth)
-        parsed = (parse_chat if route == "chat" else parse_completion)(payload)
-        check_limits(parsed, limits)
-        model = resolve_model(parsed.model, app.registry.models())
+        if not app.config.auth.allow_client_handoff_fields:
+            removed = strip_owned(payload)
+            if removed:
+                for name in removed:
+                    app.metrics.handoff_fields_removed.labels(name).inc()
+                body = _encode(payload)  # every path below forwards these bytes
+        parsed = _PARSERS[route](payload)
+        model = check_request(parsed, limits, app.registry.models())
         parsed.model = model
         route_request = await app.decider.prepare(
             request_id, model, parsed, sink.headers.get("x-session-id")
         )
         check_prompt_tokens(parsed, limits)
         route_request.wait_until = deadline
+        ctx = RequestContext(
+            sink, _PATHS[route], parsed, route_request, payload, body, started, outcome
+        )
+        if before_plan is not None:
+            await before_plan(ctx)
         if app.registry.is_disaggregated(model):
-            await self.pd.forward(
-                sink, _PATHS[route], parsed, route_request, payload, body, started, outcome
-            )
+            await self.pd.forward(ctx)
         else:
-            await self._forward(sink, route, model, parsed, route_request, body, started, outcome)
+            await self._forward(ctx)
 
-    def _check_tokenizer(self, parsed: ParsedRequest, answer: bytes) -> bool:
-        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer);
-        False if ``answer`` is not JSON at all."""
+    def _check_tokenizer(
+        self, parsed: ParsedRequest, answer: bytes, outcome: Outcome | None = None
+    ) -> bool:
+        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer),
+        which ``outcome`` keeps; False if ``answer`` is not JSON at all."""
         try:
             usage = _decode_usage(answer).usage
         except msgspec.ValidationError:  # JSON of another shape: not ours to judge
             return True
         except msgspec.DecodeError:
             return False
-        if usage is not None and usage.prompt_tokens is not None and parsed.model:
-            base = self.app.registry.base_of(parsed.model)
-            self.app.tokenizers.observe(base, parsed.prompt_tokens, usage.prompt_tokens)
+        if isinstance(usage, dict):
+            if outcome is not None:
+                outcome.usage = usage
+            prompt_tokens = usage.get("prompt_tokens")
+            if prompt_tokens is None:  # Anthropic's usage, or the Responses API's
+                prompt_tokens = engine_input_tokens(usage)
+            if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool):
+                self._observe_tokens(parsed, prompt_tokens)
         return True
 
-    async def _forward(
-        self,
-        sink: Downstream,
-        route: str,
-        model: str,
-        parsed: ParsedRequest,
-        route_request: RouteRequest,
-        body: bytes,
-        started: float,
-        outcome: Outcome,
-    ) -> None:
+    def _observe_tokens(self, parsed: ParsedRequest, engine_tokens: int) -> None:
+        # A continued Responses conversation's prompt holds what the engine stored.
+        if parsed.model and parsed.previous_response_id is None:
+            base = self.app.registry.base_of(parsed.model)
+            self.app.tokenizers.observe(
+                base, parsed.prompt_tokens, engine_tokens, media=bool(parsed.media)
+            )
+
+    async def _forward(self, ctx: RequestContext) -> None:
+        """An aggregated pool: the planned engine, then (on a failure before the first
+        byte) the plan again without the engines that failed."""
         app = self.app
-        path = _PATHS[route]
+        planner = app.decider.planner
+        route_request = ctx.request
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1 + app.config.proxy.retries):
             try:
-                decision = await app.decider.choose(
-                    route_request, app.decider.candidates(model, exclude=exclude)
+                plan = await planner.plan(
+                    ctx.model, route_request, ctx.load_tokens, ctx.subset, exclude
                 )
             except NoCandidates:
                 if last_error is not None:
                     raise ApiError(last_error.http_status, f"engine failed: {last_error}") from None
                 raise ApiError(
-                    503, f"no healthy engine serves model '{model}'", retry_after=1
+                    503, f"no healthy engine serves model '{ctx.model}'", retry_after=1
                 ) from None
+            decision = plan.decode
             if attempt == 0:
-                app.metrics.routing_seconds.observe(time.perf_counter() - started)
+                app.metrics.routing_seconds.observe(time.perf_counter() - ctx.started)
                 if route_request.prompt_tokens:
                     app.metrics.prefix_match.observe(
                         decision.cached_tokens / route_request.prompt_tokens
@@ -341,12 +417,12 @@ class HttpApi:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s: %s", route_request.request_id, decision.describe())
             try:
-                return await self._attempt(
-                    sink, path, parsed, route_request, decision, body, started, outcome
-                )
+                return await self.attempt(ctx, decision)
             except UpstreamError as err:
                 last_error = err
                 exclude.add(decision.engine.endpoint)
+                if err.accepted:
+                    raise self.not_retried(err, route_request, decision) from None
                 retrying = attempt < app.config.proxy.retries
                 if retrying:
                     app.metrics.retries.labels(err.kind).inc()
@@ -360,61 +436,99 @@ class HttpApi:
         assert last_error is not None
         raise ApiError(last_error.http_status, f"engine failed: {last_error}")
 
+    def not_retried(
+        self, err: UpstreamError, route_request: RouteRequest, decision: Decision
+    ) -> ApiError:
+        """The 504 of an engine that accepted the request but sent no first byte in time.
+
+        Not resent elsewhere: the engine had it queued or running (its connection is
+        closed, so it aborts), and the request's own size may be why it was slow, so
+        another engine would make the client wait as long again.
+        """
+        self.app.metrics.first_byte_timeouts.labels(decision.engine.label).inc()
+        log.warning(
+            "request %s: %s accepted it but sent no first byte within %.1f s; aborted "
+            "there and not retried on another engine",
+            route_request.request_id,
+            decision.engine.label,
+            self.app.config.proxy.first_byte_timeout_s,
+        )
+        return ApiError(504, f"engine failed: {err} (not retried: the engine had accepted it)")
+
     def upstream_headers(
-        self, sink: Downstream, request_id: str, engine: Any, key: EngineKey
+        self,
+        client: Mapping[str, str],
+        request_id: str,
+        engine: Any,
+        key: EngineKey,
+        path: str = "",
     ) -> dict[str, str]:
-        """Headers every request to an engine carries."""
+        """Headers every request to an engine carries (``client``: the client's headers,
+        ``path``: the route it called, for where ``x-api-key`` is its key)."""
         headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
         if engine.dp_size > 1:
             headers["X-data-parallel-rank"] = str(key.rank)
-        auth = self.app.credentials.upstream_authorization(sink.headers.get("authorization"))
+        credentials = self.app.credentials
+        auth = credentials.upstream_authorization(
+            client.get("authorization"), credentials.x_api_key_of(client, path)
+        )
         if auth:
             headers["Authorization"] = auth
         return headers
 
-    async def _attempt(
+    async def attempt(
         self,
-        sink: Downstream,
-        path: str,
-        parsed: ParsedRequest,
-        route_request: RouteRequest,
+        ctx: RequestContext,
         decision: Decision,
-        body: bytes,
-        started: float,
-        outcome: Outcome,
+        body: bytes | None = None,
         *,
+        sink: Downstream | None = None,
         cached_tokens: int | None = None,
         tap: UsageTap | None = None,
-        extra_headers: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        upstream_headers: dict[str, str] | None = None,
     ) -> None:
         """One try on one engine. Raises UpstreamError while nothing reached the client.
 
-        ``cached_tokens`` overrides the decision's estimate in the load accounting (a
-        decode leg whose KV is pulled prefills almost nothing); ``tap`` sees and may
-        rewrite the answer's usage.
+        ``body`` (default: the client's request) goes to the engine, with
+        ``upstream_headers``; the answer goes into ``sink`` (default: the client's) with
+        ``headers``. ``cached_tokens`` overrides the decision's estimate in the load
+        accounting (a decode leg whose KV is pulled prefills almost nothing); ``tap``
+        sees and may rewrite the answer's usage.
         """
         app = self.app
+        parsed, route_request, outcome = ctx.parsed, ctx.request, ctx.outcome
+        sink = sink or ctx.sink
+        body = ctx.body if body is None else body
         engine = app.registry.engine_of(decision.engine)
         assert engine is not None
+        watch = ctx.watch(decision.engine) if ctx.watch is not None else None
         ticket = app.core.loads.begin(
             decision.engine,
             sum(len(p) for p in parsed.prompts) * parsed.n,
             decision.cached_tokens if cached_tokens is None else cached_tokens,
             route_request.max_tokens,
         )
-        headers = self.upstream_headers(sink, route_request.request_id, engine, decision.engine)
+        sent = self.upstream_headers(
+            sink.headers, route_request.request_id, engine, decision.engine, ctx.path
+        )
+        if upstream_headers:
+            sent.update(upstream_headers)
         ours = {
             "x-request-id": route_request.request_id,
             "x-kvroute-engine": decision.engine.label,
-            "x-kvroute-reason": decision.summary(),
-            **(extra_headers or {}),
+            "x-kvroute-reason": outcome.reason(decision.summary()),
+            **(headers or {}),
         }
-        url = engine.url + path
+        url = engine.url + ctx.path
+        if engine.sglang and engine.dp_size > 1:
+            body = with_dp_rank(body, decision.engine.rank)
         try:
-            upstream, deadline = await app.upstream.open(url, body, headers)
-        except UpstreamError:
+            upstream, deadline = await app.upstream.open(url, body, sent)
+        except UpstreamError as err:
             app.core.loads.end(ticket)
-            app.registry.record_failure(engine)
+            if err.engine_fault:
+                app.registry.record_failure(engine)
             raise
         except BaseException:
             app.core.loads.end(ticket)
@@ -429,18 +543,18 @@ class HttpApi:
                 return
             if not parsed.stream:
                 data = await self._read_all(upstream, deadline, engine, url)
-                if not self._check_tokenizer(parsed, data):
+                if not self._check_tokenizer(parsed, data, outcome):
                     app.registry.record_failure(engine)
                     raise ApiError(502, f"the engine {engine.url} answered with invalid JSON")
                 app.registry.record_success(engine)
                 outcome.set("ok", upstream.status)
                 if tap is not None:
                     data = tap.answer(data)
+                if watch is not None:
+                    await watch.answer(data)
                 await sink.whole(upstream.status, {**ours, "Content-Type": _JSON}, data)
                 return
-            await self._relay(
-                sink, parsed, upstream, deadline, engine, ticket, ours, started, outcome, tap
-            )
+            await self._relay(ctx, sink, upstream, deadline, engine, ticket, ours, tap, watch)
         finally:
             app.upstream.finish(upstream, deadline)
             app.core.loads.end(ticket)
@@ -456,26 +570,26 @@ class HttpApi:
 
     async def _relay(
         self,
+        ctx: RequestContext,
         sink: Downstream,
-        parsed: ParsedRequest,
         upstream: Response,
         deadline: Deadline,
         engine: Any,
         ticket: Ticket,
         ours: dict[str, str],
-        started: float,
-        outcome: Outcome,
         tap: UsageTap | None = None,
+        watch: AnswerWatch | None = None,
     ) -> None:
         """Stream the engine's SSE answer through, chunk by chunk."""
         app = self.app
+        parsed, outcome = ctx.parsed, ctx.outcome
         deadlines = app.upstream.deadlines
         try:
             first = await upstream.readany()
         except HTTPError as exc:
             app.registry.record_failure(engine)
             if deadline.expired:
-                raise UpstreamError("timeout", "no first token in time") from None
+                raise UpstreamError("timeout", "no first token in time", accepted=True) from None
             raise UpstreamError(
                 "protocol", f"the stream broke before its first byte: {exc}"
             ) from None
@@ -486,8 +600,12 @@ class HttpApi:
             app.registry.record_failure(engine)
             raise UpstreamError("protocol", "the engine's stream is not server-sent events")
         deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
+        if ctx.path == MESSAGES_PATH and (engine_tokens := stream_input_tokens(first)) is not None:
+            self._observe_tokens(parsed, engine_tokens)
         app.core.loads.prefilled(ticket)
-        app.metrics.ttft_seconds.observe(time.perf_counter() - started)
+        app.metrics.ttft_seconds.observe(time.perf_counter() - ctx.started)
+        if watch is not None:
+            await watch.chunk(first)
         await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
         await sink.write(tap.chunk(first) if tap is not None else first)
         tail = first
@@ -503,6 +621,8 @@ class HttpApi:
                         "the engine sent bytes that are not server-sent events",
                         before_response=False,
                     )
+                if watch is not None:
+                    await watch.chunk(chunk)
                 await sink.write(tap.chunk(chunk) if tap is not None else chunk)
                 tail = chunk
         except HTTPError as exc:
@@ -513,7 +633,7 @@ class HttpApi:
                 else ApiError(502, f"the engine's stream broke: {exc}")
             )
             outcome.set("stream_error", err.status)
-            await sink.write(err.sse())
+            await sink.write(shape_for(ctx.path).sse(err))
             await sink.end()
             return
         app.registry.record_success(engine)
@@ -522,22 +642,15 @@ class HttpApi:
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
-                self._check_tokenizer(parsed, tail[usage_at + 6 :].split(b"\n\n", 1)[0])
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
+                usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
+                self._check_tokenizer(parsed, usage, outcome)
 
 
 class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
+    usage: dict[str, Any] | None = None
 
 
 _decode_usage = msgspec.json.Decoder(_WithUsage).decode
-
-
-def _server_outcome(status: int) -> str:
-    return {502: "engine_error", 503: "no_engine", 504: "timeout"}.get(status, "engine_error")
 
 
 def openapi_document() -> dict[str, Any]:
@@ -545,7 +658,13 @@ def openapi_document() -> dict[str, Any]:
     from pydantic.json_schema import models_json_schema
 
     _, defs = models_json_schema(
-        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        [
+            (CompletionRequest, "validation"),
+            (ChatCompletionRequest, "validation"),
+            (ResponsesRequest, "validation"),
+            (MessagesRequest, "validation"),
+            (CountTokensRequest, "validation"),
+        ],
         ref_template="#/components/schemas/{model}",
     )
     error = {
@@ -573,6 +692,7 @@ def openapi_document() -> dict[str, Any]:
         for code, text in (
             (400, "Invalid request"),
             (404, "Unknown model"),
+            (408, "The request body did not arrive within server.body_timeout_s"),
             (413, "Body too large"),
             (429, "Too many requests in flight (see Retry-After)"),
             (502, "An engine failed"),
@@ -615,16 +735,82 @@ def openapi_document() -> dict[str, Any]:
             "get": {"summary": summary, "responses": {c: {"description": summary} for c in codes}}
         }
 
+    def held_response(method: str, summary: str) -> dict[str, Any]:
+        return {
+            method: {
+                "summary": summary,
+                "parameters": [
+                    {
+                        "name": "response_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The holding engine's answer",
+                        "content": {_JSON: {"schema": {}}, "text/event-stream": {"schema": {}}},
+                    },
+                    **errors,
+                },
+            }
+        }
+
+    def passthrough(route: EngineRoute) -> dict[str, Any]:
+        kinds: dict[str, Any] = {_JSON: {"schema": {}}}  # the engine's JSON, whatever it is
+        if route.streams:
+            kinds["text/event-stream"] = {"schema": {}}
+        body = {"type": "object", "properties": {"model": {"type": "string"}}}
+        return {
+            "post": {
+                "summary": f"Passed through to an engine serving the model ({route.label}); "
+                "the engine's refusals are relayed as they are",
+                "requestBody": {"required": True, "content": {_JSON: {"schema": body}}},
+                "responses": {
+                    "200": {"description": "The engine's answer", "content": kinds},
+                    **errors,
+                },
+            }
+        }
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvroute", "version": __import__("router").__version__},
         "paths": {
             "/v1/completions": generate("CompletionRequest", "Create a completion"),
             "/v1/chat/completions": generate("ChatCompletionRequest", "Create a chat completion"),
+            "/v1/responses": generate("ResponsesRequest", "Create a response (OpenAI Responses)"),
+            "/v1/responses/{response_id}": held_response(
+                "get", "Retrieve a stored response from the engine holding it"
+            ),
+            "/v1/responses/{response_id}/cancel": held_response(
+                "post", "Cancel a background response on the engine holding it"
+            ),
+            MESSAGES_PATH: generate("MessagesRequest", "Create a message (Anthropic Messages)"),
+            COUNT_TOKENS_PATH: generate(
+                "CountTokensRequest", "Count a message's input tokens (on the least busy engine)"
+            ),
             "/v1/models": plain("List served models"),
             "/health": plain("Liveness"),
             "/ready": plain("Readiness", ("200", "503")),
             "/metrics": plain("Prometheus metrics"),
+            **{route.path: passthrough(route) for route in ENGINE_ROUTES},
         },
         "components": {"schemas": schemas},
     }
+
+
+def with_dp_rank(body: bytes, rank: int) -> bytes:
+    """``body`` (a JSON object) with SGLang's ``data_parallel_rank`` set to ``rank``: an
+    SGLang server with data-parallel ranks picks the rank from the body (vLLM reads the
+    ``X-data-parallel-rank`` header, which is sent too). A body that is not a JSON
+    object is sent as it is."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body
+    if not isinstance(payload, dict):
+        return body
+    payload["data_parallel_rank"] = rank
+    return msgspec.json.encode(payload)

@@ -23,6 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
+from router.api.engine_routes import is_client_path
+
 access_log = logging.getLogger("kvroute.access")
 
 #: Response headers copied into the access log and span attributes.
@@ -73,7 +75,7 @@ class RequestObserver:
         try:
             if self.tracer is not None:
                 return await self._traced(request, handler)
-            if not request.path.startswith("/v1/"):
+            if not is_client_path(request.path):
                 return await handler(request)
             level = logging.INFO if self.access_log_info else logging.DEBUG
             if not access_log.isEnabledFor(level):
@@ -128,7 +130,7 @@ class RequestObserver:
                     span.set_attribute(f"kvroute.{name}", value)
             if response.status >= 500:
                 span.set_status(Status(StatusCode.ERROR))
-        if request.path.startswith("/v1/"):
+        if is_client_path(request.path):
             level = logging.INFO if self.access_log_info else logging.DEBUG
             if access_log.isEnabledFor(level):
                 self._log(level, request, response, started)

@@ -8,15 +8,15 @@ and are not used per request.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.api.errors import ApiError, bad_request
-from router.config import LimitsConfig
+from router.api.errors import bad_request
+from router.media import MediaSpan
 from router.tokenization.base import PromptTokenizer, TokenizeError
 
 _decode = msgspec.json.Decoder().decode
@@ -40,8 +40,33 @@ class ParsedRequest:
     """A chat's messages."""
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] | None = None
+    max_completion_tokens: int | None = None
+    """A chat's ``max_completion_tokens`` (a completion's is not read, as in vLLM)."""
+    max_output_tokens: int | None = None
+    """A Responses request's output bound (``max_output_tokens``)."""
+    responses: dict[str, Any] | None = None
+    """A Responses request's fields its rendering reads (``instructions``, ``input``,
+    tools...; never the conversation state); ``messages`` holds the equivalent chat."""
+    previous_response_id: str | None = None
+    """The stored response a Responses request continues."""
     prompts: list[list[int]] = field(default_factory=list)
     """Token ids of every prompt, once tokenized."""
+    media: list[MediaSpan] = field(default_factory=list)
+    """Where a chat's media items (images, audio, video) sit in its tokens, once
+    tokenized; block keys fold them in."""
+    render: Callable[[PromptTokenizer], Awaitable[list[int]]] | None = None
+    """How another API's request becomes its one prompt (e.g. Anthropic Messages,
+    :mod:`router.api.anthropic`); None: ``messages`` or ``texts`` as they are."""
+
+    @property
+    def output_tokens(self) -> int | None:
+        """Output tokens the engine may generate per sequence: ``max_completion_tokens``
+        when set (it takes precedence over ``max_tokens``, as in vLLM)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        if self.max_output_tokens is not None:
+            return self.max_output_tokens
+        return self.max_tokens
 
     @property
     def routing_prompt(self) -> list[int]:
@@ -55,24 +80,39 @@ class ParsedRequest:
 
 
 async def tokenize(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[list[int]]:
-    """Token ids of the request's prompts (TokenizeError becomes a 400)."""
+    """Token ids of the request's prompts (TokenizeError becomes a 400); a chat's media
+    spans go to ``parsed.media``."""
     try:
-        if parsed.messages is not None:
+        if parsed.render is not None:
+            return [await parsed.render(tokenizer)]
+        if parsed.responses is not None:
+            assert parsed.messages is not None
             return [
-                await tokenizer.chat(
-                    parsed.messages, parsed.add_generation_prompt, parsed.template_kwargs
-                )
+                await tokenizer.responses(parsed.responses, parsed.messages, parsed.template_kwargs)
             ]
+        if parsed.messages is not None:
+            chat = await tokenizer.chat_prompt(
+                parsed.messages, parsed.add_generation_prompt, parsed.template_kwargs
+            )
+            parsed.media = chat.media
+            return [chat.tokens]
         assert parsed.texts is not None
         return [p if isinstance(p, list) else await tokenizer.prompt(p) for p in parsed.texts]
     except TokenizeError as exc:
-        param = "messages" if parsed.messages is not None else "prompt"
-        raise bad_request(str(exc), param) from None
+        raise bad_request(str(exc), prompt_param(parsed)) from None
+
+
+def prompt_param(parsed: ParsedRequest) -> str:
+    """The request field holding its prompt, for errors about it."""
+    if parsed.responses is not None:
+        return "input"
+    return "messages" if parsed.messages is not None else "prompt"
 
 
 def decode_body(body: bytes, max_depth: int = 32) -> dict[str, Any]:
     """The request's JSON object; 400 for invalid JSON, invalid UTF-8 or nesting deeper
-    than ``max_depth`` containers."""
+    than ``max_depth`` containers. Every JSON body the router reads goes through here
+    (the OpenAI API over HTTP, gRPC and ext_proc, the admin API, the sidecar)."""
     try:
         payload = _decode(body)
     except msgspec.DecodeError as exc:
@@ -81,67 +121,35 @@ def decode_body(body: bytes, max_depth: int = 32) -> dict[str, Any]:
         raise bad_request(f"request body nests JSON deeper than {max_depth} levels") from None
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object")
-    if _too_deep(payload, max_depth):
+    if too_deep(payload, max_depth):
         raise bad_request(f"request body nests JSON deeper than {max_depth} levels")
     return payload
 
 
-def _too_deep(payload: dict[str, Any], max_depth: int) -> bool:
-    """Whether containers nest deeper than ``max_depth`` (iterative: no recursion).
+def too_deep(payload: dict[str, Any] | list[Any], max_depth: int) -> bool:
+    """Whether containers nest deeper than ``max_depth``, at any position (iterative:
+    no recursion).
 
-    A list that starts and ends with a scalar is taken as a list of scalars (token ids,
-    texts) without reading it all, so the check costs microseconds even for a
-    100,000-token prompt. Nesting hidden in the middle of such a list is not seen here,
-    but msgspec has bounded the depth already, and the parsers reject mixed prompt
-    lists.
+    Each container's members are checked for containers at C speed (``map(type, ...)``
+    into ``isdisjoint``), so a 100,000-token prompt costs under 2 ms; only containers
+    are walked in Python.
     """
     stack: list[tuple[Any, int]] = [(payload, 1)]
     pop, push = stack.pop, stack.append
     while stack:
         node, depth = pop()
-        if type(node) is dict:
-            children: Any = node.values()
-        elif not node or (type(node[0]) not in _NESTED and type(node[-1]) not in _NESTED):
+        members = node.values() if type(node) is dict else node
+        if _NESTED.isdisjoint(map(type, members)):
             continue
-        else:
-            children = node
-        for child in children:
-            if type(child) in _NESTED:
-                if depth >= max_depth:
-                    return True
-                push((child, depth + 1))
+        if depth >= max_depth:
+            return True
+        for member in members:
+            if type(member) in _NESTED:
+                push((member, depth + 1))
     return False
 
 
 _NESTED = frozenset((dict, list))
-
-
-def check_limits(parsed: ParsedRequest, limits: LimitsConfig) -> None:
-    """Bounds on what a request may ask for (before any routing or tokenizing)."""
-    if parsed.n > limits.max_n:
-        raise bad_request(f"'n' must be at most {limits.max_n}", "n")
-    if parsed.max_tokens is not None and parsed.max_tokens > limits.max_output_tokens:
-        raise bad_request(f"'max_tokens' must be at most {limits.max_output_tokens}", "max_tokens")
-    count = len(parsed.texts) if parsed.texts is not None else len(parsed.messages or ())
-    if count > limits.max_prompts:
-        what = "prompts" if parsed.texts is not None else "messages"
-        raise bad_request(
-            f"at most {limits.max_prompts} {what} per request, got {count}",
-            "prompt" if parsed.texts is not None else "messages",
-        )
-
-
-def check_prompt_tokens(parsed: ParsedRequest, limits: LimitsConfig) -> None:
-    """The tokenized prompts stay within ``limits.max_prompt_tokens`` (each)."""
-    longest = max((len(p) for p in parsed.prompts), default=0)
-    if longest > limits.max_prompt_tokens:
-        raise ApiError(
-            400,
-            f"the prompt has {longest} tokens; this router accepts at most "
-            f"{limits.max_prompt_tokens}",
-            param="messages" if parsed.messages is not None else "prompt",
-            code="context_length_exceeded",
-        )
 
 
 def _opt_int(payload: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -194,8 +202,6 @@ def _common(payload: dict[str, Any]) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
     max_tokens = _opt_int(payload, "max_tokens", 0)
-    if max_tokens is None:
-        max_tokens = _opt_int(payload, "max_completion_tokens", 0)
     n = _opt_int(payload, "n", 1) or 1
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -241,33 +247,11 @@ def parse_chat(payload: dict[str, Any]) -> ParsedRequest:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     parsed = _common(payload)
+    parsed.max_completion_tokens = _opt_int(payload, "max_completion_tokens", 0)
     parsed.messages = messages
     parsed.add_generation_prompt = bool(payload.get("add_generation_prompt", True))
     parsed.template_kwargs = kwargs
     return parsed
-
-
-def resolve_model(requested: str | None, served: Sequence[str]) -> str:
-    """The model to route for: the requested one if served, the only one if omitted."""
-    if not served:  # no engine reached yet: not the client's mistake
-        raise ApiError(
-            503,
-            "no engine serves any model yet (engines unreachable or still starting)",
-            retry_after=1,
-        )
-    if requested is None:
-        if len(served) == 1:
-            return served[0]
-        raise bad_request("'model' is required when several models are served", "model")
-    if requested not in served:
-        listed = ", ".join(served) or "none"
-        raise ApiError(
-            404,
-            f"The model '{requested}' does not exist. Served models: {listed}",
-            param="model",
-            code="model_not_found",
-        )
-    return requested
 
 
 # --------------------------------------------------------------------------- OpenAPI models
@@ -314,3 +298,58 @@ class ChatCompletionRequest(_Body):
     n: int | None = Field(None, ge=1)
     cache_salt: str | None = None
     user: str | None = None
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (OpenAI Responses). Only what routing reads is checked; the
+    engine validates the rest (fields beyond these pass through)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(
+        description="Text, or a non-empty list of input items (messages, function calls "
+        "and their outputs)."
+    )
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    stream: bool | None = None
+    previous_response_id: str | None = Field(
+        None, description="Continues that response's conversation on the engine holding it."
+    )
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+class ContentBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(description="text, image, tool_use, tool_result, ...")
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class MessagesRequest(_Body):
+    """POST /v1/messages (Anthropic Messages). Only what routing reads is checked; the
+    engine validates the rest (fields beyond these pass through)."""
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[ContentBlock] | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = Field(
+        None, description="metadata.user_id is the session key of the session policy."
+    )
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class CountTokensRequest(_Body):
+    """POST /v1/messages/count_tokens: a Messages body's model, system and messages."""
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[ContentBlock] | None = None

@@ -1,7 +1,8 @@
 """Reading and rewriting the ``usage`` object of an engine's answer on its way through.
 
-A disaggregated request's decode leg reports its own cached tokens, but the client must
-see what the cache saved at prefill; the router also reads the decode leg's usage to
+A disaggregated request's decode leg reports its own cached tokens (SGLang's counts the
+pushed KV as cached), but the client must see what the cache saved at prefill, in
+either dialect; the router also reads the decode leg's usage to
 detect a handoff the engine silently replaced by a local prefill. A stream carries usage
 in one event near its end, and only that event (the one holding
 ``prompt_tokens_details``) is parsed.
@@ -9,7 +10,7 @@ in one event near its end, and only that event (the one holding
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -17,6 +18,23 @@ import msgspec
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 _MARK = b'"prompt_tokens_details"'
+
+
+def cached_tokens(answer: Mapping[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a whole JSON answer, if any."""
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    value = details.get("cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def carries_usage(chunk: bytes) -> bool:
+    """Whether part of a stream may hold the usage event (the one a tap rewrites)."""
+    return _MARK in chunk
 
 
 class UsageTap:

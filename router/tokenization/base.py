@@ -3,13 +3,20 @@
 Every mode turns a prompt (text, or chat messages) into token ids, so block keys are
 computed one way for all of them. Only ``exact`` tokenizers produce the ids the engine
 itself uses; their keys match the keys the router derives from the engine's KV events.
+
+A chat with media parts (images, audio, video) also yields where each item's placeholder
+tokens sit (:meth:`PromptTokenizer.chat_prompt`), so that block keys fold the items in
+from the block holding their first placeholder on (``router.media``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from router.media import MediaError, MediaItem, MediaSpan, message_media
 
 
 class TokenizeError(ValueError):
@@ -19,6 +26,39 @@ class TokenizeError(ValueError):
 class TokenizerUnavailable(RuntimeError):
     """The tokenizer cannot answer now (its engine is unreachable): route on load alone."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The engine's HTTP status, when it answered."""
+
+
+def media_by_message(messages: Sequence[Mapping[str, Any]]) -> dict[int, list[MediaItem]]:
+    """The media items of a chat per message index (TokenizeError for a bad media part)."""
+    found: dict[int, list[MediaItem]] = {}
+    try:
+        for index, item in message_media(messages):
+            found.setdefault(index, []).append(item)
+    except MediaError as exc:
+        raise TokenizeError(str(exc)) from None
+    return found
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """A tokenized chat and the placeholder spans of its media items, in prompt order."""
+
+    tokens: list[int]
+    media: list[MediaSpan] = field(default_factory=list)
+
 
 class PromptTokenizer(ABC):
     """Turns prompts into the token ids routing hashes."""
@@ -26,6 +66,9 @@ class PromptTokenizer(ABC):
     mode: ClassVar[str]
     exact: ClassVar[bool] = True
     """Whether these are the engine's own token ids (so KV events can confirm them)."""
+    media_exact: ClassVar[bool] = True
+    """Whether a chat with media parts has as many tokens here as at the engine (so the
+    mismatch guard may compare them)."""
 
     @abstractmethod
     async def prompt(self, text: str) -> list[int]:
@@ -39,3 +82,33 @@ class PromptTokenizer(ABC):
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat rendered with the model's template."""
+
+    async def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
+        """A chat's tokens and media spans. This default places every media item at the
+        prompt's first token: the keys of a chat with media then share nothing with
+        other chats', never a false match; modes that know better override it."""
+        tokens = await self.chat(messages, add_generation_prompt, template_kwargs)
+        media = media_by_message(messages)
+        spans = [MediaSpan(item.identifier, 0, 1) for items in media.values() for item in items]
+        return ChatPrompt(tokens, spans)
+
+    async def requires_system_first(self) -> bool:
+        """Whether the model's template refuses a system message after the first one
+        (vLLM then merges them into the leading one, :mod:`router.tokenization.anthropic`)."""
+        return False
+
+    async def responses(
+        self,
+        request: Mapping[str, Any],
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a Responses request (``request``: its body without conversation
+        state; ``messages``: the chat it renders from,
+        :func:`router.tokenization.responses.responses_messages`). By default the chat's."""
+        return await self.chat(messages, True, template_kwargs)

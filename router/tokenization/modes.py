@@ -14,6 +14,17 @@
   one pseudo-token, so a block stands for ``block_size * chars_per_token`` characters.
   Keys then follow the text, not the engine's tokens: they never match KV events, so an
   approximate pool is tracked from routing decisions alone, like sglang-router's tree.
+
+Media parts of chats (images, audio, video; ``router.media``) are placed as follows:
+``words`` renders ``placeholder_tokens`` marker tokens per item in place, exactly as the
+emulator does. The other modes cannot know where the engine's processor puts an item's
+placeholder tokens, nor how many there are, so they place every item at the first token
+of the message that holds it (never later than the engine does, so a text-identical
+chat with another image never shares the item's block): ``hf`` renders media parts as
+``{"type": "image"}`` (audio, video) parts, which templates that draw images turn into
+their placeholder, and finds the message's first token by rendering the messages before
+it; ``engine`` asks the engine for those messages' tokens; ``approximate`` counts their
+characters.
 """
 
 from __future__ import annotations
@@ -28,8 +39,70 @@ from typing import Any
 import msgspec
 import xxhash
 
-from router.tokenization.base import PromptTokenizer, TokenizeError, TokenizerUnavailable
-from router.tokenization.words import WordTokenizer, message_text, render_chat
+from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS, MediaItem, MediaSpan, media_item
+from router.tokenization.base import (
+    ChatPrompt,
+    PromptTokenizer,
+    TokenizeError,
+    TokenizerUnavailable,
+    common_prefix,
+    media_by_message,
+)
+from router.tokenization.responses import chat_tools
+from router.tokenization.words import (
+    WordTokenizer,
+    message_text,
+    render_chat_media,
+)
+
+ChatTokens = Callable[
+    [Sequence[Mapping[str, Any]], bool, Mapping[str, Any] | None], Awaitable[list[int]]
+]
+
+
+async def _message_starts(
+    media: Mapping[int, list[MediaItem]],
+    tokens: list[int],
+    messages: Sequence[Mapping[str, Any]],
+    chat: ChatTokens,
+    template_kwargs: Mapping[str, Any] | None,
+) -> dict[int, int]:
+    """Per message holding media, where it starts in ``tokens``: the tokens that the
+    messages before it share with the whole chat, less one (the last may merge with
+    what follows). 0 when the shorter chat cannot be tokenized."""
+    starts: dict[int, int] = {}
+    for index in media:
+        before: list[int] = []
+        if index:
+            try:
+                before = await chat(messages[:index], False, template_kwargs)
+            except TokenizeError:  # e.g. a template that refuses the shorter chat
+                pass
+        starts[index] = common_prefix(before, tokens) - 1
+    return starts
+
+
+async def _placed_chat_prompt(
+    self: PromptTokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> ChatPrompt:
+    """``chat_prompt`` of the modes that tokenize a whole chat (hf, engine): each media
+    item at the first token of the message that holds it."""
+    media = media_by_message(messages)
+    tokens = await self.chat(messages, add_generation_prompt, template_kwargs)
+    starts = await _message_starts(media, tokens, messages, self.chat, template_kwargs)
+    return ChatPrompt(tokens, _spans_at(media, starts))
+
+
+def _spans_at(media: Mapping[int, list[MediaItem]], offsets: Mapping[int, int]) -> list[MediaSpan]:
+    """One single-token span per item, at the offset of the message that holds it."""
+    return [
+        MediaSpan(item.identifier, max(offsets[index], 0), 1)
+        for index, items in sorted(media.items())
+        for item in items
+    ]
 
 
 class WordsTokenizer(PromptTokenizer):
@@ -37,8 +110,13 @@ class WordsTokenizer(PromptTokenizer):
 
     mode = "words"
 
-    def __init__(self, words: WordTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        words: WordTokenizer | None = None,
+        placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
+    ) -> None:
         self.words = words or WordTokenizer()
+        self.placeholder_tokens = placeholder_tokens
 
     async def prompt(self, text: str) -> list[int]:
         return self.words.encode(text)
@@ -49,10 +127,21 @@ class WordsTokenizer(PromptTokenizer):
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
+        return (await self.chat_prompt(messages, add_generation_prompt, template_kwargs)).tokens
+
+    async def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
         try:
-            return self.words.encode(render_chat(messages, add_generation_prompt))
+            text, spans = render_chat_media(
+                messages, add_generation_prompt, self.placeholder_tokens
+            )
         except ValueError as exc:
             raise TokenizeError(str(exc)) from None
+        return ChatPrompt(self.words.encode(text), spans)
 
 
 def _token_text(value: Any) -> str | None:
@@ -114,6 +203,7 @@ class HFTokenizer(PromptTokenizer):
     """A Hugging Face tokenizer and chat template, from local files only."""
 
     mode = "hf"
+    media_exact = False  # the engine's processor expands a placeholder to many tokens
 
     def __init__(
         self,
@@ -149,7 +239,7 @@ class HFTokenizer(PromptTokenizer):
 
         try:
             return self.template.render(
-                messages=list(messages),
+                messages=[_template_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
@@ -171,6 +261,55 @@ class HFTokenizer(PromptTokenizer):
         text = self.render(messages, add_generation_prompt, template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    chat_prompt = _placed_chat_prompt  # media at the start of the message holding it
+
+    async def requires_system_first(self) -> bool:
+        # vLLM's test: a template that cannot render [system, user, system, user].
+        try:
+            self.render(SYSTEM_ORDER_PROBE, add_generation_prompt=False)
+        except TokenizeError:
+            return True
+        return False
+
+    async def responses(
+        self,
+        request: Mapping[str, Any],
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        # vLLM's Responses renderer encodes the rendered chat with the tokenizer's
+        # special tokens (unlike chat completions): a template that writes its own BOS
+        # gets a second one.
+        text = self.render(messages, True, template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+
+def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A message as vLLM gives it to a chat template: media parts become
+    ``{"type": "image"}`` (``"audio"``, ``"video"``) parts."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    changed = False
+    for part in content:
+        try:
+            item = media_item(part)
+        except ValueError:
+            item = None
+        if item is None:
+            parts.append(part)
+        else:
+            parts.append({"type": item.modality})
+            changed = True
+    return {**message, "content": parts} if changed else message
+
+
+SYSTEM_ORDER_PROBE: list[dict[str, Any]] = [
+    {"role": role, "content": "t"} for role in ("system", "user", "system", "user")
+]
+"""The conversation vLLM renders to learn whether a template takes inline system messages."""
+
 
 class ApproximateTokenizer(PromptTokenizer):
     """Fixed-size character chunks as pseudo-tokens."""
@@ -182,9 +321,21 @@ class ApproximateTokenizer(PromptTokenizer):
         self.chars = chars_per_token
 
     async def prompt(self, text: str) -> list[int]:
+        return self._chunks(text.encode("utf-8", "surrogatepass"))
+
+    def _chunks(self, data: bytes) -> list[int]:
         step = self.chars
-        data = text.encode("utf-8", "surrogatepass")
         return [xxhash.xxh32_intdigest(data[i : i + step]) for i in range(0, len(data), step)]
+
+    def _lines(self, messages: Sequence[Mapping[str, Any]]) -> list[bytes]:
+        lines = []
+        for msg in messages:
+            try:
+                line = f"{msg.get('role')}: {message_text(msg.get('content'))}\n"
+            except ValueError as exc:
+                raise TokenizeError(str(exc)) from None
+            lines.append(line.encode("utf-8", "surrogatepass"))
+        return lines
 
     async def chat(
         self,
@@ -192,17 +343,31 @@ class ApproximateTokenizer(PromptTokenizer):
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        parts = []
-        for msg in messages:
-            try:
-                parts.append(f"{msg.get('role')}: {message_text(msg.get('content'))}\n")
-            except ValueError as exc:
-                raise TokenizeError(str(exc)) from None
-        return await self.prompt("".join(parts))
+        return self._chunks(b"".join(self._lines(messages)))
+
+    async def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
+        lines = self._lines(messages)
+        media = media_by_message(messages)
+        starts = [0]
+        for line in lines:
+            starts.append(starts[-1] + len(line))
+        offsets = {index: starts[index] // self.chars for index in media}
+        return ChatPrompt(self._chunks(b"".join(lines)), _spans_at(media, offsets))
 
 
 PostJson = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
 """POST a JSON body to a path of some healthy engine of the pool; (status, body)."""
+
+
+#: What an engine without the Responses renderer answers ``/v1/responses/render``:
+#: vLLM 0.32 serves it only with ``--enable-scale-out`` (403 otherwise); older engines
+#: do not know the path.
+_NO_RENDERER = frozenset((403, 404, 405, 501))
 
 
 class EngineTokenizer(PromptTokenizer):
@@ -215,23 +380,28 @@ class EngineTokenizer(PromptTokenizer):
         self.post = post
         self.cache_size = cache_size
         self._cache: OrderedDict[int, list[int]] = OrderedDict()
+        self._system_first: bool | None = None
+        self.renders_responses: bool | None = None
+        """Whether the pool's engines serve ``/v1/responses/render`` (None: not asked yet)."""
 
-    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+    async def _tokenize(
+        self, body: dict[str, Any], path: str = "/tokenize", field: str = "tokens"
+    ) -> list[int]:
         raw = msgspec.json.encode(body)
-        key = xxhash.xxh3_64_intdigest(raw)
+        key = xxhash.xxh3_64_intdigest(path.encode() + raw)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        status, answer = await self.post("/tokenize", raw)
+        status, answer = await self.post(path, raw)
         if status == 400:
             raise TokenizeError(f"the engine could not tokenize the prompt: {answer[:200]!r}")
         if status != 200:
-            raise TokenizerUnavailable(f"/tokenize answered {status}")
+            raise TokenizerUnavailable(f"{path} answered {status}", status)
         try:
-            tokens = msgspec.json.decode(answer)["tokens"]
+            tokens = msgspec.json.decode(answer)[field]
         except (msgspec.DecodeError, KeyError, TypeError):
-            raise TokenizerUnavailable("/tokenize answered without tokens") from None
+            raise TokenizerUnavailable(f"{path} answered without {field}") from None
         self._cache[key] = tokens
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -253,6 +423,52 @@ class EngineTokenizer(PromptTokenizer):
             "messages": list(messages),
             "add_generation_prompt": add_generation_prompt,
         }
+        if template_kwargs:
+            body["chat_template_kwargs"] = dict(template_kwargs)
+        return await self._tokenize(body)
+
+    chat_prompt = _placed_chat_prompt  # media at the start of the message holding it
+
+    async def requires_system_first(self) -> bool:
+        """Asked once: whether the engine's ``/tokenize`` refuses the probe (400)."""
+        if self._system_first is None:
+            try:
+                await self.chat(SYSTEM_ORDER_PROBE, add_generation_prompt=False)
+                self._system_first = False
+            except TokenizeError:
+                self._system_first = True
+        return self._system_first
+
+    async def responses(
+        self,
+        request: Mapping[str, Any],
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The engine's own rendering (``/v1/responses/render``) where it serves one;
+        else ``/tokenize`` over the equivalent chat, with the special tokens vLLM's
+        Responses renderer adds."""
+        if self.renders_responses is not False:
+            try:
+                tokens = await self._tokenize(
+                    {**request, "model": self.model}, "/v1/responses/render", "token_ids"
+                )
+            except TokenizerUnavailable as exc:
+                if exc.status not in _NO_RENDERER:
+                    raise
+                self.renders_responses = False
+            else:
+                self.renders_responses = True
+                return tokens
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": list(messages),
+            "add_generation_prompt": True,
+            "add_special_tokens": True,
+        }
+        tools = chat_tools(request.get("tools"))
+        if tools:
+            body["tools"] = tools
         if template_kwargs:
             body["chat_template_kwargs"] = dict(template_kwargs)
         return await self._tokenize(body)

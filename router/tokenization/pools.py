@@ -57,7 +57,7 @@ class Tokenizers:
 
     def _build(self, model: str, settings: TokenizerConfig, mode: str) -> PromptTokenizer:
         if mode == "words":
-            return WordsTokenizer(self.words)
+            return WordsTokenizer(self.words, settings.mm_placeholder_tokens)
         if mode == "hf":
             assert settings.path is not None
             template = None
@@ -112,10 +112,17 @@ class Tokenizers:
         log.info("model %s: tokenizer mode %s", model, mode)
         return mode
 
-    def observe(self, model: str, router_tokens: int, engine_tokens: int) -> bool:
-        """Compare one answer's prompt tokens; True if this switched the pool to approximate."""
+    def observe(
+        self, model: str, router_tokens: int, engine_tokens: int, media: bool = False
+    ) -> bool:
+        """Compare one answer's prompt tokens; True if this switched the pool to approximate.
+
+        A chat with ``media`` parts is compared only by tokenizers that count its
+        placeholder tokens as the engine does (``media_exact``)."""
         pool = self._pool(model)
         if not pool.tokenizer.exact or pool.fell_back:
+            return False
+        if media and not pool.tokenizer.media_exact:
             return False
         agree = router_tokens == engine_tokens
         pool.checks.append(agree)

@@ -4,7 +4,9 @@ Every whitespace-separated word is one token whose id is a hash of the word, so 
 router and the emulator turn the same text into the same ids without sharing state,
 and a prompt of N words is exactly N tokens (which lets workloads size prompts in
 tokens while sending text). Ids below ``FIRST_WORD_ID`` are reserved for the chat
-markers below, so markers never collide with words.
+markers below, so markers never collide with words. A media content part (an image,
+audio or video) renders as ``placeholder_tokens`` copies of its modality's marker, like
+the placeholder tokens a multimodal model's processor inserts.
 
 Decoding is best effort: ids of the generation vocabulary and of words this process
 has encoded map back to their words; other ids render as ``<id>``.
@@ -16,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import xxhash
+
+from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS, MediaSpan, media_item
 
 VOCAB_SIZE = 131_072
 FIRST_WORD_ID = 1_024
@@ -31,7 +35,10 @@ ROLE_MARKERS = {
     "developer": "<|developer|>",
 }
 END_MARKER = "<|end|>"
-_MARKER_IDS = {m: i + 1 for i, m in enumerate([*ROLE_MARKERS.values(), END_MARKER])}
+MEDIA_MARKERS = {"image": "<|image|>", "audio": "<|audio|>", "video": "<|video|>"}
+_MARKER_IDS = {
+    m: i + 1 for i, m in enumerate([*ROLE_MARKERS.values(), END_MARKER, *MEDIA_MARKERS.values()])
+}
 
 # fmt: off
 _SYLLABLES = (
@@ -123,24 +130,69 @@ def message_text(content: Any) -> str:
     raise ValueError("message content must be a string or a list of content parts")
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+def _part_text(part: Any) -> str:
+    """The text of one content part ('' for media and unknown parts)."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        return str(part.get("text", ""))
+    return ""
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
+) -> str:
     """Render OpenAI chat messages into the emulator's prompt text.
 
     Each message becomes ``<|role|> content <|end|>``; the generation prompt appends
     ``<|assistant|>``. An assistant answer appended to a conversation therefore
     tokenizes exactly as the engine generated it, so multi-turn prefixes match.
     """
+    return render_chat_media(messages, add_generation_prompt, placeholder_tokens)[0]
+
+
+def render_chat_media(
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
+) -> tuple[str, list[MediaSpan]]:
+    """:func:`render_chat`'s text and where each media item's placeholders sit in its
+    tokens. Media parts render in place, ``placeholder_tokens`` markers each (at least 1).
+    Raises ValueError for an unknown role or a media part without data."""
+    if placeholder_tokens < 1:
+        raise ValueError("placeholder_tokens must be at least 1")
     pieces: list[str] = []
+    spans: list[MediaSpan] = []
+    position = 0
+    # Only content-part lists can hold media: string-only chats skip the word counts.
+    counting = any(isinstance(msg.get("content"), list) for msg in messages)
+
+    def add(text: str) -> None:
+        nonlocal position
+        pieces.append(text)
+        if counting:
+            position += len(text.split())
+
     for msg in messages:
         role = msg.get("role")
         marker = ROLE_MARKERS.get(role) if isinstance(role, str) else None
         if marker is None:
             raise ValueError(f"unknown chat role {role!r}")
-        pieces.append(marker)
-        text = message_text(msg.get("content"))
-        if text:
-            pieces.append(text)
-        pieces.append(END_MARKER)
+        add(marker)
+        content = msg.get("content")
+        if isinstance(content, list):
+            for part in content:
+                item = media_item(part)
+                if item is not None:
+                    spans.append(MediaSpan(item.identifier, position, placeholder_tokens))
+                    add(" ".join([MEDIA_MARKERS[item.modality]] * placeholder_tokens))
+                elif text := _part_text(part):
+                    add(text)
+        elif text := message_text(content):
+            add(text)
+        add(END_MARKER)
     if add_generation_prompt:
-        pieces.append(ROLE_MARKERS["assistant"])
-    return " ".join(pieces)
+        add(ROLE_MARKERS["assistant"])
+    return " ".join(pieces), spans

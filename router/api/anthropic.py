@@ -1,0 +1,241 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+``/v1/messages`` takes the chat path (:meth:`~router.api.http.HttpApi.handle`): it is
+parsed here into a :class:`~router.api.openai.ParsedRequest` whose prompt is the chat
+template over the request's ``system`` and ``messages`` converted as vLLM converts them
+(:mod:`router.tokenization.anthropic`), so the router counts and hashes the tokens the
+engine prefills. Only what routing reads is checked (model, messages, max_tokens,
+stream, system, cache_salt, metadata.user_id as the session); the engine validates the
+rest. The answer is relayed untouched: JSON, or Anthropic's events (``message_start``
+... ``message_stop``). ``usage.input_tokens`` does not count cached tokens when the
+engine reports them (vLLM's ``--enable-prompt-tokens-details``): the engine's prompt is
+``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
+(:func:`engine_input_tokens`).
+
+``/v1/messages/count_tokens`` (:class:`CountTokens`) goes to an engine serving the model
+by load alone: a count costs the engine a tokenization, never a prefill, so which
+engine holds the prefix does not matter, and the least busy one answers soonest.
+What the router refuses on these routes is in Anthropic's error form
+(:func:`router.api.errors.shape_for`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from router.api.body import read_body
+from router.api.context import Outcome
+from router.api.errors import ApiError, bad_request
+from router.api.headers import REQUEST_ID
+from router.api.openai import ParsedRequest, decode_body
+from router.api.validate import resolve_model
+from router.handoff.fields import strip_owned
+from router.plan import SERVING_ROLES
+from router.policy.base import NoCandidates, RouteRequest
+from router.proxy import UpstreamError
+from router.tokenization.anthropic import chat_messages, has_inline_system
+from router.tokenization.base import PromptTokenizer
+
+if TYPE_CHECKING:
+    from router.api.http import HttpApi
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+_ROLES = ("user", "assistant", "system")
+_JSON = "application/json"
+_decode = msgspec.json.decode
+
+
+def _required_str(payload: Mapping[str, Any], name: str) -> str:
+    value = payload.get(name)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"'{name}' is required (a non-empty string)", name)
+    return value
+
+
+def _blocks(value: Any, name: str) -> None:
+    if not all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in value):
+        raise bad_request(f"each block of '{name}' must be an object with a 'type'", name)
+
+
+def _checked_messages(payload: Mapping[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """``system`` and ``messages``, shaped as routing reads them (else 400)."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    for msg in messages:
+        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+            raise bad_request(
+                "each message must be an object with a 'role' of user, assistant or system",
+                "messages",
+            )
+        content = msg.get("content")
+        if isinstance(content, list):
+            _blocks(content, "messages")
+        elif not isinstance(content, str):
+            raise bad_request(
+                "a message's 'content' must be a string or a list of content blocks", "messages"
+            )
+    system = payload.get("system")
+    if isinstance(system, list):
+        _blocks(system, "system")
+    elif system is not None and not isinstance(system, str):
+        raise bad_request("'system' must be a string or a list of text blocks", "system")
+    return system, messages
+
+
+def parse_messages(payload: dict[str, Any]) -> ParsedRequest:
+    """A ``/v1/messages`` body's routing facts (400 for what routing cannot read)."""
+    model = _required_str(payload, "model")
+    system, messages = _checked_messages(payload)
+    max_tokens = payload.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad_request("'max_tokens' is required (a positive integer)", "max_tokens")
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    salt = payload.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise bad_request("'cache_salt' must be a string", "cache_salt")
+    metadata = payload.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("'metadata' must be an object", "metadata")
+    user = (metadata or {}).get("user_id")
+    kwargs = payload.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+
+    async def render(tokenizer: PromptTokenizer) -> list[int]:
+        merge = has_inline_system(messages) and await tokenizer.requires_system_first()
+        converted = chat_messages(system, messages, merge) if merge else parsed.messages
+        assert converted is not None
+        return await tokenizer.chat(converted, True, kwargs)
+
+    parsed = ParsedRequest(
+        model,
+        bool(stream),
+        max_tokens,
+        1,
+        salt,
+        user if isinstance(user, str) else None,
+        include_usage=False,
+        messages=chat_messages(system, messages),
+        template_kwargs=kwargs,
+        render=render,
+    )
+    return parsed
+
+
+def engine_input_tokens(usage: Mapping[str, Any]) -> int | None:
+    """The prompt tokens an engine's Anthropic ``usage`` reports, cached ones included."""
+    total = 0
+    for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+        value = usage.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        total += value
+    return total if "input_tokens" in usage else None
+
+
+def stream_input_tokens(first: bytes) -> int | None:
+    """The prompt tokens in a stream's ``message_start`` event (its first), if there."""
+    start = first.find(b"data:")
+    if not first.startswith(b"event: message_start") or start == -1:
+        return None
+    try:
+        event = _decode(first[start + 5 :].split(b"\n", 1)[0])
+    except msgspec.DecodeError:
+        return None
+    message = event.get("message") if isinstance(event, dict) else None
+    usage = message.get("usage") if isinstance(message, dict) else None
+    return engine_input_tokens(usage) if isinstance(usage, dict) else None
+
+
+class CountTokens:
+    """``POST /v1/messages/count_tokens``: to the least loaded engine serving the model,
+    retried once on another before the first byte; the engine's answer as it is."""
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+        self.app = api.app
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        app = self.app
+        outcome = Outcome()
+        try:
+            if app.draining:
+                raise ApiError(503, "the router is shutting down", retry_after=1)
+            body = await read_body(request)
+            payload = decode_body(body, app.config.limits.max_json_depth)
+            if not app.config.auth.allow_client_handoff_fields and strip_owned(payload):
+                body = msgspec.json.encode(payload)
+            model = resolve_model(_required_str(payload, "model"), app.registry.models())
+            _checked_messages(payload)
+            response = await self._forward(request, model, body, outcome)
+        except ApiError as err:
+            outcome.failed(err)
+            raise  # answered in this route's form by the openai_errors middleware
+        finally:
+            app.metrics.requests.labels("count_tokens", outcome.outcome, str(outcome.status)).inc()
+        return response
+
+    async def _forward(
+        self, request: web.Request, model: str, body: bytes, outcome: Outcome
+    ) -> web.Response:
+        app, api = self.app, self.api
+        planner = app.decider.planner
+        given = request.headers.get("x-request-id")
+        request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
+        by_load = RouteRequest(request_id, [], 0, app.block_size_for(app.registry.base_of(model)))
+        exclude: set[str] = set()
+        last: UpstreamError | None = None
+        for _attempt in range(1 + app.config.proxy.retries):
+            try:
+                pool = planner.candidates(model, SERVING_ROLES, exclude=exclude)
+                decision = await planner.choose(by_load, pool)
+            except NoCandidates:
+                break
+            engine = app.registry.engine_of(decision.engine)
+            assert engine is not None
+            url = engine.url + COUNT_TOKENS_PATH
+            headers = api.upstream_headers(
+                request.headers, request_id, engine, decision.engine, COUNT_TOKENS_PATH
+            )
+            try:
+                upstream, deadline = await app.upstream.open(url, body, headers)
+            except UpstreamError as err:
+                if err.engine_fault:
+                    app.registry.record_failure(engine)
+                if err.accepted:
+                    raise ApiError(504, f"engine failed: {err}") from None
+                last = err
+                exclude.add(decision.engine.endpoint)
+                continue
+            try:
+                data = await api._read_all(upstream, deadline, engine, url)
+            except UpstreamError as err:
+                raise ApiError(err.http_status, f"engine failed: {err}") from None
+            finally:
+                app.upstream.finish(upstream, deadline)
+            app.registry.record_success(engine)
+            outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
+            return web.Response(
+                body=data,
+                status=upstream.status,
+                headers={
+                    "Content-Type": upstream.headers.get("content-type", _JSON),
+                    "x-request-id": request_id,
+                    "x-kvroute-engine": decision.engine.label,
+                    "x-kvroute-reason": decision.summary(),
+                },
+            )
+        if last is not None:
+            raise ApiError(last.http_status, f"engine failed: {last}")
+        raise ApiError(503, f"no healthy engine serves model '{model}'", retry_after=1)

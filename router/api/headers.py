@@ -1,0 +1,42 @@
+"""Client headers the router reads or forwards: printable ASCII, or a 400.
+
+aiohttp hands header bytes over as UTF-8 with surrogate escapes, gRPC ``Generate``'s
+``headers`` map as any Unicode; neither can be put on an HTTP/1.1 line to an engine or
+compared as a key. Checked where they enter, before anything is routed: the value is
+either visible ASCII, spaces and tabs, or the request is refused as the client's
+mistake.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from router.api.errors import ApiError
+
+_PRINTABLE = re.compile(r"[\t\x20-\x7e]*")
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+"""What a request id may look like (it goes into headers and logs)."""
+
+#: Headers the router reads itself or forwards to engines.
+CLIENT_HEADERS = (
+    "authorization",
+    "x-api-key",
+    "x-session-id",
+    "x-request-id",
+    "x-data-parallel-rank",
+)
+
+
+def header(headers: Mapping[str, str], name: str) -> str | None:
+    """``headers[name]`` if present; 400 if it is not printable ASCII."""
+    value = headers.get(name)
+    if value is not None and not _PRINTABLE.fullmatch(value):
+        raise ApiError(400, f"header {name} must be printable ASCII", param=name)
+    return value
+
+
+def check_headers(headers: Mapping[str, str]) -> None:
+    """Every one of :data:`CLIENT_HEADERS` present is printable ASCII (else 400)."""
+    for name in CLIENT_HEADERS:
+        header(headers, name)

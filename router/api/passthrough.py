@@ -1,0 +1,199 @@
+"""Every other engine route, passed through: embeddings, pooling, score, rerank,
+classify, tokenize, detokenize, render... (the table is :mod:`router.api.engine_routes`).
+
+One handler serves them all, on the request path of completions with its prompt steps
+left out: the router admits the request and reads its body (``limits.max_body_bytes``,
+``server.body_timeout_s``), decodes it (``limits.max_json_depth``), resolves its
+``model`` as completions do (:func:`~router.api.validate.resolve_model`: 404 for a model
+no engine serves, 400 when several are served and none is named), then asks the
+planner for an engine among the healthy ones serving that model, by the routing policy
+on load alone: nothing is tokenized or hashed. The original bytes go to that engine;
+its answer, whatever its status, comes back as it is, a stream chunk by chunk. A
+failure before the first byte is retried on another engine, as for completions; what
+the router refuses itself is OpenAI error JSON. Client keys apply as on ``/v1/*``
+(:func:`~router.api.engine_routes.is_client_path`).
+
+The routes of :data:`~router.api.engine_routes.NOT_ROUTED` are answered here too, with
+their documented 404.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from router.api.context import Outcome, RequestContext
+from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, NotRouted, not_routed
+from router.api.errors import ApiError, bad_request
+from router.api.openai import ParsedRequest, decode_body
+from router.api.validate import resolve_model
+from router.handoff.fields import strip_owned
+from router.plan import SERVING_ROLES
+from router.policy.base import Decision, NoCandidates, RouteRequest
+from router.proxy import UpstreamError
+
+if TYPE_CHECKING:
+    from router.api.downstream import Downstream
+    from router.api.http import HttpApi
+
+log = logging.getLogger("kvroute.http")
+
+_encode = msgspec.json.Encoder().encode
+_BYTES_PER_TOKEN = 4
+"""The load estimate of a body the engine runs through its model: a token per four
+bytes (nothing is tokenized on this path)."""
+
+
+class Passthrough:
+    """The handlers of :data:`ENGINE_ROUTES` and :data:`NOT_ROUTED`, bound to one
+    :class:`~router.api.http.HttpApi`."""
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+        self.app = api.app
+
+    def routes(self) -> list[web.RouteDef]:
+        served = [web.post(route.path, self._serving(route)) for route in ENGINE_ROUTES]
+        refused = [web.route(n.method, n.path, self._refusing(n)) for n in NOT_ROUTED]
+        return served + refused
+
+    def _serving(self, route: EngineRoute) -> Any:
+        serve = functools.partial(self.handle, route)
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self.api._generate(request, route.label, serve)
+
+        return handler
+
+    @staticmethod
+    def _refusing(route: NotRouted) -> Any:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            raise not_routed(route)
+
+        return handler
+
+    async def handle(
+        self,
+        route: EngineRoute,
+        sink: Downstream,
+        label: str,
+        request_id: str,
+        body: bytes,
+        started: float,
+        outcome: Outcome,
+        deadline: float | None = None,
+    ) -> None:
+        """Serve one request of ``route`` whose body has been read (raises
+        :class:`ApiError` while nothing has reached ``sink``); ``label`` is the metrics
+        label :meth:`HttpApi._generate` counts it under."""
+        app = self.app
+        payload = decode_body(body, app.config.limits.max_json_depth)
+        if not app.config.auth.allow_client_handoff_fields:
+            removed = strip_owned(payload)  # e.g. kv_transfer_params on /inference/v1/generate
+            if removed:
+                for name in removed:
+                    app.metrics.handoff_fields_removed.labels(name).inc()
+                body = _encode(payload)
+        requested = payload.get("model")
+        if requested is not None and not isinstance(requested, str):
+            raise bad_request("'model' must be a string", "model")
+        model = resolve_model(requested, app.registry.models())
+        stream = route.streams and payload.get("stream") is True
+        tokens = len(body) // _BYTES_PER_TOKEN if route.model_work else 0
+        route_request = RouteRequest(
+            request_id,
+            [],
+            tokens,
+            app.block_size_for(app.registry.base_of(model)),
+            session=sink.headers.get("x-session-id"),
+            wait_until=deadline,
+        )
+        parsed = ParsedRequest(model, stream, None, 1, None, None, include_usage=False)
+        parsed.prompts = [[]]
+        ctx = RequestContext(
+            sink, route.path, parsed, route_request, payload, body, started, outcome
+        )
+        await self._forward(ctx)
+
+    async def _forward(self, ctx: RequestContext) -> None:
+        """An engine by load, then (on a failure before the first byte) another."""
+        app = self.app
+        planner = app.decider.planner
+        exclude: set[str] = set()
+        last_error: UpstreamError | None = None
+        for attempt in range(1 + app.config.proxy.retries):
+            candidates = planner.candidates(ctx.model, SERVING_ROLES, exclude)
+            try:
+                decision = await planner.choose(ctx.request, candidates)
+            except NoCandidates:
+                if last_error is not None:
+                    raise ApiError(last_error.http_status, f"engine failed: {last_error}") from None
+                raise ApiError(
+                    503, f"no healthy engine serves model '{ctx.model}'", retry_after=1
+                ) from None
+            if attempt == 0:
+                app.metrics.routing_seconds.observe(time.perf_counter() - ctx.started)
+            try:
+                return await self._attempt(ctx, decision)
+            except UpstreamError as err:
+                last_error = err
+                exclude.add(decision.engine.endpoint)
+                if err.accepted:
+                    raise self.api.not_retried(err, ctx.request, decision) from None
+                retrying = attempt < app.config.proxy.retries
+                if retrying:
+                    app.metrics.retries.labels(err.kind).inc()
+                log.info(
+                    "request %s: %s failed before the first byte (%s); %s",
+                    ctx.request_id,
+                    decision.engine.label,
+                    err,
+                    "retrying" if retrying else "giving up",
+                )
+        assert last_error is not None
+        raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+
+    async def _attempt(self, ctx: RequestContext, decision: Decision) -> None:
+        """One try on one engine; its answer goes to the client as it is. Raises
+        UpstreamError while nothing reached the client."""
+        app, api = self.app, self.api
+        engine = app.registry.engine_of(decision.engine)
+        assert engine is not None
+        route_request = ctx.request
+        ticket = app.core.loads.begin(decision.engine, route_request.prompt_tokens, 0, 0)
+        sent = api.upstream_headers(
+            ctx.sink.headers, ctx.request_id, engine, decision.engine, ctx.path
+        )
+        ours = {
+            "x-request-id": ctx.request_id,
+            "x-kvroute-engine": decision.engine.label,
+            "x-kvroute-reason": ctx.outcome.reason(decision.summary()),
+        }
+        url = engine.url + ctx.path
+        try:
+            upstream, deadline = await app.upstream.open(url, ctx.body, sent)
+        except UpstreamError as err:
+            app.core.loads.end(ticket)
+            if err.engine_fault:
+                app.registry.record_failure(engine)
+            raise
+        except BaseException:
+            app.core.loads.end(ticket)
+            raise
+        try:
+            ctype = upstream.headers.get("content-type", "application/json")
+            if ctx.parsed.stream and upstream.status < 400 and "event-stream" in ctype:
+                await api._relay(ctx, ctx.sink, upstream, deadline, engine, ticket, ours)
+                return
+            data = await api._read_all(upstream, deadline, engine, url)
+            app.registry.record_success(engine)
+            ctx.outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
+            await ctx.sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
+        finally:
+            app.upstream.finish(upstream, deadline)
+            app.core.loads.end(ticket)

@@ -1,0 +1,295 @@
+"""The OpenAI Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel``.
+
+A new response takes the request path every generation takes (parse, validate,
+``Decider.prepare``, the planner, forward and relay, :meth:`HttpApi.handle`); its
+prompt is tokenized from ``instructions`` and ``input``
+(:mod:`router.tokenization.responses`; the engine's own renderer where it serves
+one). Two things are its own:
+
+* **Affinity.** vLLM keeps a stored response in the engine that produced it, so a
+  request with ``previous_response_id`` can only be served there. The router learns
+  each response's id from the engine's answer (the ``id`` of a JSON answer, the
+  ``response.created`` / ``response.completed`` event of a stream) into the
+  :class:`~router.response_store.ResponseStore`, and plans a continued conversation
+  within that one engine. An id nobody recorded (or expired), or whose engine is no
+  longer healthy or no longer serves the model, is routed as any request, and counted
+  (``kvroute_responses_affinity_total``): the engine then answers for it.
+* **Retrieval.** ``GET`` and ``cancel`` go to the engine holding the id, or are a 404
+  in OpenAI's error form when the router knows none.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from router.api.context import Outcome, RequestContext
+from router.api.errors import ApiError, bad_request
+from router.api.openai import ParsedRequest
+from router.engines.registry import Engine, EngineState
+from router.http1 import HTTPError
+from router.plan import SERVING_ROLES
+from router.response_store import ResponseStore
+from router.tokenization.responses import InvalidInput, responses_messages
+from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.api.http import HttpApi
+
+_decode = msgspec.json.decode
+_JSON = "application/json"
+
+RENDERED = ("input", "instructions", "tools", "tool_choice", "chat_template_kwargs", "reasoning")
+"""The fields of a Responses request its rendering reads (the engine's renderer is
+sent these alone: it refuses ``previous_response_id``)."""
+
+_MARKS = (b'"response.created"', b'"response.completed"', b'"response.in_progress"')
+"""Events of a stream that carry the whole response object, id included."""
+_MAX_PENDING = 1 << 20
+"""A stream's bytes kept while looking for its id (an event split across chunks)."""
+
+
+def _opt(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = payload.get(name)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise bad_request(f"'{name}' must be {what}", name)
+    return value
+
+
+def parse_responses(payload: dict[str, Any]) -> ParsedRequest:
+    """The routing facts of a ``POST /v1/responses`` body (400 for what routing cannot
+    read; the engine validates the rest)."""
+    raw_input = payload.get("input")
+    if not isinstance(raw_input, (str, list)):
+        raise bad_request("'input' must be a string or a list of input items", "input")
+    instructions = _opt(payload, "instructions", str, "a string")
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    max_output = _opt(payload, "max_output_tokens", int, "an integer")
+    if max_output is not None and max_output < 1:
+        raise bad_request("'max_output_tokens' must be at least 1", "max_output_tokens")
+    kwargs = _opt(payload, "chat_template_kwargs", dict, "an object")
+    try:
+        messages = responses_messages(instructions, raw_input)
+    except InvalidInput as exc:
+        raise bad_request(str(exc), "input") from None
+    if not messages:
+        raise bad_request("'input' must hold at least one item", "input")
+    parsed = ParsedRequest(
+        _opt(payload, "model", str, "a string"),
+        bool(stream),
+        None,
+        1,
+        _opt(payload, "cache_salt", str, "a string"),
+        _opt(payload, "user", str, "a string"),
+        False,
+        messages=messages,
+        template_kwargs=kwargs,
+        max_output_tokens=max_output,
+        responses={k: payload[k] for k in RENDERED if k in payload},
+        previous_response_id=_opt(payload, "previous_response_id", str, "a string"),
+    )
+    return parsed
+
+
+class ResponseIdWatch:
+    """Sees one engine's answer to a new response and records its id there."""
+
+    __slots__ = ("endpoint", "learned", "pending", "store")
+
+    def __init__(self, store: ResponseStore, endpoint: str) -> None:
+        self.store = store
+        self.endpoint = endpoint
+        self.learned = False
+        self.pending = b""
+
+    async def _learn(self, response: Any) -> None:
+        if isinstance(response, dict) and isinstance(response.get("id"), str):
+            self.learned = True
+            await self.store.remember(response["id"], self.endpoint)
+
+    async def answer(self, body: bytes) -> None:
+        """A whole JSON answer: the response object."""
+        try:
+            obj = _decode(body)
+        except msgspec.DecodeError:
+            return
+        if isinstance(obj, dict) and obj.get("object") == "response":
+            await self._learn(obj)
+
+    async def chunk(self, chunk: bytes) -> None:
+        """Part of a stream: the first event holding the response object names it."""
+        if self.learned:
+            return
+        data = self.pending + chunk
+        *events, self.pending = data.split(b"\n\n")
+        if len(self.pending) > _MAX_PENDING:
+            self.learned, self.pending = True, b""  # not a stream we can read: give up
+        for event in events:
+            if not any(mark in event for mark in _MARKS):
+                continue
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    try:
+                        obj = _decode(line[5:])
+                    except msgspec.DecodeError:
+                        continue
+                    if isinstance(obj, dict):
+                        await self._learn(obj.get("response"))
+                    if self.learned:
+                        self.pending = b""
+                        return
+
+
+class ResponsesApi:
+    """The Responses routes of one router's HTTP API."""
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+        self.app = api.app
+
+    @property
+    def store(self) -> ResponseStore:
+        return self.app.responses
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/responses", self.create),
+            web.get("/v1/responses/{response_id}", self.retrieve),
+            web.post("/v1/responses/{response_id}/cancel", self.cancel),
+        ]
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        return await self.api._generate(request, "responses", before_plan=self.attach)
+
+    async def attach(self, ctx: RequestContext) -> None:
+        """Before planning: keep a continued conversation on its engine, and learn the
+        id of what the engine answers."""
+        if ctx.payload.get("store", True) is not False:
+            store = self.store
+
+            def watch(engine: EngineKey) -> ResponseIdWatch:
+                return ResponseIdWatch(store, engine.endpoint)
+
+            ctx.watch = watch
+        previous = ctx.parsed.previous_response_id
+        if previous is None:
+            return
+        counter = self.app.metrics.responses_affinity
+        endpoint = await self.store.engine_of(previous)
+        if endpoint is None:
+            counter.labels("unknown").inc()
+            return
+        serving = self.app.decider.planner.candidates(ctx.model, SERVING_ROLES)
+        if not any(key.endpoint == endpoint for key in serving):
+            counter.labels("engine_unavailable").inc()
+            return
+        counter.labels("pinned").inc()
+        ctx.subset = {endpoint}
+        # The engine's prompt starts with the stored conversation, which the router does
+        # not see: the keys of this request's own input would record blocks it never
+        # holds. The pin routes it, not a prefix match.
+        ctx.request.keys = []
+
+    # ------------------------------------------------------------------ retrieval
+
+    async def retrieve(self, request: web.Request) -> web.StreamResponse:
+        return await self._to_holder(request, "GET", "")
+
+    async def cancel(self, request: web.Request) -> web.StreamResponse:
+        return await self._to_holder(request, "POST", "/cancel")
+
+    async def _to_holder(
+        self, request: web.Request, method: str, suffix: str
+    ) -> web.StreamResponse:
+        """Forward ``request`` to the engine holding its response, relaying the answer
+        (JSON, or the events of a background response's stream)."""
+        app = self.app
+        started = time.perf_counter()
+        route = "responses_cancel" if suffix else "responses_get"
+        outcome = Outcome()
+        try:
+            response_id = request.match_info["response_id"]
+            endpoint = await self.store.engine_of(response_id)
+            engine = app.registry.get(endpoint) if endpoint is not None else None
+            if engine is None:
+                raise ApiError(
+                    404,
+                    f"Response with id '{response_id}' not found.",
+                    param="response_id",
+                    code="response_not_found",
+                )
+            if engine.state is not EngineState.HEALTHY:
+                raise ApiError(
+                    503,
+                    f"the engine holding response '{response_id}' is unavailable",
+                    retry_after=1,
+                )
+            body = await request.read() if method == "POST" else b""
+            url = f"{engine.url}/v1/responses/{response_id}{suffix}"
+            if request.query_string:
+                url += "?" + request.query_string
+            out = await self._relay(request, engine, url, method, body)
+            status = out.status
+            outcome.set(
+                "ok" if status < 400 else "client_error" if status < 500 else "engine_error", status
+            )
+            return out
+        except ApiError as err:
+            outcome.failed(err)
+            headers = {"Retry-After": str(int(err.retry_after))} if err.retry_after else {}
+            return web.Response(
+                body=err.body(), status=err.status, content_type=_JSON, headers=headers
+            )
+        finally:
+            app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
+            app.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    async def _relay(
+        self, request: web.Request, engine: Engine, url: str, method: str, body: bytes
+    ) -> web.StreamResponse:
+        app = self.app
+        upstream = app.upstream
+        assert upstream is not None
+        request_id = request.headers.get("x-request-id") or ""
+        headers = {"Content-Type": _JSON}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        auth = app.credentials.upstream_authorization(request.headers.get("authorization"))
+        if auth:
+            headers["Authorization"] = auth
+        deadline = upstream.deadlines.start(app.config.proxy.first_byte_timeout_s)
+        ours = {"x-kvroute-engine": engine.endpoint}
+        try:
+            answer = await upstream.client.request(method, url, body, headers, deadline)
+        except HTTPError as exc:
+            upstream.deadlines.stop(deadline)
+            app.registry.record_failure(engine)
+            raise ApiError(502, f"engine failed: {url}: {exc}") from None
+        try:
+            ctype = answer.headers.get("content-type", _JSON)
+            if not ctype.startswith("text/event-stream"):
+                data = await answer.read()
+                return web.Response(
+                    body=data, status=answer.status, headers={**ours, "Content-Type": ctype}
+                )
+            out = web.StreamResponse(status=answer.status, headers={**ours, "Content-Type": ctype})
+            await out.prepare(request)
+            upstream.deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
+            try:
+                while chunk := await answer.readany():
+                    upstream.deadlines.touch(deadline)
+                    await out.write(chunk)
+            except HTTPError:
+                pass  # the engine's stream broke: end ours where it stopped
+            await out.write_eof()
+            return out
+        except HTTPError as exc:
+            raise ApiError(502, f"engine failed: {url}: {exc}") from None
+        finally:
+            upstream.finish(answer, deadline)
