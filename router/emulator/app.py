@@ -27,6 +27,8 @@ from starlette.types import Receive, Scope, Send
 from router import __version__
 from router.emulator.generation import Generation, sse
 from router.emulator.handoff.base import HandoffFailed
+from router.emulator.messages import routes as messages_routes
+from router.emulator.pooling import routes as pooling_routes
 from router.emulator.protocol import (
     APIError,
     chat_prompt,
@@ -36,6 +38,7 @@ from router.emulator.protocol import (
     parse_body,
     render_result,
 )
+from router.emulator.responses import responses_routes
 from router.emulator.state import EmulatorState
 from router.tokenization.words import VOCAB_SIZE
 
@@ -178,7 +181,14 @@ def build_app(state: EmulatorState) -> Starlette:
     def request_id(request: Request) -> str:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
 
-    async def generate(request: Request, chat: bool) -> Response:
+    async def generate(
+        request: Request,
+        chat: bool,
+        body: dict[str, Any] | None = None,
+        make: type[Generation] = Generation,
+    ) -> Response:
+        """A completion or chat (``chat``); ``body`` and ``make``: another API's request
+        as its chat body, and the generation answering in that API's shapes."""
         faults = state.faults
         if faults.fails_now(state.rng):
             state.metrics.fault_injected("fail_rate")
@@ -190,8 +200,10 @@ def build_app(state: EmulatorState) -> Starlette:
         stall_after, drop_after = faults.stall_after_tokens, faults.drop_after_tokens
         garble_after = faults.garble_after_tokens
         base_id = request_id(request)
-        req = state.parse(parse_body(await request.body()), chat)
-        gen = Generation(state, state.pick_rank(request.headers), req, base_id, chat)
+        if body is None:
+            body = parse_body(await request.body())
+        req = state.parse(body, chat)
+        gen = make(state, state.pick_rank(request.headers, body), req, base_id, chat)
         if req.stream:
             return _EventStream(state, gen, stall_after, drop_after, garble_after)
 
@@ -250,7 +262,7 @@ def build_app(state: EmulatorState) -> Starlette:
         body = parse_body(await request.body())
         state.models.resolve(body.get("model"))
         if "messages" in body:
-            ids = chat_prompt(body, tokenizer)
+            ids, _ = chat_prompt(body, tokenizer, cfg.mm_placeholder_tokens)
         elif isinstance(body.get("prompt"), str):
             ids = tokenizer.encode(body["prompt"])
         else:
@@ -306,6 +318,9 @@ def build_app(state: EmulatorState) -> Starlette:
     async def server_info(request: Request) -> Response:
         return _json(state.server_info)
 
+    async def kv_event_sources(request: Request) -> Response:
+        return _json(state.kv_event_sources)
+
     async def model_info(request: Request) -> Response:
         p = cfg.params
         return _json(
@@ -345,16 +360,20 @@ def build_app(state: EmulatorState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions/render", render_completions, methods=["POST"]),
         Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
+        *responses_routes(state),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        *pooling_routes(state),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
+        Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
+        *messages_routes(state, generate),
     ]
     app = Starlette(
         routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error}

@@ -18,7 +18,8 @@ from router.emulator.config import DEFAULT_MODEL, HANDOFF_FAILURES, ROLES, Emula
 from router.emulator.faults import Faults
 from router.emulator.server import start_engine
 from router.engine_model.flags import add_model_arguments, engine_params
-from router.events.vllm import WIRE_FORMATS
+from router.events.vllm import EVENT_FORMATS, REPLAY_FRAMES
+from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="output length when a request sets no max_tokens (the emulator ignores EOS)",
+    )
+    net.add_argument(
+        "--mm-placeholder-tokens",
+        type=int,
+        default=DEFAULT_MM_PLACEHOLDER_TOKENS,
+        metavar="N",
+        help="prompt tokens each image, audio or video part of a chat takes (default "
+        f"{DEFAULT_MM_PLACEHOLDER_TOKENS}; the router's tokenizer.mm_placeholder_tokens "
+        "must agree)",
     )
     net.add_argument("--log-level", default="warning", help="log level on stderr")
     net.add_argument(
@@ -149,9 +159,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     events.add_argument(
         "--kv-events-format",
-        choices=WIRE_FORMATS,
-        default="v3-map",
-        help="payload shape: v1-array (older vLLM), v2-mixed, v3-map (current vLLM)",
+        choices=EVENT_FORMATS,
+        default="v2-mixed",
+        help="payload shape: v2-mixed (vLLM 0.32: an array batch of map events), v1-array "
+        "(older vLLM: positional events), v3-map (a map batch: other publishers), sglang "
+        "(SGLang's publisher: positional per-page events, signed hashes, legacy replay "
+        "frames), trtllm (TensorRT-LLM's get_kv_cache_events() list, relayed on ZMQ)",
+    )
+    events.add_argument(
+        "--kv-events-replay-frames",
+        choices=REPLAY_FRAMES,
+        default="topic",
+        help="replay replies: topic (vLLM 0.32: [b'', topic, seq, payload]) or legacy "
+        "(older vLLM: [b'', seq, payload])",
     )
 
 
@@ -169,8 +189,10 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
         kv_events_format=args.kv_events_format,
+        kv_events_replay_frames=args.kv_events_replay_frames,
         lora_modules=tuple(args.lora_modules),
         default_max_tokens=args.default_max_tokens,
+        mm_placeholder_tokens=args.mm_placeholder_tokens,
         dp_size=args.dp_size,
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,

@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.process import EngineProcess
+from router.process import EngineProcess, start_group, stop_group
 
 HOST = "127.0.0.1"
 #: Versions known to work; change deliberately (the output names what ran).
@@ -110,12 +108,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def install(build_dir: Path, name: str) -> tuple[Path | None, str]:
-    """The router's executable in its own virtualenv (installed if needed), or None and
-    the precise reason it could not be installed."""
-    spec = PACKAGES[name]
-    venv = build_dir / name
-    executable = venv / "bin" / name
+def install_into(venv: Path, spec: str, command: str) -> tuple[Path | None, str]:
+    """``command`` of the PyPI package ``spec`` in its own virtualenv ``venv`` (installed
+    there if it is not yet), or None and the precise reason it could not be installed."""
+    executable = venv / "bin" / command
     stamp = venv / f".installed-{spec}"
     if stamp.exists() and executable.exists():
         return executable, spec
@@ -139,9 +135,15 @@ def install(build_dir: Path, name: str) -> tuple[Path | None, str]:
     except subprocess.TimeoutExpired:
         return None, f"cannot install {spec}: pip did not finish within 900 s"
     if not executable.exists():
-        return None, f"{spec} installed no '{name}' command"
+        return None, f"{spec} installed no '{command}' command"
     stamp.touch()
     return executable, spec
+
+
+def install(build_dir: Path, name: str) -> tuple[Path | None, str]:
+    """The router's executable in its own virtualenv (installed if needed), or None and
+    the precise reason it could not be installed."""
+    return install_into(build_dir / name, PACKAGES[name], name)
 
 
 class RouterProcess:
@@ -151,11 +153,8 @@ class RouterProcess:
         self.port = _free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [*args, "--port", str(self.port)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self.proc = start_group(
+            [*args, "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT
         )
 
     def output_tail(self, lines: int = 8) -> str:
@@ -163,15 +162,7 @@ class RouterProcess:
         return "\n".join(self.log.read().strip().splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-            except ProcessLookupError:
-                pass
+        stop_group(self.proc, grace=10.0)
         self.log.close()
 
 

@@ -8,7 +8,14 @@ from typing import Literal
 
 from router.emulator.faults import Faults
 from router.engine_model import EngineParams
-from router.events.vllm import WIRE_FORMATS, WireFormat
+from router.events.vllm import (
+    EVENT_FORMATS,
+    REPLAY_FRAMES,
+    VLLM_WIRE_FORMAT,
+    EventFormat,
+    ReplayFrames,
+)
+from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -45,9 +52,13 @@ class EmulatorConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str | None = None
-    kv_events_format: WireFormat = "v3-map"
+    kv_events_format: EventFormat = VLLM_WIRE_FORMAT
+    kv_events_replay_frames: ReplayFrames = "topic"
+    """Replay reply frames: vLLM 0.32's (``topic``) or older releases' (``legacy``)."""
     lora_modules: tuple[str, ...] = ()
     default_max_tokens: int = 16
+    mm_placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS
+    """Placeholder tokens each image, audio or video part of a chat takes in the prompt."""
     dp_size: int = 1
     side_channel_host: str | None = None
     side_channel_port: int = 0
@@ -70,10 +81,15 @@ class EmulatorConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
-        if self.kv_events_format not in WIRE_FORMATS:
+        if self.kv_events_format not in EVENT_FORMATS:
             raise ValueError(
-                f"kv_events_format must be one of {', '.join(WIRE_FORMATS)}, "
+                f"kv_events_format must be one of {', '.join(EVENT_FORMATS)}, "
                 f"got {self.kv_events_format!r}"
+            )
+        if self.kv_events_replay_frames not in REPLAY_FRAMES:
+            raise ValueError(
+                f"kv_events_replay_frames must be one of {', '.join(REPLAY_FRAMES)}, "
+                f"got {self.kv_events_replay_frames!r}"
             )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
@@ -83,6 +99,10 @@ class EmulatorConfig:
             raise ValueError("lora_modules must be distinct and differ from the model name")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, got {self.dp_size}")
+        if self.mm_placeholder_tokens < 1:
+            raise ValueError(
+                f"mm_placeholder_tokens must be at least 1, got {self.mm_placeholder_tokens}"
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         for name in ("side_channel_port", "bootstrap_port"):

@@ -92,6 +92,7 @@ class Generation:
                 sample_seed=req.seed + j,
                 stop_token_ids=req.stop_token_ids,
                 min_tokens=req.min_tokens,
+                media=req.media,
             )
             for p, ids in enumerate(req.prompts)
             for j in range(req.n)
@@ -186,6 +187,11 @@ class Generation:
             if self.handoff is not None:
                 self.handoff.finished(out)
         return text
+
+    async def next_output(self) -> tuple[int, str, RequestOutput]:
+        """The next step's output of some sequence: (its index, its text, the output)."""
+        index, out = await self.queue.get()
+        return index, self._take(index, out), out
 
     async def collect(self) -> dict[str, Any]:
         """The whole non-streaming answer."""

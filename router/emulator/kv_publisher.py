@@ -5,8 +5,10 @@
 * The PUB binds when the endpoint holds ``*`` or ``::`` or is ``ipc://``/``inproc://``,
   and connects otherwise (llm-d's central mode: one router SUB binds, engines connect).
 * Optional replay ROUTER (always bound): a DEALER sends ``[b"", start_seq]`` and gets
-  ``[b"", seq, payload]`` for each buffered batch with ``seq >= start_seq``, then
-  ``[b"", 0xFF*8, b""]``. Only the last 10,000 batches are kept.
+  ``[b"", topic, seq, payload]`` for each buffered batch with ``seq >= start_seq``, then
+  ``[b"", b"", 0xFF*8, b""]`` (vLLM 0.32; ``replay_frames="legacy"``: older releases'
+  ``[b"", seq, payload]`` and ``[b"", 0xFF*8, b""]``). Only the last 10,000 batches are
+  kept.
 
 Every socket has LINGER 0 so that stopping never waits for absent peers.
 
@@ -27,18 +29,28 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from router.emulator.faults import Faults
-from router.events.types import KVEvent
-from router.events.vllm import END_SEQ, SEQ_BYTES, WireFormat, encode_batch, encode_seq
+from router.events.sglang import as_sglang_sends, encode_sglang_batch
+from router.events.trtllm import as_trtllm_events, encode_trtllm_batch
+from router.events.types import BlockRemoved, BlockStored, KVEvent
+from router.events.vllm import (
+    END_SEQ,
+    SEQ_BYTES,
+    EventFormat,
+    ReplayFrames,
+    encode_batch,
+    encode_seq,
+)
 
 log = logging.getLogger(__name__)
 
 #: Batches kept for replay (vLLM's ``buffer_steps``).
 REPLAY_BUFFER = 10_000
-_PUB_HWM = 100_000
+PUB_HWM = 100_000
 #: The malformed message of the ``kv_events_garbage`` fault (after the topic frame).
 GARBAGE_FRAMES = (b"kvroute-garbage", b"\xc1")
 
@@ -61,6 +73,32 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+def as_vllm_sends(events: Sequence[KVEvent]) -> list[KVEvent]:
+    """The model's events as vLLM 0.32 puts them on the wire: one ``BlockRemoved`` per
+    evicted block, and the KV-cache group fields a plain model's events carry
+    (``group_idx`` 0, ``kv_cache_spec_kind`` ``full_attention``, one ``extra_keys`` entry
+    per block, null without LoRA or multimodal keys)."""
+    out: list[KVEvent] = []
+    for event in events:
+        if isinstance(event, BlockRemoved):
+            group = 0 if event.group_idx is None else event.group_idx
+            out.extend(BlockRemoved([h], event.medium, group) for h in event.block_hashes)
+        elif isinstance(event, BlockStored):
+            out.append(
+                msgspec.structs.replace(
+                    event,
+                    extra_keys=event.extra_keys
+                    if event.extra_keys is not None
+                    else [None] * len(event.block_hashes),
+                    group_idx=0 if event.group_idx is None else event.group_idx,
+                    kv_cache_spec_kind=event.kv_cache_spec_kind or "full_attention",
+                )
+            )
+        else:
+            out.append(event)
+    return out
+
+
 def binds(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard and local-transport endpoints, connect to the rest."""
     return (
@@ -79,17 +117,21 @@ class KVEventPublisher:
         ctx: zmq.asyncio.Context,
         endpoint: str,
         topic: str,
-        wire_format: WireFormat,
+        wire_format: EventFormat,
         replay_endpoint: str | None = None,
         data_parallel_rank: int = 0,
         faults: Faults | None = None,
+        replay_frames: ReplayFrames = "topic",
     ) -> None:
         self.topic = topic
+        # SGLang's replay answers in the older frames whatever was asked for.
+        self.replay_frames: ReplayFrames = "legacy" if wire_format == "sglang" else replay_frames
         self.wire_format = wire_format
         self.data_parallel_rank = data_parallel_rank
         self._faults = faults
         self._topic = topic.encode()
         self._seq = 0
+        self._event_id = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER)
         # A plain (blocking-API) socket on the asyncio context: PUB sends never block.
         self._pub = zmq.Socket(ctx, zmq.PUB)
@@ -97,7 +139,7 @@ class KVEventPublisher:
         self._replay_task: asyncio.Task[None] | None = None
         try:
             self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.setsockopt(zmq.SNDHWM, _PUB_HWM)
+            self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
             if binds(endpoint):
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -122,7 +164,18 @@ class KVEventPublisher:
 
     def publish(self, events: Sequence[KVEvent], ts: float) -> None:
         """Send one batch now and keep it for replay."""
-        payload = encode_batch(events, ts, self.data_parallel_rank, self.wire_format)
+        if self.wire_format == "sglang":
+            payload = encode_sglang_batch(as_sglang_sends(events), ts, self.data_parallel_rank)
+        elif self.wire_format == "trtllm":
+            listed = as_trtllm_events(events, self._event_id, 0, self.data_parallel_rank or None)
+            self._event_id += len(listed)
+            if not listed:
+                return
+            payload = encode_trtllm_batch(listed)
+        else:
+            payload = encode_batch(
+                as_vllm_sends(events), ts, self.data_parallel_rank, self.wire_format
+            )
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
@@ -144,10 +197,13 @@ class KVEventPublisher:
                 continue
             ident, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            # vLLM 0.32 puts the topic before the seq (an empty topic in the end marker).
+            topic = (self._topic,) if self.replay_frames == "topic" else ()
+            end_topic = (b"",) if self.replay_frames == "topic" else ()
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    await sock.send_multipart((ident, b"", encode_seq(seq), payload))
-            await sock.send_multipart((ident, b"", END_SEQ, b""))
+                    await sock.send_multipart((ident, b"", *topic, encode_seq(seq), payload))
+            await sock.send_multipart((ident, b"", *end_topic, END_SEQ, b""))
 
     async def aclose(self) -> None:
         """Stop the replay service and close the sockets."""

@@ -38,9 +38,10 @@ StatsSource = Callable[[], EngineStats]
 class _StatsCollector(Collector):
     """Gauges and counters derived from each rank's ``EngineStats`` when scraped."""
 
-    def __init__(self, model_name: str, params: EngineParams) -> None:
+    def __init__(self, model_name: str, params: EngineParams, sglang: bool = False) -> None:
         self._model_name = model_name
         self._params = params
+        self._sglang = sglang
         self._ranks: list[tuple[str, StatsSource]] = []
 
     def add_rank(self, engine: str, stats: StatsSource) -> None:
@@ -109,6 +110,14 @@ class _StatsCollector(Collector):
         for engine, _ in self._ranks:
             info.add_metric([str(p.block_size), str(p.num_gpu_blocks), "auto", "True", engine], 1)
         yield info
+        if self._sglang:
+            # SGLang's own cache-config gauge (its page size is the block size): what tells
+            # a router this server picks data-parallel ranks from the body.
+            page = GaugeMetricFamily(
+                "sglang:cache_config_info", "SGLang cache config", labels=("page_size",)
+            )
+            page.add_metric([str(p.block_size)], 1)
+            yield page
 
 
 class RankMetrics:
@@ -149,10 +158,10 @@ class RankMetrics:
 class EngineMetrics:
     """The metrics of one engine server (all of its ranks) in its own registry."""
 
-    def __init__(self, model_name: str, params: EngineParams) -> None:
+    def __init__(self, model_name: str, params: EngineParams, sglang: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self._stats = _StatsCollector(model_name, params)
+        self._stats = _StatsCollector(model_name, params, sglang)
         self.registry.register(self._stats)
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",

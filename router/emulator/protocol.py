@@ -13,7 +13,8 @@ from typing import Any
 
 import msgspec
 
-from router.tokenization.words import VOCAB_SIZE, WordTokenizer, render_chat
+from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS, MediaSpan
+from router.tokenization.words import VOCAB_SIZE, WordTokenizer, render_chat_media
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -39,19 +40,24 @@ encode_json = msgspec.json.Encoder().encode
 class APIError(Exception):
     """A request the emulator refuses, with the HTTP status and OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, err_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.err_type = err_type
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.err_type)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, err_type: str | None = None
+) -> dict[str, Any]:
     """vLLM's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    err_type = _ERROR_TYPES.get(status, "BadRequestError")
+    err_type = err_type or _ERROR_TYPES.get(status, "BadRequestError")
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
@@ -115,6 +121,8 @@ class GenerationRequest:
     #: vLLM's disaggregation parameters (NixlConnector), as sent.
     kv_transfer_params: dict[str, Any] | None = None
     bootstrap: Bootstrap | None = None
+    #: Where a chat's media items sit in its prompt (their placeholder tokens).
+    media: tuple[MediaSpan, ...] = ()
 
     @property
     def num_sequences(self) -> int:
@@ -128,7 +136,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = _json_decoder.decode(raw)
     except msgspec.DecodeError as exc:
-        raise APIError(400, f"JSON decode error: {exc}") from None
+        # vLLM answers a body that is not JSON from FastAPI's validation handler, typed
+        # with the HTTP reason phrase rather than an exception name.
+        raise APIError(400, f"JSON decode error: {exc}", err_type="Bad Request") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -223,7 +233,13 @@ def completion_prompts(
     return ids, texts
 
 
-def chat_prompt(body: Mapping[str, Any], tokenizer: WordTokenizer) -> list[int]:
+def chat_prompt(
+    body: Mapping[str, Any],
+    tokenizer: WordTokenizer,
+    placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
+) -> tuple[list[int], list[MediaSpan]]:
+    """A chat's token ids, and where its media items' placeholder tokens sit (each image,
+    audio or video part is ``placeholder_tokens`` marker tokens in place)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "`messages` must be a non-empty list", "messages")
@@ -231,10 +247,10 @@ def chat_prompt(body: Mapping[str, Any], tokenizer: WordTokenizer) -> list[int]:
         raise APIError(400, "each message must be an object", "messages")
     add_generation_prompt = body.get("add_generation_prompt", True)
     try:
-        text = render_chat(messages, bool(add_generation_prompt))
+        text, media = render_chat_media(messages, bool(add_generation_prompt), placeholder_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from None
-    return tokenizer.encode(text)
+    return tokenizer.encode(text), media
 
 
 def parse_generation(
@@ -243,11 +259,14 @@ def parse_generation(
     models: ServedModels,
     tokenizer: WordTokenizer,
     default_max_tokens: int,
+    placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
 ) -> GenerationRequest:
     """Validate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
     model, lora_name, lora_id = models.resolve(body.get("model"))
+    media: list[MediaSpan] = []
     if chat:
-        prompts, texts = [chat_prompt(body, tokenizer)], [None]
+        ids, media = chat_prompt(body, tokenizer, placeholder_tokens)
+        prompts, texts = [ids], [None]
         max_tokens = _int(body, "max_completion_tokens", None, 1)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
@@ -303,6 +322,7 @@ def parse_generation(
         min_tokens=min_tokens,
         kv_transfer_params=_kv_transfer_params(body),
         bootstrap=_bootstrap(body),
+        media=tuple(media),
     )
 
 

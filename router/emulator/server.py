@@ -36,7 +36,7 @@ from router.emulator.faults import Faults
 from router.emulator.handoff import wire
 from router.emulator.handoff.nixl import SideChannel
 from router.emulator.handoff.sglang import BootstrapServer, RoomRegistry
-from router.emulator.kv_publisher import KVEventPublisher, rank_endpoint
+from router.emulator.kv_publisher import PUB_HWM, REPLAY_BUFFER, KVEventPublisher, rank_endpoint
 from router.emulator.metrics import EngineMetrics
 from router.emulator.state import EmulatorState, Rank
 from router.engine_model import EngineModel
@@ -166,6 +166,7 @@ def _rank_publishers(
                     rank_endpoint(replay, r) if replay else None,
                     data_parallel_rank=r,
                     faults=faults,
+                    replay_frames=config.kv_events_replay_frames,
                 )
             )
     except BaseException:
@@ -173,6 +174,24 @@ def _rank_publishers(
             publisher.close()
         raise
     return publishers
+
+
+def _kv_event_sources(publishers: list[KVEventPublisher]) -> dict[str, Any]:
+    """``/kv_event_sources`` as vLLM 0.32 serves it: each rank's events configuration, its
+    endpoints as bound (a wildcard host means the engine's own host)."""
+    return {
+        str(p.data_parallel_rank): {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": p.endpoint,
+            "replay_endpoint": p.replay_endpoint,
+            "buffer_steps": REPLAY_BUFFER,
+            "hwm": PUB_HWM,
+            "max_queue_size": PUB_HWM,
+            "topic": p.topic,
+        }
+        for p in publishers
+    }
 
 
 def _server_info(
@@ -279,12 +298,14 @@ async def start_engine(config: EmulatorConfig) -> EmulatedEngine:
             topic = f"kv@{config.host}:{port}@{config.model}"
         publishers = _rank_publishers(config, zmq_ctx, topic, faults)
         hash_seed = config.hash_seed if config.hash_seed is not None else random.getrandbits(64)
-        metrics = EngineMetrics(config.model, config.params)
+        metrics = EngineMetrics(config.model, config.params, config.kv_events_format == "sglang")
         ranks: list[Rank] = []
         for r in range(config.dp_size):
             # Each rank is an engine of its own; their hashes differ like separate vLLM
             # engine cores' would (each draws its own seed).
             model = EngineModel(config.params, hash_seed + r)
+            # SGLang's HiCache publishes a host-tier store with the page's tokens.
+            model.cache.offload_tokens = config.kv_events_format == "sglang"
             rank_metrics = metrics.add_rank(str(r), model.stats)
             on_events = publishers[r].publish if publishers else None
             driver = EngineDriver(model, config.time_scale, on_events, rank_metrics.observe)
@@ -302,6 +323,7 @@ async def start_engine(config: EmulatorConfig) -> EmulatedEngine:
         state.server_info.update(
             _server_info(config, url, port, topic, ranks, publishers, bootstrap_port)
         )
+        state.kv_event_sources.update(_kv_event_sources(publishers))
         quiet_injected_drops()
         uv_config = uvicorn.Config(
             build_app(state),

@@ -46,6 +46,8 @@ class EmulatorState:
     #: ``/server_info`` body, filled in once the sockets are bound.
     server_info: dict[str, Any]
     faults: Faults
+    #: ``/kv_event_sources`` body (vLLM 0.32's route): one entry per rank.
+    kv_event_sources: dict[str, Any] = field(default_factory=dict)
     #: SGLang bootstrap rooms (role ``prefill`` only).
     rooms: RoomRegistry | None = None
     tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
@@ -68,7 +70,12 @@ class EmulatorState:
     def parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
         """Validate a generation body, including that each prompt fits the engine."""
         req = parse_generation(
-            body, chat, self.models, self.tokenizer, self.config.default_max_tokens
+            body,
+            chat,
+            self.models,
+            self.tokenizer,
+            self.config.default_max_tokens,
+            self.config.mm_placeholder_tokens,
         )
         model = self.ranks[0].driver.model
         for ids in req.prompts:
@@ -78,11 +85,20 @@ class EmulatorState:
                 raise APIError(400, str(exc), "messages" if chat else "prompt") from None
         return req
 
-    def pick_rank(self, headers: Mapping[str, str]) -> Rank:
+    def pick_rank(self, headers: Mapping[str, str], body: Mapping[str, Any] | None = None) -> Rank:
         """The rank ``X-data-parallel-rank`` names (400 if out of range), else the next
-        one round robin."""
-        value = headers.get(DP_RANK_HEADER)
+        one round robin. Emulating SGLang (``--kv-events-format sglang``), the body's
+        ``data_parallel_rank`` names it instead and the header is ignored, as SGLang's
+        server does."""
         size = len(self.ranks)
+        if self.config.kv_events_format == "sglang":
+            field = (body or {}).get("data_parallel_rank")
+            if field is None:
+                return self.ranks[next(self._next_rank) % size]
+            if isinstance(field, bool) or not isinstance(field, int) or not 0 <= field < size:
+                raise APIError(400, f"data_parallel_rank {field!r} is out of range [0, {size}).")
+            return self.ranks[field]
+        value = headers.get(DP_RANK_HEADER)
         if value is None:
             return self.ranks[next(self._next_rank) % size]
         try:

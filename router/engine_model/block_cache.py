@@ -9,6 +9,14 @@ so the tail of a prompt is evicted before its shared head.
 
 Costs are O(blocks touched): never-used blocks are a counter, not a list, and per-block
 state exists only for blocks that have been used.
+
+An optional offload tier (``num_cpu_blocks``, like vLLM's CPU offloading or SGLang's
+HiCache host pool) keeps the hashes of blocks evicted from the GPU cache, least recently
+demoted first out. A demotion is published as vLLM's offloading connectors publish it: a
+*tokenless* ``BlockStored`` on ``CPU`` (the block's engine hash alone) before the GPU
+``BlockRemoved``; a block leaving the tier is a ``BlockRemoved`` on ``CPU``. A prefix hit
+on the tier loads the block back (the engine registers it on the GPU again, keeping the
+CPU copy, as vLLM does).
 """
 
 from __future__ import annotations
@@ -17,15 +25,39 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from router.events.types import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.events.types import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 
 class BlockCache:
     """Block allocation, reference counts and the hash → block prefix index."""
 
-    def __init__(self, num_blocks: int, block_size: int, emit_events: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        emit_events: bool = True,
+        num_cpu_blocks: int = 0,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if num_cpu_blocks < 0:
+            raise ValueError("num_cpu_blocks must be >= 0")
+        self.num_cpu_blocks = num_cpu_blocks
+        #: Hashes held by the offload tier, least recently demoted first.
+        self._cpu: OrderedDict[int, None] = OrderedDict()
+        #: Publish demotions with their tokens (SGLang's HiCache shape) rather than
+        #: tokenless (vLLM's offloading connectors' placeholder).
+        self.offload_tokens = False
+        #: With an offload tier: what each cached block was stored with (parent hash,
+        #: tokens, extra-keys entry, LoRA id and name), for self-describing demotions.
+        self._stored: dict[int, tuple[int | None, list[int], Any, int | None, str | None]] = {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.emit_events = emit_events
@@ -65,6 +97,23 @@ class BlockCache:
             found.append(block)
         return found
 
+    def match_offloaded(self, hashes: Sequence[int], start: int, max_blocks: int) -> int:
+        """How many of ``hashes[start:max_blocks]`` the offload tier holds in a row."""
+        cpu = self._cpu
+        if not cpu:
+            return 0
+        n = 0
+        for h in hashes[start:max_blocks]:
+            if h not in cpu:
+                break
+            n += 1
+        return n
+
+    @property
+    def num_offloaded(self) -> int:
+        """Blocks the offload tier holds."""
+        return len(self._cpu)
+
     def can_allocate(self, count: int, touching: Sequence[int] = ()) -> bool:
         """Whether ``count`` new blocks fit once the cached blocks ``touching`` are taken."""
         refs = self._refs
@@ -100,9 +149,54 @@ class BlockCache:
         refs = self._refs
         for b in blocks:
             refs[b] = 1
-        if evicted and self.emit_events:
-            self.events.append(BlockRemoved(evicted, MEDIUM_GPU))
+        if evicted:
+            if self.num_cpu_blocks:
+                self._demote(evicted)
+            if self.emit_events:
+                self.events.append(BlockRemoved(evicted, MEDIUM_GPU))
         return blocks
+
+    def _demote(self, hashes: list[int]) -> None:
+        """Copy evicted blocks to the offload tier, dropping its oldest when full."""
+        cpu = self._cpu
+        fresh = [h for h in hashes if h not in cpu]
+        for h in hashes:
+            cpu[h] = None
+            cpu.move_to_end(h)
+        dropped: list[int] = []
+        while len(cpu) > self.num_cpu_blocks:
+            h, _ = cpu.popitem(last=False)
+            dropped.append(h)
+        if not self.emit_events:
+            return
+        kept = [h for h in fresh if h in cpu]
+        if kept and not self.offload_tokens:
+            # The offloading connectors' shape: engine hashes only, no tokens.
+            self.events.append(BlockStored(kept, None, [], 0, None, MEDIUM_CPU))
+        elif kept:
+            for h in kept:
+                known = self._stored.get(h)
+                if known is None:
+                    continue
+                parent, tokens, extra, lora_id, lora_name = known
+                self.events.append(
+                    BlockStored(
+                        [h],
+                        parent,
+                        tokens,
+                        self.block_size,
+                        lora_id,
+                        MEDIUM_CPU,
+                        lora_name,
+                        [extra] if extra is not None else None,
+                    )
+                )
+        gone = [h for h in dropped if h not in fresh]
+        if gone:
+            self.events.append(BlockRemoved(gone, MEDIUM_CPU))
+        for h in dropped:
+            if h not in self._block_of:
+                self._stored.pop(h, None)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; unreferenced ones become evictable.
@@ -154,9 +248,19 @@ class BlockCache:
                 run_start = i
         if run_start >= 0:
             runs.append((run_start, len(hashes)))
+        bs = self.block_size
+        if self.num_cpu_blocks and self.offload_tokens:
+            for start, end in runs:
+                for i in range(start, end):
+                    self._stored[hashes[i]] = (
+                        hashes[i - 1] if i > 0 else parent_hash,
+                        list(token_ids[i * bs : (i + 1) * bs]),
+                        extra_keys[i] if extra_keys is not None else None,
+                        lora_id,
+                        lora_name,
+                    )
         if not self.emit_events:
             return
-        bs = self.block_size
         for start, end in runs:
             self.events.append(
                 BlockStored(
@@ -182,6 +286,8 @@ class BlockCache:
         self._free.clear()
         self._hash_of.clear()
         self._block_of.clear()
+        self._cpu.clear()
+        self._stored.clear()
         if self.emit_events:
             self.events.append(AllBlocksCleared())
         return True

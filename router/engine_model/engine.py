@@ -55,6 +55,7 @@ from router.engine_model.params import EngineParams
 from router.engine_model.sampling import output_token_ids
 from router.events.types import KVEvent
 from router.hashing import block_keys, cacheable_blocks, chain
+from router.media import MediaKey, MediaSpan, block_extra_keys
 from router.tokenization.words import WordTokenizer
 
 _MASK64 = (1 << 64) - 1
@@ -83,6 +84,14 @@ class RequestSpec:
     remote_decode: bool = False
     #: Decode leg: the prompt's KV arrives from a prefill engine instead of being computed.
     remote_prefill: bool = False
+    #: Decode leg: bytes per second of its transfer's link (None: the engine's
+    #: ``kv_transfer_bandwidth``) and the link's fixed seconds; the cluster simulator
+    #: sets them by the pair's locality and the contention on its racks' uplinks.
+    transfer_bandwidth: float | None = None
+    transfer_latency_s: float = 0.0
+    #: Media items' placeholder tokens in the prompt: their blocks' hashes and events'
+    #: ``extra_keys`` carry ``(identifier, offset)`` pairs, as vLLM's do.
+    media: tuple[MediaSpan, ...] = ()
 
 
 @dataclass(slots=True)
@@ -153,6 +162,8 @@ class _Sequence:
     root: int
     #: Engine block hashes of the full blocks of ``tokens`` computed so far (a prefix).
     hashes: list[int]
+    #: Media extra keys per block index (blocks holding media placeholder tokens).
+    extras: dict[int, list[MediaKey]] = field(default_factory=dict)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
     registered: int = 0
@@ -180,7 +191,9 @@ class EngineModel:
         vLLM's random ``NONE_HASH``); ``vocabulary`` is what outputs are drawn from."""
         self.params = params
         self.hash_seed = hash_seed & _MASK64
-        self.cache = BlockCache(params.num_gpu_blocks, params.block_size, emit_events)
+        self.cache = BlockCache(
+            params.num_gpu_blocks, params.block_size, emit_events, params.num_cpu_blocks
+        )
         self._vocabulary = list(vocabulary or WordTokenizer().generation_ids)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -222,13 +235,16 @@ class EngineModel:
         prompt = list(spec.prompt_token_ids)
         self.validate(len(prompt), spec.max_tokens)
         root = self._root(spec.lora_name, spec.cache_salt)
+        bs = self.params.block_size
+        extras = block_extra_keys(spec.media, bs)
         seq = _Sequence(
             spec=spec,
             arrival=now,
             tokens=prompt,
             output=output_token_ids(prompt, spec.max_tokens, self._vocabulary, spec.sample_seed),
             root=root,
-            hashes=block_keys(prompt, self.params.block_size, root),
+            hashes=block_keys(prompt, bs, root, extra=extras),
+            extras=extras,
         )
         self._by_id[spec.request_id] = seq
         self._waiting.append(seq)
@@ -444,7 +460,7 @@ class EngineModel:
         while len(hashes) < count:
             i = len(hashes)
             parent = hashes[-1] if hashes else seq.root
-            hashes.append(chain(parent, seq.tokens[i * bs : (i + 1) * bs]))
+            hashes.append(chain(parent, seq.tokens[i * bs : (i + 1) * bs], seq.extras.get(i, ())))
 
     def _admit(self, seq: _Sequence, budget: int) -> int:
         """Give a waiting sequence its prefix hits and first chunk; 0 if it does not fit."""
@@ -453,7 +469,10 @@ class EngineModel:
         cap = cacheable_blocks(total, bs)
         self._ensure_hashes(seq, cap)
         hits = self.cache.match(seq.hashes, cap)
-        hit_tokens = len(hits) * bs
+        # Blocks the offload tier holds past the GPU hits are loaded back, not computed:
+        # they get GPU blocks like computed ones and are registered with them.
+        loaded = self.cache.match_offloaded(seq.hashes, len(hits), cap)
+        hit_tokens = (len(hits) + loaded) * bs
         n = min(total - hit_tokens, budget)
         need = self._blocks_for(hit_tokens + n) - len(hits)
         if not self.cache.can_allocate(need, hits):
@@ -492,7 +511,12 @@ class EngineModel:
         seq.num_cached_tokens = total - 1
         seq.transferred = total - hit_tokens
         self._transferred_tokens += seq.transferred
-        seq.ready_at = now + self.params.transfer_time(seq.transferred)
+        spec = seq.spec
+        seq.ready_at = (
+            now
+            + self.params.transfer_time(seq.transferred, spec.transfer_bandwidth)
+            + spec.transfer_latency_s
+        )
         return True
 
     def _complete_transfers(self, now: float) -> None:
@@ -528,13 +552,17 @@ class EngineModel:
             return
         self._ensure_hashes(seq, full)
         spec = seq.spec
-        extra: list[list[str] | None] | None = None
-        if spec.lora_name is not None or spec.cache_salt is not None:
-            # Per block, what vLLM hashes besides tokens: the adapter name on every block,
-            # the cache salt on the first.
-            lora = [spec.lora_name] if spec.lora_name is not None else []
-            salt = [spec.cache_salt] if spec.cache_salt is not None else []
-            extra = [(lora + salt if i == 0 else lora) or None for i in range(start, full)]
+        extra: list[list[object] | None] | None = None
+        if spec.lora_name is not None or spec.cache_salt is not None or seq.extras:
+            # Per block, what vLLM hashes besides tokens, in its order: the adapter name on
+            # every block, the media pairs of the items overlapping the block, the cache
+            # salt on the first block.
+            lora: list[object] = [spec.lora_name] if spec.lora_name is not None else []
+            salt: list[object] = [spec.cache_salt] if spec.cache_salt is not None else []
+            extra = [
+                (lora + list(seq.extras.get(i, ())) + (salt if i == 0 else [])) or None
+                for i in range(start, full)
+            ]
         self.cache.store(
             seq.blocks[start:full],
             seq.hashes[start:full],

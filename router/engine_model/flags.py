@@ -22,6 +22,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     cache.add_argument("--block-size", type=int, help="tokens per KV block (preset: 16)")
     cache.add_argument("--cache-blocks", type=int, help="KV-cache capacity in blocks")
     cache.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        help="offload tier in blocks (vLLM's CPU offloading, SGLang's HiCache): GPU "
+        "evictions are demoted there and published as CPU-tier events (default: 0, none)",
+    )
+    cache.add_argument(
         "--max-model-len",
         type=int,
         help="longest prompt + output in tokens (default: the preset's, capped by the cache)",
@@ -80,6 +86,7 @@ def engine_params(args: argparse.Namespace) -> EngineParams:
         args.preset,
         block_size=args.block_size,
         num_gpu_blocks=args.cache_blocks,
+        num_cpu_blocks=getattr(args, "cpu_offload_blocks", None),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         step_overhead_s=_scaled(args.step_overhead_ms, 1e-3),

@@ -34,6 +34,11 @@ class EngineParams:
     block_size: int = 16
     #: KV-cache capacity in blocks (vLLM's ``num_gpu_blocks``).
     num_gpu_blocks: int = 27_648
+    #: Offload tier in blocks (vLLM's CPU offloading, ``--kv-offloading-size``; SGLang's
+    #: HiCache host pool): a block evicted from the GPU cache is demoted here instead of
+    #: forgotten, and a later prefix hit on it loads it back instead of recomputing it.
+    #: 0: no offload tier.
+    num_cpu_blocks: int = 0
     #: Token budget of one step, shared by prefill chunks and decodes.
     max_num_batched_tokens: int = 8_192
     max_num_seqs: int = 256
@@ -58,6 +63,8 @@ class EngineParams:
         for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_model_len > self.num_gpu_blocks * self.block_size:
@@ -80,9 +87,10 @@ class EngineParams:
                 f"kv_transfer_bandwidth must be positive, got {self.kv_transfer_bandwidth}"
             )
 
-    def transfer_time(self, num_tokens: int) -> float:
-        """Model seconds to move ``num_tokens`` tokens of KV cache between two engines."""
-        return num_tokens * self.kv_bytes_per_token / self.kv_transfer_bandwidth
+    def transfer_time(self, num_tokens: int, bandwidth: float | None = None) -> float:
+        """Model seconds to move ``num_tokens`` tokens of KV cache between two engines
+        (over ``bandwidth`` bytes per second; default ``kv_transfer_bandwidth``)."""
+        return num_tokens * self.kv_bytes_per_token / (bandwidth or self.kv_transfer_bandwidth)
 
     def replace(self, **changes: Any) -> EngineParams:
         """A copy with some fields changed (validated again)."""
