@@ -9,14 +9,22 @@ Examples::
 
     # kvroute's default policy against round robin, each on 4 fresh emulated engines
     kvroute bench --engines 4 --compare kvroute=policy:kv_cost rr=policy:round_robin \\
-        --workload chat --conversations 24 --turns 4
+        --baseline rr --workload chat --conversations 24 --turns 4
+
+    # the same on 2 real vLLM engines per target (make bench-vllm has a whole command)
+    kvroute bench --engines 2 --compare kvroute=policy:kv_cost rr=policy:round_robin \\
+        --engine-cmd 'python -m vllm.entrypoints.openai.api_server --port {port} ...' \\
+        --baseline rr --workload shared-prefix
 
     # an external router started by bench in front of the same kind of engines
     kvroute bench --engines 4 --compare kvroute=policy:kv_cost \\
         'sglang=cmd:python -m sglang_router.launch_router --worker-urls {engines}
          --policy cache_aware --host {host} --port {port}'
 
-Writes ``results.json``, ``summary.md`` and PNG plots to ``--output``.
+Prints a table: one column per target, a ``better`` column saying which way each
+metric improves (``higher`` or ``lower``), and each target's ratio to the baseline
+(its value over the baseline's). Writes ``results.json``, ``summary.md`` and PNG plots
+to ``--output``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import signal
 import sys
 import time
 import urllib.request
@@ -35,6 +44,7 @@ from statistics import fmean
 from typing import Any, TypeVar
 
 from router import __version__
+from router.bench.apis import APIS
 from router.bench.workloads import (
     BUNDLED_TRACES,
     PromptExpander,
@@ -85,6 +95,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start N fresh emulated engines for each policy:/cmd: target (caches start empty)",
     )
     what.add_argument(
+        "--engine-cmd",
+        metavar="TEMPLATE",
+        help="with --engines N: start each engine with this command instead of 'kvroute "
+        "engine' (a real vLLM, say); {port}, {i} and {dir} (a work directory) are filled "
+        "in, and the engine is ready when its /health answers 200",
+    )
+    what.add_argument(
+        "--engine-start-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds an --engine-cmd engine may take to become ready (default 600)",
+    )
+    what.add_argument(
         "--engine-args",
         default="",
         metavar="ARGS",
@@ -106,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router-args", default="", metavar="ARGS", help="extra 'kvroute serve' flags"
     )
     what.add_argument("--model", help="model field of each request (default: the target's first)")
+    what.add_argument(
+        "--api",
+        choices=sorted(APIS),
+        default="openai",
+        help="the client API requests use (openai: completions or chat by workload; "
+        "responses: /v1/responses; messages: Anthropic Messages, /v1/messages)",
+    )
 
     add_workload_arguments(parser)
 
@@ -173,6 +204,16 @@ def add_workload_arguments(
         "--max-output-tokens", type=int, metavar="N", help="cap every trace output length"
     )
     load.add_argument("--seed", type=int, default=0, help="seed of every generated prompt")
+
+    multi = parser.add_argument_group("multi-tenant workload (replaces --workload)")
+    multi.add_argument(
+        "--tenants",
+        nargs="+",
+        metavar="NAME:rate=R[,...]",
+        help="tenants sending at once, each NAME:rate=R[,priority=P][,key=KEY][,prompt=N]"
+        "[,output=N] (Poisson arrivals at R requests/s for --duration seconds, default 30); "
+        "results per tenant: TTFT p50/p99, throughput, refusals",
+    )
 
     gen = parser.add_argument_group("generated workloads (shared-prefix, chat)")
     gen.add_argument("--groups", type=int, default=16, help="shared-prefix: groups")
@@ -349,10 +390,15 @@ def run(args: argparse.Namespace) -> int:
     under ``failed`` in results.json) and the others still run. Exit status: 0 when at
     least one target answered a request, 1 when none did, 2 for bad flags or workloads.
     """
+    # SIGTERM unwinds like Ctrl-C, so every engine and router bench started is stopped
+    # (they run in process groups of their own, which a killed bench would orphan).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from router.bench import report
     from router.bench.runner import run_target
     from router.bench.targets import Stack, StackOptions, TargetError, parse_target
 
+    if getattr(args, "tenants", None):
+        return _run_tenants(args)
     try:
         if args.compare:
             targets = [parse_target(text) for text in args.compare]
@@ -371,13 +417,16 @@ def run(args: argparse.Namespace) -> int:
 
     options = StackOptions(
         engines=args.engines,
+        engine_cmd=args.engine_cmd,
+        engine_start_timeout=args.engine_start_timeout,
         engine_args=tuple(shlex.split(args.engine_args)),
         engine_urls=tuple(u.rstrip("/") for u in args.engine_url),
         router_args=tuple(shlex.split(args.router_args)),
     )
     print(f"workload  {workload.description}")
-    engines = f"{args.engines} fresh emulated engines per target" if args.engines else ""
-    if args.engines and args.engine_args:
+    kind = "engines started by --engine-cmd" if args.engine_cmd else "emulated engines"
+    engines = f"{args.engines} fresh {kind} per target" if args.engines else ""
+    if args.engines and args.engine_args and not args.engine_cmd:
         engines += f" ({args.engine_args})"
     print(f"engines   {engines or ', '.join(options.engine_urls) or 'not read (no --engine-url)'}")
     print(f"targets   {', '.join(f'{t.name}={t.spec}' for t in targets)}\n")
@@ -409,6 +458,7 @@ def run(args: argparse.Namespace) -> int:
                         total=workload.total,
                         quiet=args.quiet,
                         stop_after=args.duration if not workload.info.get("timed") else None,
+                        api=args.api,
                     )
                 )
         except (TargetError, OSError, RuntimeError, TimeoutError) as exc:
@@ -435,6 +485,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(report.render_text(rows))
         text = report.render_markdown(rows)
+        if len(summaries) > 1:
+            print(report.ratio_note(baseline))
+            text += "\n\n" + report.ratio_note(baseline)
     for line in failed_lines:
         print(f"failed    {line}")
     print()
@@ -445,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         "command": _command_line(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_time_s": time.time() - started,
-        "workload": {"description": workload.description, **workload.info},
+        "workload": {"description": workload.description, "api": args.api, **workload.info},
         "engines": {"started_per_target": args.engines, "engine_args": args.engine_args},
         "baseline": baseline if summaries else None,
         "baseline_requested": requested_baseline,
@@ -463,6 +516,73 @@ def run(args: argparse.Namespace) -> int:
     # Exit status: 0 when at least one target answered a request (failed targets and
     # targets that answered nothing are reported, not fatal), 1 when none did.
     if not any(s["ok"] > 0 for s in summaries):
+        print("kvroute bench: no target answered a request", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_tenants(args: argparse.Namespace) -> int:
+    """``kvroute bench --tenants``: every target in turn with the same tenants; a table
+    per target, one row per tenant, and results.json."""
+    from router.bench.targets import Stack, StackOptions, TargetError, parse_target
+    from router.bench.tenants import parse_tenant, render_rows, run_tenants, summarize_tenant
+
+    try:
+        tenants = [parse_tenant(text) for text in args.tenants]
+        specs = args.compare or [args.target]
+        targets = [parse_target(text) for text in specs]
+    except (TargetError, ValueError) as exc:
+        print(f"kvroute bench: {exc}", file=sys.stderr)
+        return 2
+    duration = args.duration or 30.0
+    options = StackOptions(
+        engines=args.engines,
+        engine_cmd=args.engine_cmd,
+        engine_start_timeout=args.engine_start_timeout,
+        engine_args=tuple(shlex.split(args.engine_args)),
+        engine_urls=tuple(u.rstrip("/") for u in args.engine_url),
+        router_args=tuple(shlex.split(args.router_args)),
+    )
+    described = ", ".join(f"{t.name} {t.rate:g}/s" for t in tenants)
+    print(f"workload  tenants {described}, {duration:g} s")
+    outdir = Path(args.output)
+    outdir.mkdir(parents=True, exist_ok=True)
+    document: dict[str, Any] = {
+        "kvroute_version": __version__,
+        "command": _command_line(),
+        "workload": {"kind": "tenants", "duration_s": duration, "seed": args.seed},
+        "targets": [],
+        "failed": [],
+    }
+    answered = False
+    for target in targets:
+        try:
+            with Stack(target, options) as stack:
+                model = args.model or _model_of(stack.url)
+                results = _run_async(
+                    run_tenants(
+                        stack.url,
+                        tenants,
+                        duration,
+                        model=model,
+                        timeout=args.timeout,
+                        seed=args.seed,
+                    )
+                )
+        except (TargetError, OSError, RuntimeError, TimeoutError) as exc:
+            reason = str(exc).strip() or type(exc).__name__
+            print(f"kvroute bench: target {target.name} failed: {reason}", file=sys.stderr)
+            document["failed"].append({"name": target.name, "spec": target.spec, "reason": reason})
+            continue
+        rows = [summarize_tenant(t, results[t.name], duration) for t in tenants]
+        answered = answered or any(r["ok"] for r in rows)
+        print(f"\n{target.name} ({target.spec})\n{render_rows(rows)}")
+        document["targets"].append({"name": target.name, "spec": target.spec, "tenants": rows})
+    from router.bench import report
+
+    report.write_json(outdir / "results.json", document)
+    print(f"\nwrote {outdir / 'results.json'}")
+    if not answered:
         print("kvroute bench: no target answered a request", file=sys.stderr)
         return 1
     return 0

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from router.bench.apis import APIS
 from router.bench.workloads import RequestSpec, shared_prefix_workload, words
 
 __all__ = [
@@ -26,8 +27,10 @@ __all__ = [
     "Result",
     "Summary",
     "percentile",
+    "request_body",
     "run_load",
     "shared_prefix_workload",
+    "sse_data",
     "summarize",
     "words",
 ]
@@ -61,14 +64,25 @@ class Result:
 
 async def sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """The ``data:`` payload of every server-sent event of a streamed answer, in order
-    (``b"[DONE]"`` included); events without data are skipped."""
+    (``b"[DONE]"`` included; an ``event:`` line before it, as Anthropic's, is skipped);
+    events without data are skipped."""
     buffer = b""
     async for chunk in resp.content.iter_any():
         buffer += chunk
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
-            if event.startswith(b"data: "):
-                yield event[6:]
+            for line in event.split(b"\n"):  # after an ``event:`` line, as Responses sends
+                if line.startswith(b"data: "):
+                    yield line[6:]
+
+
+def request_body(
+    spec: RequestSpec, *, stream: bool, model: str | None = None, api: str = "openai"
+) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of ``spec`` in ``api`` (:data:`router.bench.apis.APIS`;
+    ``openai``: ``/v1/completions`` or ``/v1/chat/completions``, a streamed one asking
+    for usage in its last chunk)."""
+    return APIS[api].request(spec, stream=stream, model=model)
 
 
 async def _one(
@@ -78,19 +92,12 @@ async def _one(
     spec: RequestSpec,
     stream: bool,
     headers: dict[str, str],
+    api: str = "openai",
 ) -> Result:
     result = Result(spec)
-    chat = spec.messages is not None
-    body: dict[str, Any] = {"max_tokens": spec.max_tokens, "stream": stream, **spec.extra}
-    if model is not None:
-        body["model"] = model
-    if chat:
-        body["messages"] = spec.messages
-    else:
-        body["prompt"] = spec.prompt
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    reader = APIS[api]
+    path, body = reader.request(spec, stream=stream, model=model)
+    url = base_url + path
     started = time.perf_counter()
     last = started
     pieces: list[str] = []
@@ -102,33 +109,24 @@ async def _one(
                 result.error = (await resp.read())[:300].decode("utf-8", "replace")
                 return result
             if not stream:
-                payload = _decode(await resp.read())
-                _take_usage(result, payload.get("usage"))
-                choice = (payload.get("choices") or [{}])[0]
-                pieces.append(
-                    choice.get("text") or (choice.get("message") or {}).get("content") or ""
-                )
+                pieces.append(reader.answer(result, _decode(await resp.read())))
             else:
                 async for data in sse_data(resp):
                     if data == b"[DONE]":
                         continue
                     payload = _decode(data)
-                    if "error" in payload:
+                    if "error" in payload:  # OpenAI's and Anthropic's error events
                         result.error = str(payload["error"].get("message", "stream error"))
                         continue
-                    _take_usage(result, payload.get("usage"))
-                    for choice in payload.get("choices") or []:
-                        text = choice.get("text")
-                        if text is None:
-                            text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            now = time.perf_counter()
-                            if result.ttft is None:
-                                result.ttft = now - started
-                            else:
-                                result.itl.append(now - last)
-                            last = now
-                            pieces.append(text)
+                    text = reader.event(result, payload)
+                    if text:
+                        now = time.perf_counter()
+                        if result.ttft is None:
+                            result.ttft = now - started
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+                        pieces.append(text)
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - started
@@ -136,15 +134,6 @@ async def _one(
         result.ttft = result.e2e
     result.text = "".join(pieces)
     return result
-
-
-def _take_usage(result: Result, usage: Any) -> None:
-    if not isinstance(usage, dict):
-        return
-    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    result.completion_tokens = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    result.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 async def run_load(
@@ -158,8 +147,11 @@ async def run_load(
     headers: dict[str, str] | None = None,
     on_result: Callable[[Result], None] | None = None,
     stop_after: float | None = None,
+    api: str = "openai",
 ) -> list[Result]:
-    """Send every spec, closed loop with ``concurrency`` slots or at each spec's ``at``.
+    """Send every spec, closed loop with ``concurrency`` slots or at each spec's ``at``,
+    to the OpenAI routes (``api`` ``openai``) or as Anthropic Messages (``messages``,
+    :mod:`router.bench.messages`).
 
     With ``stop_after``, nothing more is sent once that many seconds have passed (what
     is in flight finishes).
@@ -190,7 +182,7 @@ async def run_load(
                     sent_at = time.perf_counter() - started
                     if stop_after is not None and sent_at > stop_after:
                         break
-                    result = await _one(session, base_url, model, spec, stream, hdrs)
+                    result = await _one(session, base_url, model, spec, stream, hdrs, api)
                     result.sent_at = sent_at
                     sessions[i].append(result)
                     if on_result is not None:

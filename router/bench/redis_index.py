@@ -33,8 +33,8 @@ from typing import Any
 
 from router.bench.throwaway_redis import RedisServer, monitored_commands
 from router.events.ingest import StreamState
-from router.events.redis_writer import RedisEventWriter
 from router.events.types import BlockRemoved, BlockStored, EventBatch
+from router.events.writer import RemoteEventWriter
 from router.hashing import block_keys, seed_for
 from router.index import MemoryIndex
 from router.index.base import KVIndex, Match
@@ -142,33 +142,37 @@ async def _hmget_pipeline_lookup(
     alive = {int(i): c for i, c in zip(ids, candidates, strict=True) if i is not None}
     depth: dict[EngineKey, Match] = {}
     offloaded = dict.fromkeys(alive.values(), 0)
+    disk = dict.fromkeys(alive.values(), 0)
     pos = 0
     for pos, value in enumerate(values):
         holders = _holders(value, now)
         for engine_id in [i for i in alive if i not in holders]:
             engine = alive.pop(engine_id)
             if pos:
-                depth[engine] = Match(pos, offloaded[engine])
+                depth[engine] = Match(pos, offloaded[engine], disk[engine])
         for engine_id, engine in alive.items():
-            if holders[engine_id] == 2:
+            if holders[engine_id] >= 2:
                 offloaded[engine] += 1
+                if holders[engine_id] == 3:
+                    disk[engine] += 1
         if not alive:
             return depth
     else:
         pos = len(values)
     for engine in alive.values():
-        depth[engine] = Match(pos, offloaded[engine])
+        depth[engine] = Match(pos, offloaded[engine], disk[engine])
     return depth
 
 
 def _holders(value: bytes | None, now: float) -> dict[int, int]:
-    """Engine id -> 1 (GPU or live expiring) or 2 (offloaded only) of one block value."""
+    """Engine id -> 1 (GPU or live expiring), 2 (CPU at best) or 3 (disk only) of one
+    block value."""
     if not value:
         return {}
     (n,) = struct.unpack_from("<H", value)
     holders = {}
     for (entry,) in struct.iter_unpack("<H", value[2 : 2 + 2 * n]):
-        holders[entry >> 2] = 1 if entry & 1 else 2
+        holders[entry >> 3] = 1 if entry & 1 else (2 if entry & 2 else 3)
     for engine_id, deadline in struct.iter_unpack("<Hd", value[2 + 2 * n :]):
         if deadline > now:
             holders[engine_id] = 1
@@ -206,7 +210,7 @@ async def bench_ingest(url: str, streams: int, blocks: int, per_event: int) -> d
         for e in b.events  # type: ignore[union-attr]
     )
     index = RedisIndex(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000, admin_timeout=30)
-    writer = RedisEventWriter(index, token="bench", write_timeout=30)
+    writer = RemoteEventWriter(index, token="bench", write_timeout=30)
     states = []
     try:
         for s in range(streams):

@@ -217,13 +217,18 @@ def table_rows(
     baseline: str,
     spec: Sequence[tuple[str, str, str, str]] = ROWS,
 ) -> list[list[str]]:
-    """Header and rows: one column per target, then each target's ratio to the baseline.
+    """Header and rows: which way each metric is better, one column per target, then
+    each target's ratio to the baseline.
 
-    ``spec`` lists the rows (label, key path, format, which way is better)."""
+    ``spec`` lists the rows (label, key path, format, which way is better: ``higher``,
+    ``lower``, or empty for rows that are no score, which get no ratio). A ratio is the
+    target's value over the baseline's, so above 1 is better on a ``higher`` row and
+    worse on a ``lower`` one; the ``better`` column says which, on every row."""
     base = next(s for s in summaries if s["name"] == baseline)
     others = [s for s in summaries if s is not base]
     header = [
         "metric",
+        "better",
         *(s["name"] for s in summaries),
         *(f"{s['name']}/{baseline}" for s in others),
     ]
@@ -232,15 +237,23 @@ def table_rows(
         if path == "ceiling":
             # One workload, one ceiling: show it once (targets differ only by timing noise).
             cells = [fmt(lookup(summaries[0], path), kind)] + [""] * (len(summaries) - 1)
-            rows.append([label, *cells, *([""] * len(others))])
+            rows.append([label, better, *cells, *([""] * len(others))])
             continue
         values = [lookup(s, path) for s in summaries]
         ratios = []
         for s in others:
             r = _ratio(lookup(s, path), lookup(base, path))
             ratios.append("-" if r is None or not better else f"{r:.2f}x")
-        rows.append([label, *(fmt(v, kind) for v in values), *ratios])
+        rows.append([label, better, *(fmt(v, kind) for v in values), *ratios])
     return rows
+
+
+def ratio_note(baseline: str) -> str:
+    """The line under a comparison table that says how to read its ratios."""
+    return (
+        f"ratios: a target's value over {baseline}'s; above 1 is better on a 'higher' "
+        "row, worse on a 'lower' one"
+    )
 
 
 def render_text(rows: list[list[str]]) -> str:

@@ -192,6 +192,7 @@ async def run_target(
     quiet: bool = False,
     stop_after: float | None = None,
     on_result: Callable[[Result], None] | None = None,
+    api: str = "openai",
 ) -> TargetRun:
     """Send ``specs`` to ``url`` while sampling the engines; see the module docstring."""
     progress = Progress(name, total if total is not None else len(specs), quiet=quiet)
@@ -218,6 +219,7 @@ async def run_target(
                 timeout=timeout,
                 on_result=record,
                 stop_after=stop_after,
+                api=api,
             )
         finally:
             sampler.cancel()

@@ -22,9 +22,7 @@ stopped when the target's run ends, whatever happened.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import socket
 import subprocess
 import tempfile
@@ -39,7 +37,7 @@ from types import TracebackType
 from typing import Literal
 
 from router.policy import POLICY_NAMES
-from router.process import EngineProcess, ServerProcess
+from router.process import EngineProcess, ServerProcess, start_group, stop_group
 
 HOST = "127.0.0.1"
 TargetKind = Literal["url", "policy", "cmd"]
@@ -96,7 +94,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """GET ``url``: (status, body text); (status, "") for an error status, (0, "") when
+    nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, response.read().decode("utf-8", "replace")
@@ -106,7 +106,7 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def _wait(failure: str, check: Callable[[], bool], timeout: float) -> None:
+def wait_until(failure: str, check: Callable[[], bool], timeout: float) -> None:
     """Poll ``check`` until it holds; raise ``failure`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -116,7 +116,7 @@ def _wait(failure: str, check: Callable[[], bool], timeout: float) -> None:
     raise TargetError(f"{failure} within {timeout:.0f} s")
 
 
-def _replays_ok(metrics_text: str) -> int:
+def replays_ok(metrics_text: str) -> int:
     """Successful KV-event replays a kvroute router reports (one per subscribed engine)."""
     total = 0.0
     for line in metrics_text.splitlines():
@@ -175,12 +175,8 @@ class CommandProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # closed in stop()
         try:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            self.proc = start_group(
+                argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
             )
         except OSError as exc:
             self._log.close()
@@ -191,15 +187,7 @@ class CommandProcess:
         return "\n".join(text[-lines:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-            except ProcessLookupError:
-                pass
+        stop_group(self.proc, grace=10.0)
         self._log.close()
 
 
@@ -209,6 +197,11 @@ class StackOptions:
 
     engines: int = 0
     """Emulated engines to start per target (0: use ``engine_urls``)."""
+    engine_cmd: str | None = None
+    """A command template that starts one engine (a real vLLM, say) instead of
+    ``kvroute engine``: ``{port}``, ``{i}`` and ``{dir}`` (the target's work directory)
+    are filled in; the engine is ready when its ``/health`` answers 200."""
+    engine_start_timeout: float = 600.0
     engine_args: tuple[str, ...] = ()
     engine_urls: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -227,6 +220,7 @@ class Stack:
         self.url = ""
         self.engine_urls: list[str] = list(options.engine_urls)
         self._engines: list[EngineProcess] = []
+        self._engine_commands: list[CommandProcess] = []
         self._router: ServerProcess | None = None
         self._command: CommandProcess | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-bench-")
@@ -270,6 +264,9 @@ class Stack:
             self._start_command(target.value)
 
     def _start_engines(self, count: int) -> None:
+        if self.options.engine_cmd:
+            return self._start_engine_commands(count, self.options.engine_cmd)
+
         def start(i: int) -> EngineProcess:
             return EngineProcess(
                 [
@@ -299,12 +296,45 @@ class Stack:
             raise TargetError(f"an emulated engine did not start: {errors[0]}")
         self.engine_urls = [e.url for e in self._engines]
 
+    def _start_engine_commands(self, count: int, template: str) -> None:
+        """``count`` engines from ``template`` (``--engine-cmd``), started side by side."""
+        urls = []
+        for i in range(count):
+            port = free_port()
+            # Plain replacement, not str.format: engine flags hold JSON braces.
+            values = {
+                "{port}": str(port),
+                "{i}": str(i),
+                "{dir}": str(self.workdir),
+                "{host}": HOST,
+            }
+            argv = []
+            for word in shlex.split(template):
+                for name, value in values.items():
+                    word = word.replace(name, value)
+                argv.append(word)
+            log = self.workdir / f"{self.target.name}-engine{i}.log"
+            self._engine_commands.append(CommandProcess(argv, log))
+            urls.append(f"http://{HOST}:{port}")
+        for url, command in zip(urls, self._engine_commands, strict=True):
+
+            def ready(url: str = url, command: CommandProcess = command) -> bool:
+                if command.proc.poll() is not None:
+                    raise TargetError(
+                        f"engine {shlex.join(command.argv)} exited with status "
+                        f"{command.proc.returncode}:\n{command.tail()}"
+                    )
+                return http_get(f"{url}/health")[0] == 200
+
+            wait_until(f"engine at {url} was not ready", ready, self.options.engine_start_timeout)
+        self.engine_urls = urls
+
     def _event_sources(self) -> dict[str, Sequence[str]]:
         """``URL=ENDPOINT`` of every engine that reports KV-event endpoints (/server_info)."""
         sources: list[str] = []
         replays: list[str] = []
         for url in self.engine_urls:
-            status, body = _get(f"{url}/server_info")
+            status, body = http_get(f"{url}/server_info")
             if status != 200:
                 continue
             info = json.loads(body or "{}")
@@ -322,17 +352,18 @@ class Stack:
         self._router = ServerProcess("serve", [*args, *self.options.router_args])
         self.url = self._router.url
         timeout = self.options.start_timeout
-        _wait(
+        wait_until(
             f"kvroute serve at {self.url} was not ready",
-            lambda: _get(f"{self.url}/ready")[0] == 200,
+            lambda: http_get(f"{self.url}/ready")[0] == 200,
             timeout,
         )
-        if self._engines:
+        started = len(self._engines) + len(self._engine_commands)
+        if started:
             # Engines bench started publish KV events: send nothing before the router
             # follows every one of them, or the first requests would route blind.
-            _wait(
-                f"kvroute serve did not follow the KV events of {len(self._engines)} engines",
-                lambda: _replays_ok(_get(f"{self.url}/metrics")[1]) >= len(self._engines),
+            wait_until(
+                f"kvroute serve did not follow the KV events of {started} engines",
+                lambda: replays_ok(http_get(f"{self.url}/metrics")[1]) >= started,
                 timeout,
             )
 
@@ -349,9 +380,9 @@ class Stack:
                     f"{shlex.join(argv)} exited with status {command.proc.returncode}:\n"
                     f"{command.tail()}"
                 )
-            return _get(f"{self.url}/v1/models")[0] == 200
+            return http_get(f"{self.url}/v1/models")[0] == 200
 
-        _wait(
+        wait_until(
             f"{shlex.join(argv)} did not answer at {self.url}/v1/models",
             ready,
             self.options.start_timeout,
@@ -368,4 +399,7 @@ class Stack:
         for engine in self._engines:
             engine.stop()
         self._engines = []
+        for command in self._engine_commands:
+            command.stop()
+        self._engine_commands = []
         self._tmp.cleanup()

@@ -9,7 +9,6 @@ Never the machine's own Redis: the server gets a free port, no persistence
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+
+from router.process import start_group, stop_group
 
 
 def free_port(below: int = 65536) -> int:
@@ -96,12 +97,8 @@ class RedisServer:
         else:
             args += ["--port", str(self.port)]
         args += list(extra_args)
-        self.proc = subprocess.Popen(
-            args,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: signals reach it and nothing else
-        )
+        # Its own process group: signals reach it and nothing else.
+        self.proc = start_group(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             wait_until_pingable(self.url, **self.client_kwargs())
         except Exception:
@@ -128,10 +125,7 @@ class RedisServer:
 
     def kill(self) -> None:
         """Kill the server's process group (ours alone) and remove its directory."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc, grace=0, kill_wait=10.0)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         shutil.rmtree(self.dir, ignore_errors=True)
