@@ -3,20 +3,23 @@
 ``kvroute serve`` runs one :class:`RouterApp` in one asyncio process. Tests run several
 in one process (each has its own metrics registry, index and client session).
 
-With ``index.backend: redis`` the router shares the index with its replicas: lookups and
-decision records go through a :class:`~router.index.shadow.ShadowedIndex` (records off
-the request path, a local shadow of decisions while Redis is away), its own KV-event
-subscriber (if on) writes through a :class:`~router.events.redis_writer.RedisEventWriter`,
-and a :class:`~router.engines.shared_load.SharedLoad` task exchanges in-flight load with
-the other replicas. When Redis comes back after an outage, the engine streams whose
-writes were lost (all of them, if Redis lost its data) are rewritten from what the
-subscriber knows each engine holds.
+With a shared backend (``index.backend: redis``, a
+:class:`~router.index.remote.RemoteIndex`) the router shares the index with its
+replicas: lookups and decision records go through a
+:class:`~router.index.shadow.ShadowedIndex` (records off the request path, a local
+shadow of decisions while the shared index is away), and its own KV-event subscriber (if
+on) writes through a :class:`~router.events.writer.RemoteEventWriter`. When the shared
+index comes back after an outage, the engine streams whose writes were lost (all of
+them, if it lost its data) are rewritten from what the subscriber knows each engine
+holds. With Redis, a :class:`~router.engines.shared_load.SharedLoad` task also exchanges
+in-flight load with the other replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,25 +27,34 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.admin import Admin
 from router.admission import Admission
 from router.api.admin_http import AdminHttp
 from router.api.decide import Decider
+from router.api.engine_routes import is_client_path
 from router.api.errors import ApiError
 from router.api.http import HttpApi, error_response, openai_errors
+from router.api.listener import BoundSite, ConnectionGuard, bind, check_free
 from router.api.observe import RequestObserver
 from router.api.picks import PickLedger
+from router.api.services import RunState, Services
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
-from router.engines.registry import Engine, EngineState, Registry
+from router.engines.registry import Engine, EngineState, Registry, endpoint_of
 from router.events.ingest import EventIngestor
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
+from router.flow.control import FlowControl
 from router.index import KVIndex, index_from_config
 from router.index.base import IndexStats, IndexUnavailable
+from router.index.remote import RemoteIndex
+from router.index.shadow import DecisionShadow, ShadowedIndex
+from router.live_config import LiveConfig
 from router.metrics import RouterMetrics, StateSources
 from router.policy import make_policy
 from router.proxy import Upstream, UpstreamError
+from router.response_store import ResponseStore
 from router.security import AuthError, Credentials, ServerTLS
 from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey
@@ -50,10 +62,9 @@ from router.types import EngineKey
 if TYPE_CHECKING:
     from router.engines.k8s import KubernetesDiscovery
     from router.engines.shared_load import SharedLoad
-    from router.events.redis_writer import RedisEventWriter
+    from router.events.writer import RemoteEventWriter
     from router.grpc.server import GrpcServers
     from router.index.redis import RedisIndex
-    from router.index.shadow import ShadowedIndex
     from router.reload import Reloader
 
 log = logging.getLogger("kvroute")
@@ -64,17 +75,21 @@ EVENT_WRITE_TIMEOUT_S = 1.0
 
 
 def build_index(config: Config) -> KVIndex:
-    """The index the ``index:`` section selects. A router wraps a Redis index in a
-    :class:`~router.index.shadow.ShadowedIndex` (Redis is imported only when chosen)."""
+    """The index the ``index:`` section selects. A router wraps a shared (remote) one
+    in a :class:`~router.index.shadow.ShadowedIndex`."""
     index = index_from_config(config.index)
-    if config.index.backend != "redis":
+    if not isinstance(index, RemoteIndex):
         return index
-    from router.index.redis import RedisIndex
-    from router.index.shadow import DecisionShadow, ShadowedIndex
-
-    assert isinstance(index, RedisIndex)
     shadow = DecisionShadow(config.index.shadow_window_s, config.index.shadow_max_keys)
     return ShadowedIndex(index, shadow)
+
+
+def _redis_of(remote: RemoteIndex | None) -> RedisIndex | None:
+    if remote is None:
+        return None
+    from router.index.redis import RedisIndex  # only with a shared index
+
+    return remote if isinstance(remote, RedisIndex) else None
 
 
 class RouterApp:
@@ -83,7 +98,8 @@ class RouterApp:
     def __init__(
         self, config: Config, index: KVIndex | None = None, tracer_provider: Any = None
     ) -> None:
-        self.config = config
+        self.live = LiveConfig(config)
+        """The configuration in force; a reload publishes a new one to its subscribers."""
         self.tracer: Any = None
         """An OpenTelemetry tracer when tracing is on (``tracing.enabled``), else None."""
         self._tracer_provider: Any = None
@@ -97,14 +113,14 @@ class RouterApp:
             self.tracer = tracer_of(provider)
         self.tokenizers = Tokenizers(config, self._post_to_pool)
         self.index = index or build_index(config)
-        self.shadowed: ShadowedIndex | None = None
-        if config.index.backend == "redis":
-            from router.index.shadow import ShadowedIndex
-
-            if isinstance(self.index, ShadowedIndex):
-                self.shadowed = self.index
-        self.redis: RedisIndex | None = self.shadowed.redis if self.shadowed else None
+        self.shadowed = self.index if isinstance(self.index, ShadowedIndex) else None
+        self.remote: RemoteIndex | None = self.shadowed.remote if self.shadowed else None
+        """The shared index behind the shadow (None with the memory index)."""
+        self.redis = _redis_of(self.remote)
+        """The shared index when it is Redis (load sharing, incarnation checks)."""
         self.loads = LoadTracker(config.block_size)
+        self._adopted_block_sizes: dict[str, int] = {}
+        """Block sizes pools without a configured one took from their first engine."""
         self.registry = Registry(config.health)
         for engine_cfg in config.engines:
             self.registry.add(Engine.from_config(engine_cfg))
@@ -123,18 +139,27 @@ class RouterApp:
         self.core.max_per_engine = config.limits.max_inflight_per_engine
         self.admission = Admission(config.limits)
         self.loads.on_end = self.admission.engine_freed
+        self.flow: FlowControl | None = (
+            FlowControl(config, self.admission, self.registry, self.loads, config.index.redis.url)
+            if config.flow.enabled
+            else None
+        )
+        """Flow control (``flow.enabled``): bands, fairness, rate limits, shedding."""
         self.event_writer = self._event_writer()
         self.ingestor = self.event_writer or EventIngestor(
             self.index, on_block_size_mismatch=self._block_size_mismatch
         )
-        self.decider = Decider(self)
-        """Every API's decision path (HTTP, gRPC Pick and Generate, ext_proc)."""
         self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
         """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""
+        self.responses = ResponseStore(config.responses, self.redis)
+        """Which engine holds each stored Responses API response (shared through Redis
+        when the index is)."""
         self.subscriber: KVEventSubscriber | None = None
         self.shared_load: SharedLoad | None = None
         self._unsynced: set[EngineKey] = set()
         """Engine streams some of whose event batches never reached Redis."""
+        self._mismatch_warned: set[EngineKey] = set()
+        """Streams whose block-size mismatch was logged: one line each, not one per event."""
         self._resync_pending = False
         self.event_resync_retry_s = 5.0
         """After Redis refused event writes while reachable, rewrite the streams then."""
@@ -147,19 +172,30 @@ class RouterApp:
                 index_stats=lambda: self._index_stats,
                 shadowed=self.shadowed,
                 writer=self.event_writer.stats if self.event_writer else None,
+                tokenizers=self.tokenizers,
+                admission=self.admission,
+                flow=self.flow,
             )
         )
-        self.metrics.state.sources.tokenizers = self.tokenizers
-        self.metrics.state.sources.admission = self.admission
         self.metrics.watch_picks(self.picks)
+        self.decider = Decider(
+            self.live,
+            self.registry,
+            self.core,
+            self.tokenizers,
+            self.admission,
+            self.metrics,
+            self.block_size_for,
+        )
+        """Every API's decision path (HTTP, gRPC Pick and Generate, ext_proc)."""
         self._turn = 0
-        self.draining = False
+        self.state = RunState()
+        """Whether the router drains, and since when it serves (``draining``, ``started_at``)."""
         self.drain_listeners: list[Callable[[], None]] = []
         """Called once when the router starts draining (health checks report not ready)."""
         self.drain_hooks: list[Callable[[float], Awaitable[None]]] = []
         """Awaited by ``drain`` with its timeout: other listeners (gRPC) stop accepting and
         wait for their in-flight calls."""
-        self.started_at = time.time()
         self.upstream: Upstream | None = None
         self.monitor: EngineMonitor | None = None
         self._runner: web.AppRunner | None = None
@@ -171,32 +207,108 @@ class RouterApp:
         self.credentials = Credentials(config.auth)
         """Client and admin keys in force (``auth.*``; reloaded on SIGHUP)."""
         self.server_tls: ServerTLS | None = None
+        self.connections = ConnectionGuard(
+            config.server.max_connections,
+            config.server.header_timeout_s,
+            config.server.body_timeout_s,
+        )
+        """Client connections of the HTTP listener: their cap and timeouts."""
+        self._bound: asyncio.Server | None = None
+        self.metrics.state.sources.connections = self.connections
         self.reloader: Reloader | None = None
         """Set by ``kvroute serve``: re-reads the configuration (SIGHUP, admin reload)."""
+        self.admin = Admin(
+            registry=self.registry,
+            index=self.index,
+            loads=self.loads,
+            credentials=self.credentials,
+            live=self.live,
+            auth_refusals=self.metrics.auth_refusals,
+            add_engine=self.add_engine,
+            remove_engine=self.remove_engine,
+            reloader=lambda: self.reloader,
+        )
+        """The admin layer of the HTTP and gRPC admin APIs."""
         """Counts in-flight HTTP requests (for draining) and writes the access log."""
         self.grpc: GrpcServers | None = None
         self.grpc_port: int | None = None
         """The gRPC API's bound port (``grpc.port``), once started."""
         self.extproc_port: int | None = None
         """The Envoy ext_proc listener's bound port (``extproc.port``), once started."""
+        self._follow_config()
 
     # ------------------------------------------------------------------ wiring
+
+    @property
+    def config(self) -> Config:
+        """The configuration in force (the current one after a reload)."""
+        return self.live.current
+
+    def _follow_config(self) -> None:
+        """Who applies which section when a reload publishes a new configuration (code
+        that reads ``self.config`` where it uses a value needs no subscription)."""
+        live = self.live
+        live.subscribe(
+            "routing core",
+            ("policy", "limits"),
+            lambda new, _: self.core.reconfigure(new.policy, new.limits.max_inflight_per_engine),
+        )
+        live.subscribe("decider", ("policy", "disaggregation"), self._new_decider)
+        live.subscribe("registry", ("health",), self._new_health)
+        live.subscribe("admission", ("limits",), self._new_limits)
+        live.subscribe("request observer", ("server",), self._new_server)
+        live.subscribe("upstream", ("proxy", "auth"), self._new_proxy)
+        live.subscribe("engine monitor", ("health", "scrape", "auth"), self._new_monitor)
+        live.subscribe("engines", ("engines",), self._new_engines)
+
+    def _new_decider(self, new: Config, old: Config) -> None:
+        self.decider.reconfigure()  # the decode choice from the new weights
+
+    def _new_health(self, new: Config, old: Config) -> None:
+        self.registry.health = new.health
+
+    def _new_limits(self, new: Config, old: Config) -> None:
+        self.admission.limits = new.limits
+
+    def _new_server(self, new: Config, old: Config) -> None:
+        self.observer.access_log_info = new.server.access_log
+
+    def _new_proxy(self, new: Config, old: Config) -> None:
+        if self.upstream is not None:  # else built from the current one at start
+            self.upstream.reconfigure(new.proxy, self.credentials.upstream_authorization(None))
+
+    def _new_monitor(self, new: Config, old: Config) -> None:
+        if self.monitor is not None:
+            self.monitor.config = new
+
+    async def _new_engines(self, new: Config, old: Config) -> None:
+        """Removed and changed engines go (with their index entries), new ones come."""
+        before = {endpoint_of(e.url): e for e in old.engines}
+        after = {endpoint_of(e.url): e for e in new.engines}
+        for endpoint, cfg in before.items():
+            if after.get(endpoint) != cfg:
+                await self.remove_engine(endpoint)
+                log.info("engine %s removed by reload", cfg.url)
+        for endpoint, cfg in after.items():
+            if before.get(endpoint) != cfg:
+                self.add_engine(cfg)
+                log.info("engine %s added by reload", cfg.url)
 
     @property
     def subscribes(self) -> bool:
         """Whether this router follows the engines' KV events itself."""
         return self.config.events.enabled and not self.config.events.via_indexer
 
-    def _event_writer(self) -> RedisEventWriter | None:
-        """With Redis, the subscriber's events go through a pipelining writer."""
-        if self.redis is None or not self.subscribes:
+    def _event_writer(self) -> RemoteEventWriter | None:
+        """With a shared index, the subscriber's events go through a batching writer."""
+        if self.remote is None or not self.subscribes:
             return None
-        from router.events.redis_writer import RedisEventWriter
+        from router.events.writer import RemoteEventWriter
 
         # Unfenced: several replicas may write the same engine's events; the writes are
         # idempotent, and a standalone indexer is the fenced alternative.
-        return RedisEventWriter(
-            self.redis,
+        return RemoteEventWriter(
+            self.remote,
             on_block_size_mismatch=self._block_size_mismatch,
             on_lost=self._event_writes_lost,
             write_timeout=EVENT_WRITE_TIMEOUT_S,
@@ -211,12 +323,12 @@ class RouterApp:
         return self.subscriber.stream_state(key) is not None
 
     def _event_writes_lost(self, engine: EngineKey, reason: str) -> None:
-        # Unfenced writes fail only when Redis does; the stream is rewritten from what
-        # the subscriber knows the engine holds once Redis answers again. If Redis
-        # answered with an error instead (out of memory, say), no return will be
+        # Unfenced writes fail only when the index does; the stream is rewritten from
+        # what the subscriber knows the engine holds once it answers again. If it
+        # answered with an error instead (Redis out of memory, say), no return will be
         # announced: try again a little later.
         self._unsynced.add(engine)
-        if self.redis is not None and self.redis.available and not self._resync_pending:
+        if self.remote is not None and self.remote.available and not self._resync_pending:
             self._resync_pending = True
             self._spawn(self._resync_later())
 
@@ -225,7 +337,7 @@ class RouterApp:
             await asyncio.sleep(self.event_resync_retry_s)
         finally:
             self._resync_pending = False
-        if self.redis is not None and self.redis.available:
+        if self.remote is not None and self.remote.available:
             self._resync_event_streams(data_lost=False)
 
     def _on_index_availability(self, available: bool, data_lost: bool) -> None:
@@ -233,8 +345,8 @@ class RouterApp:
             self._resync_event_streams(data_lost)
 
     def _resync_event_streams(self, data_lost: bool) -> None:
-        """Rewrite into Redis the engine streams whose writes were lost (every stream
-        this router follows, if Redis lost its data)."""
+        """Rewrite into the shared index the engine streams whose writes were lost (every
+        stream this router follows, if it lost its data)."""
         writer = self.event_writer
         if self.subscriber is None or writer is None:
             return
@@ -244,10 +356,10 @@ class RouterApp:
             writer.resnapshot(state)
         if states:
             log.warning(
-                "Redis index: rewriting the entries of %d engine stream(s) from their "
+                "shared index: rewriting the entries of %d engine stream(s) from their "
                 "KV events (%s)",
                 len(states),
-                "Redis lost its data" if data_lost else "writes were lost in the outage",
+                "it lost its data" if data_lost else "writes were lost in the outage",
             )
 
     def _on_state_change(self, engine: Engine, previous: EngineState) -> None:
@@ -263,21 +375,88 @@ class RouterApp:
         self._tasks.append(task)
         task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
 
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.state.draining = value
+
+    @property
+    def started_at(self) -> float:
+        return self.state.started_at
+
+    @started_at.setter
+    def started_at(self, value: float) -> None:
+        self.state.started_at = value
+
+    @functools.cached_property
+    def services(self) -> Services:
+        """What the front ends receive of the router (:mod:`router.api.services`)."""
+        return Services(
+            live=self.live,
+            registry=self.registry,
+            core=self.core,
+            decider=self.decider,
+            admission=self.admission,
+            metrics=self.metrics,
+            tokenizers=self.tokenizers,
+            credentials=self.credentials,
+            picks=self.picks,
+            admin=self.admin,
+            block_size_for=self.block_size_for,
+            state=self.state,
+            responses=self.responses,
+            upstream=self.upstream,
+            flow=self.flow,
+        )
+
     def block_size_for(self, model: str) -> int:
-        """The KV block size of a (base) model's pool."""
+        """The KV block size of a (base) model's pool: configured, else adopted from the
+        pool's engines, else the default."""
+        if not self.config.block_size_configured(model):
+            adopted = self._adopted_block_sizes.get(model)
+            if adopted is not None:
+                return adopted
         return self.config.model_settings(model)[1]
 
+    def _adopt_block_size(self, model: str, block_size: int) -> None:
+        """A pool without a configured block size takes its first engine's."""
+        if self.config.block_size_configured(model) or model in self._adopted_block_sizes:
+            return
+        self._adopted_block_sizes[model] = block_size
+        if block_size != self.config.block_size:
+            log.info(
+                "model %r: KV block size %d, as its engines report (no block_size configured)",
+                model,
+                block_size,
+            )
+        self.loads.block_size = block_size
+
     def _block_size_mismatch(self, key: EngineKey, expected: int, got: int) -> None:
-        engine = self.registry.engine_of(key)
-        if engine is not None and engine.state is not EngineState.REFUSED:
-            engine.block_size = got
-            self._spawn(self._check_block_size(engine))
+        """An event used another block size than the engine's: it is dropped and counted
+        (``kvroute_kv_events_block_size_mismatch_total``), and the engine stays. Events
+        are not authenticated (in bind mode any publisher may name any engine), so only
+        the engine's own reports (/server_info, /metrics) may refuse it."""
+        if key in self._mismatch_warned:
+            return
+        self._mismatch_warned.add(key)
+        log.warning(
+            "KV events of %s use block size %d, not the engine's %d: dropped (if the "
+            "engine does use %d, set --block-size or models[].block_size to match)",
+            key.label,
+            got,
+            expected,
+            got,
+        )
 
     async def _check_block_size(self, engine: Engine) -> bool:
         """Refuse an engine whose block size differs from its pool's; True if it fits."""
         if engine.block_size is None:
             return True
         for model in self.registry.base_models(engine):
+            self._adopt_block_size(model, engine.block_size)
             pool = self.block_size_for(model)
             if engine.block_size != pool:
                 reason = (
@@ -310,6 +489,9 @@ class RouterApp:
     async def _on_discovered(self, engine: Engine) -> None:
         if not await self._check_block_size(engine):
             return
+        # Discovery follows a passing probe: admit the engine now that its block size
+        # fits, before the tokenizer probe below, which needs a healthy engine.
+        self.registry.probe_succeeded(engine)
         await self._subscribe(engine)
         for model in self.registry.base_models(engine):
             await self.tokenizers.resolve(model)
@@ -367,12 +549,13 @@ class RouterApp:
     def add_engine(self, cfg: EngineConfig) -> Engine:
         """Register an engine while running (admin API, Kubernetes discovery).
 
-        Discovery (models, block size, KV events) runs in the background; the engine
-        becomes a candidate once it answers. Adding a known URL replaces its settings.
+        A first probe and discovery (models, block size, KV events) run in the
+        background; the engine becomes a candidate once its probe passes. Adding a known
+        URL replaces its settings.
         """
         engine = self.registry.add(Engine.from_config(cfg))
         if self.monitor is not None:
-            self._spawn(self.monitor.discover(engine))
+            self._spawn(self.monitor.probe(engine))
         return engine
 
     async def remove_engine(self, endpoint: str) -> Engine | None:
@@ -423,33 +606,62 @@ class RouterApp:
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Client keys on the client API (/v1/*, and /metrics when asked); admin calls
-        are checked by the admin layer, probes and the OpenAPI document stay open."""
+        """Client keys on the client API (/v1/* and the engine routes outside it, and
+        /metrics when asked; ``x-api-key`` where ``auth.accept_x_api_key`` takes it); admin
+        calls are checked by the admin layer, probes and the OpenAPI document stay open."""
         path = request.path
-        if path.startswith("/v1/") or (path == "/metrics" and self.credentials.metrics_need_key):
+        if is_client_path(path) or (path == "/metrics" and self.credentials.metrics_need_key):
             try:
-                self.credentials.check_client(request.headers.get("Authorization"))
+                self.credentials.check_http(request.headers, path)
             except AuthError as exc:
                 self.metrics.auth_refusals.labels("http", "client", str(exc.status)).inc()
                 return error_response(
                     ApiError(exc.status, exc.message, code="invalid_api_key"),
                     None,
                     extra_headers={"WWW-Authenticate": 'Bearer realm="kvroute"'},
+                    path=path,
                 )
         return await handler(request)
 
     def web_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.limits.max_body_bytes,
-            middlewares=[self.observer.middleware, openai_errors, self._authenticate],
+            middlewares=[
+                self.connections.middleware,
+                self.observer.middleware,
+                openai_errors,
+                self._authenticate,
+            ],
         )
-        self.http_api = HttpApi(self)
+        self.http_api = HttpApi(self.services)
         app.add_routes(self.http_api.routes())
-        app.add_routes(AdminHttp(self).routes())
+        app.add_routes(AdminHttp(self.admin, self.live).routes())
         return app
 
     async def start(self) -> str:
-        """Start everything and listen; returns the bound URL."""
+        """Start everything and listen; returns the bound URL.
+
+        The HTTP port is bound first: a taken one raises :class:`ListenError` before any
+        engine, KV-event stream or Redis is contacted."""
+        server_cfg = self.config.server
+        ssl_context = None
+        if self.config.tls.on("http"):
+            self.server_tls = ServerTLS(self.config.tls)
+            ssl_context = self.server_tls.context
+        self._runner = web.AppRunner(
+            self.web_app(),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=server_cfg.keepalive_timeout_s,
+            auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
+        )
+        await self._runner.setup()
+        self._bound = await bind(
+            server_cfg.host, server_cfg.port, self.connections, self._runner, ssl_context
+        )
+        for what, section in (("gRPC API", self.config.grpc), ("ext_proc", self.config.extproc)):
+            if section.port:  # bound once the engines are known; a taken port fails now
+                check_free(section.host or server_cfg.host, section.port, what)
         if self.tracer is not None:
             from router.tracing import TracedUpstream
 
@@ -458,11 +670,16 @@ class RouterApp:
         else:
             self.upstream = Upstream(self.config.proxy)
         self.upstream.own_authorization = self.credentials.upstream_authorization(None)
+        self.services.upstream = self.upstream
+        if self.remote is not None:
+            self.remote.listeners.append(self._on_index_availability)
         if self.redis is not None:
             await self._start_redis(self.redis)
         if self.subscribes:
             self.subscriber = KVEventSubscriber(
-                self.ingestor, replay_timeout=self.config.events.replay_timeout_s
+                self.ingestor,
+                replay_timeout=self.config.events.replay_timeout_s,
+                max_message_bytes=self.config.events.max_message_bytes,
             )
             self.metrics.state.sources.subscriber = self.subscriber.stats
             if self.config.events.bind_endpoint:
@@ -492,42 +709,48 @@ class RouterApp:
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
             await self.discovery.start()
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
-        self._runner = web.AppRunner(self.web_app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        ssl_context = None
-        if self.config.tls.on("http"):
-            self.server_tls = ServerTLS(self.config.tls)
-            ssl_context = self.server_tls.context
+        if self.server_tls is not None:
             self._spawn(self.server_tls.watch())
-        site = web.TCPSite(
-            self._runner,
-            self.config.server.host,
-            self.config.server.port,
-            backlog=1024,
-            ssl_context=ssl_context,
-        )
-        await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
-        host, port = sockets[0].getsockname()[:2]
+        host, port = self._bound.sockets[0].getsockname()[:2]
+        await BoundSite(self._runner, self._bound, f"{host}:{port}").start()
         shown = f"[{host}]" if ":" in host else host
         self.url = f"{'https' if ssl_context else 'http'}://{shown}:{port}"
         if self.config.grpc.port is not None or self.config.extproc.port is not None:
-            from router.grpc.server import GrpcServers  # grpc loads only when asked for
-
-            self.grpc = GrpcServers(self)
-            await self.grpc.start()
+            await self._start_grpc()
         self.started_at = time.time()
         return self.url
+
+    async def _start_grpc(self) -> None:
+        """The gRPC API and ext_proc listeners (grpc loads only when one is asked for)."""
+        from router.api.extproc import ExtProcService
+        from router.api.grpc import AdminService, RouterService
+        from router.grpc.server import GrpcServers, Servicers
+
+        self.grpc = GrpcServers(
+            self.config,
+            Servicers(
+                router=lambda: RouterService(self.services),
+                admin=lambda: AdminService(self.services),
+                extproc=lambda: ExtProcService(self.services),
+            ),
+            registry=self.registry,
+            picks=self.picks,
+            credentials=self.credentials,
+            metrics=self.metrics,
+            draining=lambda: self.draining,
+            drain_listeners=self.drain_listeners,
+        )
+        await self.grpc.start()
+        self.grpc_port, self.extproc_port = self.grpc.grpc_port, self.grpc.extproc_port
 
     async def _start_redis(self, redis: RedisIndex) -> None:
         from router.engines.shared_load import SharedLoad
 
-        redis.listeners.append(self._on_index_availability)
         # Learn Redis's incarnation now, so that after an outage the router can tell a
         # Redis that kept its data from one that restarted empty.
         with contextlib.suppress(IndexUnavailable):
             await redis.check_incarnation(timeout=max(redis.budget, 1.0))
-        cfg = self.config.index
+        cfg = self.config.index.redis
         if cfg.share_load:
             self.shared_load = SharedLoad(
                 redis,
@@ -554,6 +777,9 @@ class RouterApp:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._bound is not None:
+            self._bound.close()  # never served if start failed after binding
+            self._bound = None
         if self.monitor is not None:
             await self.monitor.stop()
         if self.subscriber is not None:
@@ -562,13 +788,15 @@ class RouterApp:
             await self.upstream.close()
         if self.shared_load is not None:
             await self.shared_load.stop()
-        if self.redis is not None and self._on_index_availability in self.redis.listeners:
-            self.redis.listeners.remove(self._on_index_availability)
+        if self.remote is not None and self._on_index_availability in self.remote.listeners:
+            self.remote.listeners.remove(self._on_index_availability)
         if self.event_writer is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 # Write what the subscriber applied last, then stop writing.
                 await asyncio.wait_for(self.event_writer.drain(), EVENT_WRITE_TIMEOUT_S)
             await self.event_writer.close()
         await self.index.close()
+        if self.flow is not None:
+            await self.flow.close()
         if self._tracer_provider is not None:
             self._tracer_provider.shutdown()  # flushes spans not exported yet

@@ -3,6 +3,9 @@
 A command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; add it to
 ``COMMANDS`` below. Modules are imported only for the command being run (and for
 ``--help``), so one command's heavy imports never slow another's start-up.
+
+A command whose packages come with an extra (``kvroute engine``: ``engine``; bench's
+plots: ``bench``) says in one line which extra to install when they are missing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("router.status", "Show a running router's engines: state, load, index share"),
 }
 
+#: Packages (import names) that come with an optional extra, not with ``kvroute`` itself
+#: (pyproject.toml): import name -> extra.
+EXTRA_PACKAGES: dict[str, str] = {
+    "starlette": "engine",
+    "uvicorn": "engine",
+    "matplotlib": "bench",
+    "fastapi": "bench",
+    "httpx": "bench",
+    "opentelemetry": "otel",
+}
+
+
+class MissingExtra(Exception):
+    """A command needs a package of an extra that is not installed."""
+
+    def __init__(self, command: str, exc: ModuleNotFoundError) -> None:
+        package = (exc.name or "").split(".")[0]
+        self.extra = EXTRA_PACKAGES[package]
+        super().__init__(
+            f"kvroute {command} needs the '{self.extra}' extra ({package} is not installed): "
+            f"pip install 'kvroute[{self.extra}]'"
+        )
+
+
+def _needs_extra(exc: ModuleNotFoundError) -> bool:
+    """Whether the missing module is a package of an extra."""
+    return (exc.name or "").split(".")[0] in EXTRA_PACKAGES
+
 
 def _parser(selected: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -38,7 +69,15 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     for name, (module_path, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         if selected in (None, name):
-            module = importlib.import_module(module_path)
+            try:
+                module = importlib.import_module(module_path)
+            except ModuleNotFoundError as exc:
+                if not _needs_extra(exc):
+                    raise
+                if selected == name:
+                    raise MissingExtra(name, exc) from exc
+                cmd.description = f"{help_text} ({MissingExtra(name, exc)})"
+                continue
             module.add_arguments(cmd)
             cmd.set_defaults(_run=module.run)
     return parser
@@ -47,12 +86,21 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in args_list if not a.startswith("-")), None)
-    parser = _parser(selected)
-    args = parser.parse_args(args_list)
-    if not getattr(args, "_run", None):
-        parser.print_help()
+    try:
+        parser = _parser(selected)
+        args = parser.parse_args(args_list)
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 2
+        return int(args._run(args) or 0)
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
         return 2
-    return int(args._run(args) or 0)
+    except ModuleNotFoundError as exc:  # imported lazily by the command (bench's plots)
+        if not _needs_extra(exc) or selected is None:
+            raise
+        print(MissingExtra(selected, exc), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ flags. Validation happens once at start-up and every error names its field.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -20,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_serializer,
@@ -28,7 +31,23 @@ from pydantic import (
 )
 from pydantic_core.core_schema import ValidationInfo
 
+from router.handoff import registry as handoff_registry
+from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
+from router.redaction import redacted
+
 ENV_PREFIX = "KVROUTE_"
+
+
+_DIALECTS = " or ".join(f"`{name}`" for name in handoff_registry.names())
+"""The built-in handoff dialects, for the reference."""
+
+
+def _dialect(value: str | None) -> str | None:
+    """A handoff dialect's name, if :mod:`router.handoff.registry` knows it."""
+    if value is not None and value not in handoff_registry.names():
+        known = ", ".join(handoff_registry.names())
+        raise ValueError(f"unknown handoff dialect {value!r} (registered: {known})")
+    return value
 
 
 class _Section(BaseModel):
@@ -45,6 +64,23 @@ class SGLangCacheAwareConfig(_Section):
         2**26, gt=0, description="Tokens per engine tree before LRU eviction."
     )
     eviction_interval_s: float = Field(120.0, gt=0)
+
+
+#: Every routing policy ``policy.name`` (``--policy``) accepts, as ``name: "module:Class"``
+#: (imported when chosen; ``default`` is an alias of ``kv_cost``). The class builds
+#: itself from this section with ``Policy.from_config``; a policy with parameters keeps
+#: them in its own field of :class:`PolicyConfig` (as ``sglang`` below). Adding a policy
+#: is its module and one line here (tests/unit/test_policies.py builds each).
+POLICIES: dict[str, str] = {
+    "kv_cost": "router.policy.kv_cost:KVCostPolicy",
+    "round_robin": "router.policy.baselines:RoundRobin",
+    "random": "router.policy.baselines:RandomChoice",
+    "least_loaded": "router.policy.baselines:LeastLoaded",
+    "power_of_two": "router.policy.baselines:PowerOfTwo",
+    "session": "router.policy.baselines:Session",
+    "cache_aware_sglang": "router.policy.sglang:CacheAwareSGLang",
+}
+POLICY_NAMES = tuple(POLICIES)
 
 
 class PolicyConfig(_Section):
@@ -86,7 +122,20 @@ class PolicyConfig(_Section):
         10.0, gt=0, description="Engine-reported values older than this are ignored."
     )
     offload_weight: float = Field(
-        0.8, ge=0, le=1, description="Worth of a block held only in CPU/disk tiers vs GPU."
+        0.8,
+        ge=0,
+        le=1,
+        description="Worth of a block held in the CPU tier (host memory) but not on GPU, "
+        "vs a GPU hit (llm-d's cpu 0.8). Before the disk tier existed this weighed every "
+        "offloaded block; it still weighs disk blocks when `disk_weight` is unset.",
+    )
+    disk_weight: float | None = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Worth of a block held only in a disk, shared-storage or remote tier "
+        "(vLLM `STORAGE` or `REMOTE` locality, SGLang `DISK`/`EXTERNAL`) vs a GPU hit "
+        "(Dynamo's disk 0.25). null: weigh it as `offload_weight` (one offload tier).",
     )
     temperature: float = Field(
         0.0, ge=0, description="0 picks the lowest cost; >0 samples softmax over normalised costs."
@@ -105,19 +154,14 @@ class PolicyConfig(_Section):
     @field_validator("name")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from router.policy import POLICY_NAMES  # the policy package imports this module
-
-        if name != "default" and name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if name != "default" and name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
         return name
 
 
-class IndexConfig(_Section):
-    """Where the KV-block index lives."""
+class RedisIndexConfig(_Section):
+    """The Redis backend of the shared index (``index.backend: redis``; docs/redis-schema.md)."""
 
-    backend: Literal["memory", "redis"] = Field(
-        "memory", description="`memory` (embedded, default) or `redis` (shared by replicas)."
-    )
     url: str = Field(
         "redis://127.0.0.1:6379/0", description="Redis URL (`redis://` or `rediss://`)."
     )
@@ -136,13 +180,9 @@ class IndexConfig(_Section):
     # model_dump() keep it, for the Redis client and reloads.
     @field_serializer("url", when_used="json")
     def _url_shown(self, url: str) -> str:
-        from router.security import redacted  # router.security imports this module
-
         return redacted(url)
 
     def __repr_args__(self) -> list[tuple[str | None, Any]]:
-        from router.security import redacted
-
         return [(k, redacted(v) if k == "url" else v) for k, v in super().__repr_args__()]
 
     namespace: str = Field("kvroute", min_length=1, description="Prefix of every Redis key.")
@@ -159,41 +199,137 @@ class IndexConfig(_Section):
         "its probe answers). One slow answer only sends that request to the local shadow; an "
         "error reaching Redis marks it unavailable at once.",
     )
-    shadow_window_s: float = Field(
-        60.0,
-        gt=0,
-        description="Redis backend: how long this router remembers its own routing "
-        "decisions locally, to route on them while Redis is unavailable or over budget.",
-    )
-    shadow_max_keys: int = Field(
-        1_000_000,
-        gt=0,
-        description="Redis backend: at most this many block keys of remembered decisions "
-        "(about 50 bytes each); past it the oldest decisions go first.",
-    )
     share_load: bool = Field(
         True,
-        description="Redis backend: publish this replica's in-flight work per engine and "
-        "count the other replicas' in every decision.",
+        description="Publish this replica's in-flight work per engine and count the other "
+        "replicas' in every decision.",
     )
     load_interval_s: float = Field(
         0.1,
         gt=0,
-        description="Redis backend: seconds between exchanges of in-flight load with the "
-        "other replicas (in the background, never on the request path).",
+        description="Seconds between exchanges of in-flight load with the other replicas "
+        "(in the background, never on the request path).",
     )
     load_ttl_s: float = Field(
         1.0,
         gt=0,
-        description="Redis backend: a replica's published load counts this long without "
-        "a refresh (a replica that died stops counting after it).",
+        description="A replica's published load counts this long without a refresh (a "
+        "replica that died stops counting after it).",
     )
 
     @model_validator(mode="after")
-    def _ttl_outlives_interval(self) -> IndexConfig:
+    def _ttl_outlives_interval(self) -> RedisIndexConfig:
         if self.load_ttl_s <= self.load_interval_s:
             raise ValueError("load_ttl_s must be longer than load_interval_s")
         return self
+
+
+class IndexConfig(_Section):
+    """Where the KV-block index lives."""
+
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="`memory` (embedded, default) or `redis` (shared by replicas)."
+    )
+    shadow_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="Shared backends (`redis`): how long this router remembers its own "
+        "routing decisions locally, to route on them while the shared index is unavailable "
+        "or over budget.",
+    )
+    shadow_max_keys: int = Field(
+        1_000_000,
+        gt=0,
+        description="Shared backends (`redis`): at most this many block keys of remembered "
+        "decisions (about 50 bytes each); past it the oldest decisions go first.",
+    )
+    redis: RedisIndexConfig = Field(default_factory=RedisIndexConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        # Built directly or from a tree load_config did not see (Config.model_validate):
+        # the old names still work (load_config reports them with their sources).
+        if not isinstance(data, Mapping):
+            return data
+        try:
+            return move_renamed(data, "index")[0]
+        except RenamedKeyConflict as exc:
+            raise ValueError(str(exc)) from None
+
+
+RENAMED_KEYS: dict[str, str] = {
+    f"index.{key}": f"index.redis.{key}"
+    for key in (
+        "url",
+        "namespace",
+        "budget_ms",
+        "slow_calls_to_outage",
+        "share_load",
+        "load_interval_s",
+        "load_ttl_s",
+    )
+}
+"""Deprecated key -> the key that replaced it (dotted paths). The old keys keep working:
+their values move to the new ones, :attr:`Config.deprecations` says so (``kvroute
+serve`` and ``kvroute indexer`` log it at start, ``kvroute config check`` prints it),
+and setting both to different values is an error."""
+
+
+class RenamedKeyConflict(ValueError):
+    """A deprecated key and the key that replaced it are both set, to different values."""
+
+    def __init__(self, old: str, new: str, old_from: str = "", new_from: str = "") -> None:
+        super().__init__(
+            f"{old}{old_from} and {new}{new_from} are both set, to different values ({old} "
+            f"is the deprecated name of {new}): set only {new}"
+        )
+        self.old = old
+        self.new = new
+
+
+def _lookup(tree: Mapping[str, Any], path: list[str]) -> tuple[bool, Any]:
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def move_renamed(
+    tree: Mapping[str, Any], under: str = ""
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``tree`` (the configuration, or its section at dotted path ``under``) with every
+    deprecated key of :data:`RENAMED_KEYS` moved to its new name, and the (old, new)
+    pairs moved. Raises :class:`RenamedKeyConflict` when both are set, differently."""
+    prefix = f"{under}." if under else ""
+    out = _copy_tree(tree)
+    moved: list[tuple[str, str]] = []
+    for old, new in RENAMED_KEYS.items():
+        if not (old.startswith(prefix) and new.startswith(prefix)):
+            continue
+        old_path = old[len(prefix) :].split(".")
+        new_path = new[len(prefix) :].split(".")
+        found, value = _lookup(out, old_path)
+        _, parent = _lookup(out, old_path[:-1])
+        if not found or not isinstance(parent, dict):
+            continue
+        has_new, current = _lookup(out, new_path)
+        if has_new and current != value:
+            raise RenamedKeyConflict(old, new)
+        _, target = _lookup(out, new_path[:-1])
+        if target is not None and not isinstance(target, dict):
+            continue  # the new section is not a mapping: validation names it
+        del parent[old_path[-1]]
+        _set_path(out, new_path, value)
+        moved.append((old, new))
+    return out, moved
+
+
+def _copy_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the mappings of a tree (other values are shared, not copied)."""
+    return {k: _copy_tree(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
 class ServerConfig(_Section):
@@ -225,6 +361,34 @@ class ServerConfig(_Section):
         ge=0,
         description="Re-read `--config` this often and reload when its content changed "
         "(0: only on SIGHUP). For ConfigMaps mounted as files.",
+    )
+    max_connections: int = Field(
+        8192,
+        gt=0,
+        description="Client connections open at once; one more is closed as it arrives "
+        "(`kvroute_http_connections_refused_total`). The router raises its open-file limit "
+        "to about twice this (one engine connection per client connection) and warns if "
+        "the hard limit is lower.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A request's line and headers must arrive within this long of their "
+        "first byte; else the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request's body must arrive within this long of its headers; else "
+        "the client gets 408, the connection is closed and the request's in-flight slot "
+        "freed. Keep it above `limits.admission_timeout_s` (bodies wait unread in the queue).",
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="A client connection with no request for this long (since it opened "
+        "or since its last answer) is closed. Keep it above the idle timeout of a load "
+        "balancer in front (60 s on most), so that the balancer closes first.",
     )
 
 
@@ -275,6 +439,19 @@ class EventEndpoints(_Section):
     topic: str = Field("", description="Topic prefix to subscribe to.")
 
 
+class TopologyConfig(_Section):
+    """Where an engine runs, for the cost of moving KV between engines
+    (docs/disaggregation.md, "Topology"). Free-form names; unset parts are unknown."""
+
+    node: str | None = Field(None, description="The machine (Kubernetes node) the engine runs on.")
+    rack: str | None = Field(
+        None, description="The rack (or NVLink / RDMA domain) of that machine."
+    )
+    zone: str | None = Field(
+        None, description="The zone (`topology.kubernetes.io/zone`) of that machine."
+    )
+
+
 class EngineConfig(_Section):
     """One engine (inference server) the router may send requests to."""
 
@@ -294,9 +471,14 @@ class EngineConfig(_Section):
     dp_size: int = Field(1, ge=1, description="Data-parallel ranks behind this URL.")
     kv_events: Literal["auto", "none"] | EventEndpoints = Field(
         "auto",
-        description="`auto`: read endpoints from the engine's /server_info when it reports "
-        "them (the emulator does), else track it from decisions; `none`: never subscribe; "
-        "or explicit endpoints.",
+        description="`auto`: read endpoints from the engine's /server_info (the emulator) "
+        "or /kv_event_sources (vLLM 0.32), else by `events.port`'s convention, else track "
+        "it from decisions; `none`: never subscribe; or explicit endpoints.",
+    )
+    topology: TopologyConfig = Field(
+        default_factory=TopologyConfig,
+        description="Where the engine runs (node, rack, zone): prefill/decode pairs are "
+        "priced by the link between them (`disaggregation.links`).",
     )
 
     @field_validator("url")
@@ -316,7 +498,10 @@ class HealthConfig(_Section):
     interval_s: float = Field(2.0, gt=0, description="Seconds between /health probes.")
     timeout_s: float = Field(1.0, gt=0, description="A probe slower than this fails.")
     eject_after_failures: int = Field(
-        3, ge=1, description="Consecutive failures (probes or requests) that eject an engine."
+        3,
+        ge=1,
+        description="Consecutive failures (probes or requests) that eject an engine; a "
+        "4xx answer (429 included) is the request's or a busy engine's, not a failure.",
     )
     backoff_initial_s: float = Field(1.0, gt=0, description="First ejection's length.")
     backoff_max_s: float = Field(30.0, gt=0, description="Longest ejection (doubles up to it).")
@@ -377,11 +562,20 @@ class LimitsConfig(_Section):
         "enforce their own, smaller context length too.",
     )
     max_output_tokens: int = Field(
-        1_048_576, gt=0, description="Largest `max_tokens` a request may ask for (400)."
+        1_048_576,
+        gt=0,
+        description="Largest `max_tokens` (and a chat's `max_completion_tokens`) a request "
+        "may ask for (400).",
     )
     max_n: int = Field(128, gt=0, description="Largest `n` (completions per prompt) (400).")
     max_prompts: int = Field(
         1_024, gt=0, description="Most prompts in a batch completion, or messages in a chat (400)."
+    )
+    max_sequences: int = Field(
+        1_024,
+        gt=0,
+        description="Most sequences one request may ask for: prompts x `n` (400); one "
+        "request goes to one engine, so this bounds the work a single request can queue there.",
     )
     max_inflight: int = Field(
         10_000,
@@ -411,11 +605,38 @@ class LimitsConfig(_Section):
     )
 
 
+MAX_EVENT_MESSAGE_BYTES = 32 * 2**20
+"""Default bound on one KV-event frame: vLLM publishes a batch per scheduler step, a few
+hundred KB even for a long prefill chunk."""
+
+
 class EventsConfig(_Section):
     """KV-event ingestion."""
 
     enabled: bool = Field(True, description="Subscribe to engines' KV events at all.")
     replay_timeout_s: float = Field(2.0, gt=0, description="Wait for a replay answer this long.")
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Engines with `kv_events: auto` that report no endpoints (neither "
+        "/server_info nor vLLM's /kv_event_sources) publish at tcp://<engine host>:<port> "
+        "(llm-d's convention: 5557); unset: such engines are tracked from decisions.",
+    )
+    replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="With `port`: the engines' replay port by the same convention (5558).",
+    )
+    max_message_bytes: int = Field(
+        MAX_EVENT_MESSAGE_BYTES,
+        gt=0,
+        description="Largest KV-event frame accepted (ZMQ `MAXMSGSIZE` on the SUB and "
+        "replay sockets, also of `kvroute indexer`): a publisher that sends a larger one "
+        "is disconnected before the frame is read (it reconnects; its stream then "
+        "replays or rebuilds).",
+    )
     bind_endpoint: str | None = Field(
         None,
         description="Bind one SUB socket here for engines that connect to the router "
@@ -431,14 +652,97 @@ class EventsConfig(_Section):
     )
 
 
+class LinkConfig(_Section):
+    """One locality class of prefill-to-decode link: what moving KV over it costs."""
+
+    bandwidth_gb_s: float = Field(12.5, gt=0, description="Bandwidth of one KV transfer in GB/s.")
+    latency_s: float = Field(
+        0.0,
+        ge=0,
+        description="Fixed seconds per transfer on top of `disaggregation.handoff_overhead_s` "
+        "(connection set-up, hops).",
+    )
+    min_uncached_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Split threshold over this link (default: "
+        "`disaggregation.min_uncached_tokens`).",
+    )
+
+
+class SameNodeLink(LinkConfig):
+    """Both engines on one node: NVLink."""
+
+    bandwidth_gb_s: float = Field(
+        400.0,
+        gt=0,
+        description="NVLink 4 moves 450 GB/s each way per H100 SXM GPU (NVIDIA's datasheet: "
+        "900 GB/s bidirectional); 400 GB/s is taken.",
+    )
+    latency_s: float = Field(10e-6, ge=0, description="Fixed seconds per transfer.")
+
+
+class SameRackLink(LinkConfig):
+    """Other nodes of one rack: RDMA through the leaf switch."""
+
+    bandwidth_gb_s: float = Field(
+        50.0,
+        gt=0,
+        description="One 400 Gb/s InfiniBand NDR / RoCE NIC per GPU behind a non-blocking "
+        "leaf switch (the DGX H100 reference architecture): 50 GB/s.",
+    )
+    latency_s: float = Field(20e-6, ge=0, description="Fixed seconds per transfer.")
+
+
+class SameZoneLink(LinkConfig):
+    """Other racks of one zone: RDMA through the spine."""
+
+    bandwidth_gb_s: float = Field(
+        12.5,
+        gt=0,
+        description="A spine oversubscribed 4:1 leaves about 100 Gb/s per GPU: 12.5 GB/s, "
+        "the same as `transfer_bandwidth_gb_s`.",
+    )
+    latency_s: float = Field(100e-6, ge=0, description="Fixed seconds per transfer.")
+
+
+class CrossZoneLink(LinkConfig):
+    """Another zone: no RDMA fabric, TCP."""
+
+    bandwidth_gb_s: float = Field(
+        0.625,
+        gt=0,
+        description="One TCP flow between zones gets about 5 Gb/s (AWS: a single flow "
+        "outside a cluster placement group): 0.625 GB/s.",
+    )
+    latency_s: float = Field(
+        0.001, ge=0, description="Fixed seconds per transfer (inter-zone round trips)."
+    )
+
+
+class LinksConfig(_Section):
+    """Prefill-to-decode links by locality (docs/disaggregation.md, "Topology")."""
+
+    same_node: SameNodeLink = Field(default_factory=SameNodeLink)
+    same_rack: SameRackLink = Field(default_factory=SameRackLink)
+    same_zone: SameZoneLink = Field(default_factory=SameZoneLink)
+    cross_zone: CrossZoneLink = Field(default_factory=CrossZoneLink)
+
+
 class DisaggregationConfig(_Section):
     """Prefill/decode disaggregation: when to split, and how (docs/disaggregation.md)."""
 
-    handoff: Literal["nixl", "sglang"] = Field(
+    handoff: str = Field(
         "nixl",
         description="KV-transfer dialect of the prefill/decode pools "
-        "(`models[].handoff` overrides it per model).",
+        f"({_DIALECTS}; `models[].handoff` overrides it per model).",
     )
+
+    @field_validator("handoff")
+    @classmethod
+    def _known_dialect(cls, value: str) -> str:
+        return _dialect(value)
+
     min_uncached_tokens: int = Field(
         512,
         ge=0,
@@ -461,7 +765,24 @@ class DisaggregationConfig(_Section):
     transfer_bandwidth_gb_s: float = Field(
         12.5,
         gt=0,
-        description="Prefill-to-decode link bandwidth in GB/s (100 Gb/s RDMA).",
+        description="Prefill-to-decode link bandwidth in GB/s (100 Gb/s RDMA), for "
+        "engine pairs whose locality is unknown (no `engines[].topology`).",
+    )
+    links: LinksConfig = Field(default_factory=LinksConfig)
+    min_link_bandwidth_gb_s: float = Field(
+        2.5,
+        ge=0,
+        description="Never split over a link slower than this (GB/s): prefill engines "
+        "behind one are no candidates, and a decode engine with only such prefill "
+        "engines serves alone (`slow_link`). 2.5 GB/s (20 Gb/s): below it there is no "
+        "RDMA fabric. Applies to links whose locality is known; 0: off.",
+    )
+    min_prefill_engines: int = Field(
+        1,
+        ge=1,
+        description="Serve on the decode engine alone while fewer healthy prefill "
+        "engines than this serve the model (`prefill_pool_small`): a pool this small "
+        "queues splits behind each other.",
     )
     prefill_s_per_token: float = Field(
         50e-6,
@@ -552,6 +873,13 @@ class TokenizerConfig(_Section):
     cache_size: int = Field(
         2048, ge=0, description="Recent prompts whose `engine` tokenization is remembered."
     )
+    mm_placeholder_tokens: int = Field(
+        DEFAULT_MM_PLACEHOLDER_TOKENS,
+        ge=1,
+        le=1 << 20,
+        description="Placeholder tokens per image, audio or video part of a chat in `words` "
+        "mode; must equal the emulator's `--mm-placeholder-tokens`.",
+    )
 
     @model_validator(mode="after")
     def _hf_needs_files(self) -> TokenizerConfig:
@@ -570,11 +898,16 @@ class ModelConfig(_Section):
     block_size: int | None = Field(
         None, gt=0, description="This pool's KV block size (default: the top-level one)."
     )
-    handoff: Literal["nixl", "sglang"] | None = Field(
+    handoff: str | None = Field(
         None,
-        description="KV-transfer dialect of this model's prefill/decode pools "
-        "(default: `disaggregation.handoff`).",
+        description=f"KV-transfer dialect of this model's prefill/decode pools ({_DIALECTS}; "
+        "default: `disaggregation.handoff`).",
     )
+
+    @field_validator("handoff")
+    @classmethod
+    def _known_dialect(cls, value: str | None) -> str | None:
+        return _dialect(value)
 
 
 class TokenizerGuardConfig(_Section):
@@ -589,6 +922,24 @@ class TokenizerGuardConfig(_Section):
         le=1,
         description="More disagreeing responses than this share in the window "
         "switch the model's pool to approximate mode until restart or reload.",
+    )
+
+
+class ResponsesConfig(_Section):
+    """The OpenAI Responses API: which engine holds each stored response."""
+
+    ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long the router remembers the engine that produced a response "
+        "(for `previous_response_id`, `GET /v1/responses/{id}` and `/cancel`); in Redis too "
+        "when `index.backend` is `redis`, so every replica finds it.",
+    )
+    max_remembered: int = Field(
+        100_000,
+        ge=1,
+        description="Response ids this router remembers in memory (the oldest are "
+        "forgotten first; Redis keeps its own for `ttl_s`).",
     )
 
 
@@ -652,6 +1003,22 @@ class KubernetesDiscoveryConfig(_Section):
         "kvroute.io/kv-events",
         description="Pod annotation that overrides KV events per pod: `none`, `auto`, or "
         "`tcp://host:port` (`{ip}` is replaced by the pod IP).",
+    )
+    node_topology: bool = Field(
+        True,
+        description="Read each engine pod's node (`spec.nodeName`) and that node's labels "
+        "into `engines[].topology` (needs RBAC to get nodes; without it, the node name "
+        "and the pod's own labels are used).",
+    )
+    zone_label: str = Field(
+        "topology.kubernetes.io/zone",
+        description="Node (or pod) label holding the engine's zone.",
+    )
+    rack_label: str = Field(
+        "topology.kubernetes.io/rack",
+        description="Node (or pod) label holding the engine's rack. Kubernetes defines "
+        "no rack label: set the one the cluster has (GKE: "
+        "`cloud.google.com/gce-topology-subblock`, EKS: `topology.k8s.aws/network-node-layer-3`).",
     )
     kubeconfig: str | None = Field(
         None,
@@ -794,11 +1161,14 @@ class AuthConfig(_Section):
 
     api_keys: list[SecretStr] = Field(
         default_factory=list,
-        description="Client keys (`Authorization: Bearer KEY`) for /v1/* and the gRPC Router "
-        "service; empty with no `api_keys_file`: the client API is open.",
+        description="Client keys (`Authorization: Bearer KEY`) for /v1/*, the engine routes "
+        "outside it (`/tokenize`, `/pooling`, ...) and the gRPC Router service; empty with no "
+        "`api_keys_file`: the client API is open.",
     )
     api_keys_file: Path | None = Field(
-        None, description="A file of client keys, one per line (re-read on SIGHUP)."
+        None,
+        description="A file of client keys, one per line (re-read on SIGHUP). A file "
+        "that holds no key is refused at start-up and on reload (the running keys stay).",
     )
     admin_keys: list[SecretStr] = Field(
         default_factory=list,
@@ -806,10 +1176,19 @@ class AuthConfig(_Section):
         "refused there with 403); none: admin calls are accepted from loopback only.",
     )
     admin_keys_file: Path | None = Field(
-        None, description="A file of admin keys, one per line (re-read on SIGHUP)."
+        None,
+        description="A file of admin keys, one per line (re-read on SIGHUP); one with no "
+        "key is refused like `api_keys_file`.",
     )
     metrics_need_key: bool = Field(
         False, description="/metrics asks for a client or admin key too (off: open, as usual)."
+    )
+    accept_x_api_key: Literal["anthropic", "all", "off"] = Field(
+        "anthropic",
+        description="Where a client key may come as `x-api-key: KEY` (Anthropic's header) "
+        "instead of `Authorization: Bearer KEY`: `anthropic` on /v1/messages and the paths "
+        "under it, `all` on every client route, `off` nowhere. `Authorization` wins when "
+        "both are sent; admin calls take `Authorization` only.",
     )
     upstream: Literal["pass", "drop", "token"] = Field(
         "pass",
@@ -823,7 +1202,19 @@ class AuthConfig(_Section):
     engine_cidrs: list[str] = Field(
         default_factory=lambda: list(DEFAULT_ENGINE_CIDRS),
         description="Engines added at run time (admin API, Kubernetes discovery) must "
-        "resolve into these networks; the default is loopback and private ranges.",
+        "resolve into these networks, and so must their KV-event and replay endpoints, "
+        "the event endpoints engines report off their own host, and the NIXL side "
+        "channels prefill engines name; the default is loopback and private ranges.",
+    )
+
+    allow_client_handoff_fields: bool = Field(
+        False,
+        description="Trust clients with the router's handoff fields: pass a client's own "
+        "`kv_transfer_params` and SGLang `bootstrap_host` / `bootstrap_port` / "
+        "`bootstrap_room` on to engines. Off (the default): they are removed from every "
+        "client body (HTTP, gRPC `Generate`, ext_proc), and gRPC `Pick` refuses them with "
+        "`INVALID_ARGUMENT` (the gateway forwards that body itself). Turn on only when "
+        "every client is a component of yours that runs its own disaggregation.",
     )
 
     @field_validator("engine_cidrs")
@@ -880,10 +1271,237 @@ class TlsConfig(_Section):
         return self.cert_file is not None and listener in self.listeners
 
 
+class FlowKeyConfig(_Section):
+    """Flow-control settings of one client API key (``flow.keys``)."""
+
+    key: SecretStr = Field(
+        description="The API key (as sent in `Authorization: Bearer KEY`); it must also be "
+        "one of `auth.api_keys` when those are set."
+    )
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="The tenant this key's requests belong to (metrics, logs, fairness); "
+        "unset: a digest of the key.",
+    )
+    priority: int | None = Field(
+        None,
+        ge=-1000,
+        le=1000,
+        description="Priority of this key's requests that send no `x-kvroute-priority`; "
+        "unset: `flow.default_priority`.",
+    )
+    max_priority: int | None = Field(
+        None,
+        ge=-1000,
+        le=1000,
+        description="Highest priority this key's requests may ask for with "
+        "`x-kvroute-priority` (a higher one is lowered to it); unset: no cap.",
+    )
+    rpm: int | None = Field(
+        None, gt=0, description="Requests per rate window (`flow.rate_limit.window_s`)."
+    )
+    tpm: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens (prompt + output) per rate window; output tokens are estimated "
+        "from `max_tokens` at admission and corrected from the answer's usage.",
+    )
+
+
+class FlowTenantConfig(_Section):
+    """Limits of one tenant (``flow.tenants``), whatever key its requests come with."""
+
+    name: str = Field(min_length=1, max_length=64, description="The tenant's name.")
+    rpm: int | None = Field(None, gt=0, description="Requests per rate window.")
+    tpm: int | None = Field(None, gt=0, description="Tokens per rate window.")
+    priority: int | None = Field(
+        None, ge=-1000, le=1000, description="Default priority of the tenant's requests."
+    )
+
+
+class FlowRateLimitConfig(_Section):
+    """Where the token buckets of ``flow.keys`` and ``flow.tenants`` live."""
+
+    backend: Literal["local", "redis"] = Field(
+        "local",
+        description="`local`: each router replica limits on its own; `redis`: replicas "
+        "share the buckets (one atomic script per admission), falling back to local "
+        "buckets while Redis is unavailable (`kvroute_rate_limit_fallbacks_total`).",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="Redis for `backend: redis`; unset: `index.redis.url`.",
+    )
+    namespace: str = Field("kvroute", min_length=1, description="Prefix of the bucket keys.")
+    window_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="The rate window `rpm` and `tpm` count in (60: per minute; tests and "
+        "benchmarks may shorten it).",
+    )
+    timeout_s: float = Field(
+        0.05,
+        gt=0,
+        description="Longest wait for Redis per admission before the local bucket decides.",
+    )
+    burst: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="Share of a window's limit a bucket holds, so may pass at once (at "
+        "least one request); over a window at most `limit * (1 + burst)` pass.",
+    )
+
+    @field_serializer("redis_url", when_used="json")
+    def _url_shown(self, url: str | None) -> str | None:
+        return redacted(url) if url else url
+
+
+class FlowSaturationConfig(_Section):
+    """How full a pool is (``kvroute_pool_saturation``) and when the queue sheds."""
+
+    shed_at: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="At this saturation, sheddable requests (negative priority) are "
+        "refused with 429 instead of queued, and queued ones are evicted first.",
+    )
+    engine_waiting: float = Field(
+        8.0,
+        gt=0,
+        description="Engine-reported waiting requests (`vllm:num_requests_waiting`) at "
+        "which an engine counts as saturated.",
+    )
+    engine_queued_tokens: int = Field(
+        32_768,
+        gt=0,
+        description="Queued prefill tokens the router has sent an engine at which it "
+        "counts as saturated.",
+    )
+    engine_inflight: int = Field(
+        64,
+        gt=0,
+        description="Requests in flight on an engine at which it counts as saturated "
+        "(`limits.max_inflight_per_engine` when that is set).",
+    )
+    queue_waiting: int = Field(
+        16,
+        gt=0,
+        description="Requests of a pool waiting in the admission queue at which the pool "
+        "counts as saturated.",
+    )
+
+
+class FlowConfig(_Section):
+    """Flow control (docs/reliability.md): priority bands, fairness across tenants,
+    rate limits and saturation, on every front end. Off: the admission queue is the
+    plain first-come-first-served queue of `limits`."""
+
+    enabled: bool = Field(
+        False,
+        description="Queue by priority band and tenant, apply rate limits and shed by "
+        "saturation; off: one FIFO admission queue (`limits.*`).",
+    )
+    default_priority: int = Field(
+        0,
+        ge=-1000,
+        le=1000,
+        description="Priority of a request that sends none and whose key or tenant sets "
+        "none. Negative priorities are sheddable.",
+    )
+    max_priority: int = Field(
+        1000,
+        ge=-1000,
+        le=1000,
+        description="Highest priority a request may ask for with `x-kvroute-priority` (a "
+        "higher one is lowered to it; a key's `max_priority` caps its own requests "
+        "further). Gateway metadata and configured defaults are not capped.",
+    )
+    tenant_from: list[Literal["header", "api_key", "user"]] = Field(
+        default_factory=lambda: ["header", "api_key", "user"],
+        min_length=1,
+        description="Where a request's tenant comes from, first found wins: "
+        "`x-kvroute-tenant`, the API key (`flow.keys[].name` or a digest), the body's "
+        "OpenAI `user` field. None found: tenant `default`.",
+    )
+    fairness: Literal["vtc", "round_robin"] = Field(
+        "vtc",
+        description="Which tenant's request a band serves next: `vtc` the tenant with the "
+        "fewest tokens served (prompt + output; virtual token counter), `round_robin` "
+        "tenants in turn.",
+    )
+    ordering: Literal["fifo", "deadline"] = Field(
+        "fifo",
+        description="Order within a tenant: `fifo`, or `deadline`: the earliest deadline "
+        "first (`x-kvroute-deadline-ms`, a gRPC deadline), then arrival.",
+    )
+    band_queue: int = Field(
+        1_000, ge=0, description="Requests that may wait in one priority band (429 beyond)."
+    )
+    tenant_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Most of `limits.max_inflight` one tenant may hold; a tenant at its "
+        "share waits even when a slot is free, which is kept for other tenants' requests "
+        "(isolation at the cost of idle slots). 1: no cap.",
+    )
+    max_wait_s: dict[int, float] = Field(
+        default_factory=dict,
+        description="Longest wait per band (`{priority: seconds}`); a band not named "
+        "waits `limits.admission_timeout_s`.",
+    )
+    max_wait_status: Literal[429, 503] = Field(
+        429, description="Answer to a request that waited its band's longest wait."
+    )
+    objectives: dict[str, int] = Field(
+        default_factory=dict,
+        description="Priority of a request by its InferenceObjective (the gateway's "
+        "`x-gateway-inference-objective` header), when it sends no `x-kvroute-priority`.",
+    )
+    keys: list[FlowKeyConfig] = Field(
+        default_factory=list, description="Per API key: tenant name, priority, rate limits."
+    )
+    tenants: list[FlowTenantConfig] = Field(
+        default_factory=list, description="Per tenant: rate limits and default priority."
+    )
+    rate_limit: FlowRateLimitConfig = Field(default_factory=FlowRateLimitConfig)
+    saturation: FlowSaturationConfig = Field(default_factory=FlowSaturationConfig)
+
+    @field_validator("max_wait_s")
+    @classmethod
+    def _waits_positive(cls, waits: dict[int, float]) -> dict[int, float]:
+        for band, seconds in waits.items():
+            if seconds < 0:
+                raise ValueError(f"band {band}: a wait cannot be negative ({seconds})")
+        return waits
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> FlowConfig:
+        names = [t.name for t in self.tenants]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"flow.tenants names a tenant twice: {', '.join(sorted(dup))}")
+        keys = [k.key.get_secret_value() for k in self.keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("flow.keys lists one key twice")
+        return self
+
+
 class Config(_Section):
     """Everything ``kvroute serve`` reads."""
 
-    block_size: int = Field(16, gt=0, description="Tokens per KV block; must match the engines.")
+    block_size: int = Field(
+        16,
+        gt=0,
+        description="Tokens per KV block; must match the engines. Unset (here and in "
+        "`models[].block_size`), a pool adopts the block size its first engine reports "
+        "(`vllm:cache_config_info`, /server_info) and refuses engines that differ from it.",
+    )
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -903,6 +1521,7 @@ class Config(_Section):
         description="Per-model settings (tokenizer, block size, handoff dialect).",
     )
     tokenizer_guard: TokenizerGuardConfig = Field(default_factory=TokenizerGuardConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
@@ -910,12 +1529,41 @@ class Config(_Section):
     extproc: ExtProcConfig = Field(default_factory=ExtProcConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     tls: TlsConfig = Field(default_factory=TlsConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
+    _deprecations: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def deprecations(self) -> list[str]:
+        """One line per deprecated key the sources set (see :data:`RENAMED_KEYS`), saying
+        where it was set and what replaced it; set by :func:`load_config`."""
+        return self._deprecations
+
+    @model_validator(mode="after")
+    def _flow_keys_are_client_keys(self) -> Config:
+        inline = {k.get_secret_value() for k in self.auth.api_keys}
+        if inline and not self.auth.api_keys_file:
+            unknown = [
+                i for i, k in enumerate(self.flow.keys) if k.key.get_secret_value() not in inline
+            ]
+            if unknown:
+                raise ValueError(
+                    f"flow.keys[{unknown[0]}].key is not one of auth.api_keys (it would "
+                    "never be accepted)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _indexer_needs_redis(self) -> Config:
         if self.events.via_indexer and self.index.backend != "redis":
             raise ValueError("events.via_indexer needs index.backend: redis")
         return self
+
+    def block_size_configured(self, model: str) -> bool:
+        """Whether a model pool's block size was set (top-level or ``models[]``) rather
+        than left to the default, which the pool then learns from its engines."""
+        if "block_size" in self.model_fields_set:
+            return True
+        return any(m.name == model and m.block_size is not None for m in self.models)
 
     def model_settings(self, model: str) -> tuple[TokenizerConfig, int]:
         """The tokenizer settings and block size of a model's pool."""
@@ -938,11 +1586,84 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names every offending field."""
 
 
-def _format_errors(exc: ValidationError) -> str:
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The section model whose keys the last part of ``loc`` is one of (None if unknown)."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an item of a list: the same model as the list's
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        inner = [field.annotation, *get_args(field.annotation)]
+        found = [a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not found:
+            return None
+        model = found[0]
+    return model
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """``; did you mean X?`` for a misspelt key, when one key is close enough."""
+    model = _model_at(loc)
+    if model is None or not loc:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.7)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _holds(tree: Any, loc: tuple[Any, ...], *, lists: bool = True) -> bool:
+    """Whether a nested mapping sets ``loc`` (through list items only if ``lists``)."""
+    node = tree
+    for part in loc:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif lists and isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """What each source of a configuration set, to say where a bad key came from."""
+
+    path: str | Path | None
+    file: Any
+    env_names: Mapping[tuple[str, ...], str]
+    flags: Mapping[str, Any]
+
+    def of(self, loc: tuple[Any, ...]) -> str:
+        # Flags win over the environment, which wins over the file. Flags that add list
+        # items (--engine) carry the file's items too: those are not blamed on flags.
+        if loc and _holds(self.flags, loc, lists=False):
+            return " (from a command-line flag)"
+        keys = tuple(str(p) for p in loc)
+        for env_path, name in self.env_names.items():
+            shared = min(len(env_path), len(keys))
+            if shared and env_path[:shared] == keys[:shared]:
+                return f" (from environment variable {name})"
+        if self.path is not None and _holds(self.file, loc):
+            return f" (in {self.path})"
+        return ""
+
+
+def _format_errors(
+    exc: ValidationError, sources: _Sources, renamed: Mapping[str, str] | None = None
+) -> str:
+    """One line per error; a key set under its deprecated name (``renamed``: new -> old)
+    is named both ways, and blamed on the source that set the old one."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"{where}: {err['msg']}")
+        loc = tuple(err["loc"])
+        where = ".".join(str(p) for p in loc) or "(root)"
+        hint = _did_you_mean(loc) if err["type"] == "extra_forbidden" else ""
+        old = (renamed or {}).get(where)
+        if old is not None:
+            where = f"{where} (set as {old})"
+            loc = tuple(old.split("."))
+        lines.append(f"{where}: {err['msg']}{hint}{sources.of(loc)}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
@@ -956,18 +1677,28 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def env_names(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Key path -> the ``KVROUTE_A__B`` variable that sets it."""
+    names = {}
+    for name in environ:
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX:
+            continue
+        path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p)
+        if path:
+            names[path] = name
+    return names
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """Nested overrides from ``KVROUTE_A__B=value`` variables."""
     tree: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX:
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+    for path, name in env_names(environ).items():
+        raw = environ[name]
         try:
             value = yaml.safe_load(raw) if raw.strip() else raw
         except yaml.YAMLError:
             value = raw
-        _set_path(tree, path, value)
+        _set_path(tree, list(path), value)
     return tree
 
 
@@ -989,23 +1720,41 @@ def load_config(
 ) -> Config:
     """Build the configuration from a YAML file, the environment and flag overrides."""
     data: dict[str, Any] = {}
+    file: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            with open(path, encoding="utf-8") as stream:  # YAML errors then name the file
+                loaded = yaml.safe_load(stream)
         except OSError as exc:
             raise ConfigError(f"cannot read configuration file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"configuration file {path} is not UTF-8 text: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"configuration file {path} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
-        data = loaded or {}
-    data = merge(data, env_overrides(os.environ if environ is None else environ))
+        data = file = loaded or {}
+    environ = os.environ if environ is None else environ
+    data = merge(data, env_overrides(environ))
     if overrides:
         data = merge(data, overrides)
+    sources = _Sources(path, file, env_names(environ), overrides or {})
     try:
-        return Config.model_validate(data)
+        data, renamed = move_renamed(data)
+    except RenamedKeyConflict as exc:
+        old, new = (tuple(key.split(".")) for key in (exc.old, exc.new))
+        named = RenamedKeyConflict(exc.old, exc.new, sources.of(old), sources.of(new))
+        raise ConfigError(f"invalid configuration:\n  {named}") from None
+    try:
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc)) from None
+        moved = {new: old for old, new in renamed}
+        raise ConfigError(_format_errors(exc, sources, moved)) from None
+    config._deprecations = [
+        f"configuration key {old}{sources.of(tuple(old.split('.')))} is deprecated: use {new}"
+        for old, new in renamed
+    ]
+    return config
 
 
 def _type_name(annotation: Any) -> str:

@@ -53,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file, environ={} if args.no_env else None)
     except ConfigError as exc:
-        print(f"kvroute config check: {args.file}: {exc}", file=sys.stderr)
+        print(f"kvroute config check: {exc}", file=sys.stderr)  # it names each source
         return 2
+    for note in config.deprecations:
+        print(f"kvroute config check: {args.file}: warning: {note}", file=sys.stderr)
     if not config.engines and not config.discovery.kubernetes.enabled:
         print(
             f"kvroute config check: {args.file}: note: no engines and no discovery; "
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     values = config.model_dump(mode="json")  # secrets print as '**********'
-    values["index"]["url"] = redacted(values["index"]["url"])
+    values["index"]["redis"]["url"] = redacted(values["index"]["redis"]["url"])
     if args.format == "json":
         print(json.dumps(values, indent=2))
     else:

@@ -12,7 +12,8 @@ Engines that publish no KV events are tracked from decisions alone, for
 ``approximate_ttl_s``. With the Redis backend the record is queued and written in the
 background (``router/index/shadow.py``): a decision waits for one round trip, the
 lookup, and a lookup Redis cannot answer within its budget is answered from the
-router's own recent decisions.
+router's own recent decisions. A decision made without the index's answer says so in
+its reason (``index=shadow:over_budget``, ``index=skipped:unreachable``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 
 from router.config import PolicyConfig
 from router.engines.load import LoadTracker
-from router.index.base import IndexUnavailable, KVIndex, Match
+from router.index.base import FallbackMatches, IndexUnavailable, KVIndex, Match
+from router.policy import make_policy
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest
+from router.policy.kv_cost import KVCostPolicy
 from router.types import EngineKey
 
 log = logging.getLogger("kvroute.core")
@@ -68,6 +71,19 @@ class RoutingCore:
         """Requests in flight an engine may hold before it stops being a candidate
         (0: no limit; ``limits.max_inflight_per_engine``)."""
 
+    def reconfigure(self, config: PolicyConfig, max_per_engine: int) -> None:
+        """Apply a reloaded ``policy`` section and in-flight limit. New weights keep the
+        policy object and its state; another policy (or new ``sglang`` settings) gets a
+        new one. Decisions already made keep what they were made with."""
+        if config != self.config:
+            same = config.name == self.config.name and config.sglang == self.config.sglang
+            if not same:
+                self.policy = make_policy(config, self.clock)
+            elif isinstance(self.policy, KVCostPolicy):
+                self.policy.config = config  # its weights are read per decision
+            self.config = config
+        self.max_per_engine = max_per_engine
+
     async def lookup(
         self, keys: Sequence[int], candidates: Sequence[EngineKey], policy: Policy | None = None
     ) -> Mapping[EngineKey, Match]:
@@ -80,7 +96,7 @@ class RoutingCore:
         except IndexUnavailable as exc:
             self.counters.index_errors += 1
             log.debug("index lookup failed, routing on load alone: %s", exc)
-            return {}
+            return FallbackMatches({}, f"skipped:{exc.why}")
 
     async def route(
         self,
@@ -108,6 +124,8 @@ class RoutingCore:
         policy = policy or self.policy
         matches = await self.lookup(request.keys, candidates, policy)
         decision = policy.choose(request, candidates, matches, self.loads.view)
+        if isinstance(matches, FallbackMatches):
+            decision.index = matches.note  # the reason says the index did not answer
         key = (decision.policy, decision.reason)
         self.counters.decisions[key] = self.counters.decisions.get(key, 0) + 1
         if policy.uses_index:

@@ -8,9 +8,9 @@ with their engine (label sets stay bounded by the fleet).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,13 +26,15 @@ from router import __version__
 
 if TYPE_CHECKING:
     from router.admission import Admission
+    from router.api.listener import ConnectionGuard
     from router.api.picks import PickLedger
     from router.core import RoutingCore
     from router.engines.registry import Registry
     from router.engines.shared_load import SharedLoad
     from router.events.ingest import IngestCounters
-    from router.events.redis_writer import WriterStats
     from router.events.subscriber import SubscriberStats
+    from router.events.writer import WriterStats
+    from router.flow.control import FlowControl
     from router.index.base import IndexStats
     from router.index.shadow import ShadowedIndex
     from router.tokenization import Tokenizers
@@ -75,6 +77,9 @@ OVERHEAD_BUCKETS = (
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
+
+
 @dataclass(slots=True)
 class StateSources:
     """Where the scrape-time values come from (any may be absent)."""
@@ -92,6 +97,10 @@ class StateSources:
     writer: WriterStats | None = None
     """The router's KV-event writer into Redis."""
     picks: PickLedger | None = None
+    connections: ConnectionGuard | None = None
+    """The HTTP listener's connection cap and timeouts."""
+    flow: FlowControl | None = None
+    """Flow control (``flow.enabled``): bands, tenants, rate limits, saturation."""
 
 
 class StateCollector(Collector):
@@ -132,6 +141,16 @@ class StateCollector(Collector):
             )
         if src.admission is not None:
             yield GaugeMetricFamily(
+                "kvroute_admission_inflight",
+                "Requests holding one of the limits.max_inflight slots",
+                value=src.admission.in_flight,
+            )
+            yield GaugeMetricFamily(
+                "kvroute_admission_reading_body",
+                "Requests holding a slot while their body is still being read",
+                value=src.admission.reading_body,
+            )
+            yield GaugeMetricFamily(
                 "kvroute_admission_waiting",
                 "Requests waiting in the admission queue for a slot or an engine with room",
                 value=src.admission.waiting,
@@ -144,6 +163,10 @@ class StateCollector(Collector):
             for reason, n in sorted(src.admission.rejected.items()):
                 rejected.add_metric([reason], n)
             yield rejected
+        if src.flow is not None:
+            yield from self._flow(src.flow)
+        if src.connections is not None:
+            yield from self._connections(src.connections)
         if src.registry is not None and src.core is not None:
             yield from self._engines(src.registry, src.core)
         if src.tokenizers is not None:
@@ -210,6 +233,21 @@ class StateCollector(Collector):
             for reason, n in sorted(src.ingest.skipped.items()):
                 skipped.add_metric([reason], n)
             yield skipped
+            yield CounterMetricFamily(
+                "kvroute_kv_event_unknown_fields",
+                "Fields of applied KV events this version does not read (ignored)",
+                value=src.ingest.unknown_fields,
+            )
+            mismatched = CounterMetricFamily(
+                "kvroute_kv_events_block_size_mismatch",
+                "BlockStored events dropped because their block size is not the engine's",
+                labels=["engine"],
+            )
+            known = {e.endpoint for e in src.registry} if src.registry is not None else None
+            for key, n in sorted(src.ingest.block_size_mismatches.items()):
+                if known is None or key.endpoint in known:  # removed engines disappear
+                    mismatched.add_metric([key.label], n)
+            yield mismatched
         if src.subscriber is not None:
             sub = src.subscriber
             yield CounterMetricFamily(
@@ -248,12 +286,12 @@ class StateCollector(Collector):
         yield CounterMetricFamily(
             "kvroute_index_outages",
             "Times Redis became unreachable or slower than the budget",
-            value=index.redis.counters.outages,
+            value=index.remote.counters.outages,
         )
         yield CounterMetricFamily(
             "kvroute_index_slow_calls",
             "Redis calls over the budget that did not mark Redis unavailable",
-            value=index.redis.counters.slow_calls,
+            value=index.remote.counters.slow_calls,
         )
         yield CounterMetricFamily(
             "kvroute_index_fallbacks",
@@ -269,6 +307,75 @@ class StateCollector(Collector):
             "kvroute_index_replayed_records",
             "Decision records written to Redis from the shadow after an outage",
             value=counters.replayed,
+        )
+
+    def _connections(
+        self, guard: ConnectionGuard
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(
+            "kvroute_http_connections",
+            "Client connections open on the HTTP listener",
+            value=guard.open,
+        )
+        yield CounterMetricFamily(
+            "kvroute_http_connections_refused",
+            "Client connections closed on arrival: server.max_connections were open",
+            value=guard.refused,
+        )
+        timeouts = CounterMetricFamily(
+            "kvroute_http_timeouts",
+            "Client connections closed because a request's head or body came too slowly",
+            labels=["phase"],
+        )
+        for phase, n in sorted(guard.timeouts.items()):
+            timeouts.add_metric([phase], n)
+        yield timeouts
+
+    def _flow(self, flow: FlowControl) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield _family(
+            GaugeMetricFamily,
+            "kvroute_pool_saturation",
+            "How full each model's pool is, 0 to 1 (flow control sheds at flow.saturation.shed_at)",
+            ["model"],
+            {(model,): value for model, value in flow.saturation.all().items()},
+        )
+        counts: dict[tuple[str, ...], float] = {}
+        for (band, tenant), n in flow.queue.counts().items():
+            key = (str(band), flow.tenant_label(tenant))
+            counts[key] = counts.get(key, 0) + n
+        yield _family(
+            GaugeMetricFamily,
+            "kvroute_flow_waiting",
+            "Requests waiting in the admission queue, by priority band and tenant",
+            ["band", "tenant"],
+            counts,
+        )
+        yield _family(
+            CounterMetricFamily,
+            "kvroute_flow_admitted",
+            "Requests flow control admitted, by priority band",
+            ["band"],
+            {(band,): n for band, n in flow.admitted.items()},
+        )
+        yield _family(
+            CounterMetricFamily,
+            "kvroute_flow_wait_seconds",
+            "Seconds admitted requests waited in the admission queue, by priority band",
+            ["band"],
+            {(band,): n for band, n in flow.wait_sum.items()},
+        )
+        yield _family(
+            CounterMetricFamily,
+            "kvroute_flow_refused",
+            "Requests flow control refused, by priority band and reason (shed, rpm, tpm, "
+            "band_full, timeout)",
+            ["band", "reason"],
+            dict(flow.refused),
+        )
+        yield CounterMetricFamily(
+            "kvroute_rate_limit_fallbacks",
+            "Rate-limit decisions made by local buckets because Redis did not answer",
+            value=flow.limiter.fallbacks,
         )
 
     def _engines(self, registry: Registry, core: RoutingCore) -> Iterator[GaugeMetricFamily]:
@@ -349,6 +456,12 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.first_byte_timeouts = Counter(
+            "kvroute_first_byte_timeouts",
+            "Requests an engine accepted but sent no first byte for in time (504, not retried)",
+            ["engine"],
+            registry=r,
+        )
         self.prefix_match = Histogram(
             "kvroute_prefix_match_ratio",
             "Share of the prompt the chosen engine was expected to hold",
@@ -379,10 +492,17 @@ class RouterMetrics:
             ["mode", "reason"],
             registry=r,
         )
+        self.disagg_links = Counter(
+            "kvroute_disagg_links",
+            "Split requests by the locality of their prefill-to-decode link (same_node, "
+            "same_rack, same_zone, cross_zone; unknown without engine topology)",
+            ["locality"],
+            registry=r,
+        )
         self.handoffs = Counter(
             "kvroute_handoffs",
             "KV handoffs by dialect and outcome (pulled, recomputed, no_params, "
-            "prefill_failed, failed)",
+            "prefill_failed, side_channel_refused, failed)",
             ["dialect", "outcome"],
             registry=r,
         )
@@ -407,6 +527,21 @@ class RouterMetrics:
             "kvroute_handoff_loopback_hosts",
             "Prefill answers whose remote_host was a loopback address from a remote engine",
             ["engine"],
+            registry=r,
+        )
+        self.handoff_fields_removed = Counter(
+            "kvroute_client_handoff_fields_removed",
+            "Router-owned handoff fields (kv_transfer_params, bootstrap_*) removed from "
+            "client requests, by field",
+            ["field"],
+            registry=r,
+        )
+        self.responses_affinity = Counter(
+            "kvroute_responses_affinity",
+            "Responses API requests with previous_response_id, by whether they went to the "
+            "engine holding it: pinned, unknown (no replica recorded the id, or it expired), "
+            "engine_unavailable (its engine is unhealthy, gone, or no longer serves the model)",
+            ["outcome"],
             registry=r,
         )
         self.abandoned_tokens = Counter(
@@ -447,3 +582,18 @@ class RouterMetrics:
         """Export the pick ledger's open count and endings at scrape time."""
         self.picks_open.set_function(lambda: picks.open_count)
         self.state.sources.picks = picks
+
+
+def _family(
+    kind: type[_Family],
+    name: str,
+    documentation: str,
+    labels: list[str],
+    samples: Mapping[tuple[str, ...], float],
+) -> _Family:
+    """A labelled family of ``kind`` holding ``samples`` (label values -> value), in
+    label order."""
+    family = kind(name, documentation, labels=labels)
+    for values, value in sorted(samples.items()):
+        family.add_metric(list(values), value)
+    return family

@@ -1,16 +1,19 @@
 """Configuration reload while running (SIGHUP, or a changed ``--config`` file).
 
 A reload builds the configuration again from the same sources (YAML file, environment,
-flags), compares it with the running one key by key and applies what can change
-without dropping a request: in-flight requests keep the objects they started with, new
-ones see the new settings. Everything else is reported as needing a restart and keeps
-its running value, so ``app.config`` always says what is in force.
+flags), compares it with the running one key by key and publishes what can change
+without dropping a request to the :class:`~router.live_config.LiveConfig`, whose
+subscribers (the routing core, the registry, the proxy, ...) apply their sections
+themselves: in-flight requests keep the objects they started with, new ones see the new
+settings. Everything else is reported as needing a restart and keeps its running value,
+so ``app.config`` always says what is in force.
 
 Keys applied live (:data:`LIVE`, by prefix): the routing policy (name and weights), the
 disaggregation thresholds and decode weights, the request limits and admission queue
 (``limits.*`` but ``max_body_bytes``), the static ``engines`` list (added, removed and changed
 engines), health thresholds and timeouts, scrape timeout, proxy timeouts and retries,
-and the ``server`` log level, log format, access log, drain timeout and reload poll.
+and the ``server`` log level, log format, access log, drain timeout and reload poll,
+and ``auth.*`` (key files are read again on every reload).
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.config import Config, ConfigError, EngineConfig, PolicyConfig
-from router.engines.registry import endpoint_of
-from router.security import redacted
+from router.config import Config, ConfigError
+from router.redaction import redacted
 
 if TYPE_CHECKING:
-    from router.app import RouterApp
+    from router.live_config import LiveConfig
+    from router.security import Credentials
 
 log = logging.getLogger("kvroute.reload")
 
@@ -107,13 +110,14 @@ class ReloadResult:
 
 @dataclass(slots=True)
 class Reloader:
-    """Re-reads the configuration sources and applies the difference to a running router."""
+    """Re-reads the configuration sources and publishes the live difference."""
 
-    app: RouterApp
+    live: LiveConfig
+    """The running configuration; its subscribers apply what a reload changes."""
     source: Callable[[], Config]
     """Builds the configuration from its sources (raises ConfigError)."""
-    on_logging: Callable[[Config], None] = lambda config: None
-    """Called when log settings changed (the process owns the logging setup)."""
+    credentials: Credentials
+    """The keys in force: their files are read again on every reload."""
     counts: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
 
     async def reload(self) -> ReloadResult | None:
@@ -121,7 +125,7 @@ class Reloader:
         try:
             new = self.source()
             # Key files may have changed under the same paths: read them on every reload.
-            self.app.credentials.reload(new.auth)
+            self.credentials.reload(new.auth)
         except ConfigError as exc:
             self.counts["failed"] += 1
             log.error("configuration reload failed, keeping the running one: %s", exc)
@@ -147,69 +151,19 @@ class Reloader:
         return result
 
     async def apply(self, new: Config) -> ReloadResult:
-        """Apply the live part of ``new``; returns what changed and what waits for a restart."""
-        app = self.app
-        old = app.config
+        """Publish the live part of ``new``; returns what changed and what waits for a
+        restart (those keys keep their running values in what is published)."""
         result = ReloadResult()
         effective = new.model_dump()
-        for key, (before, after) in changed_keys(old, new).items():
+        for key, (before, after) in changed_keys(self.live.current, new).items():
             if is_live(key):
                 result.applied[key] = (before, after)
             else:
                 result.restart[key] = (before, after)
                 _set(effective, key, before)
-        if not result.applied:
-            return result
-        config = Config.model_validate(effective)
-        app.config = config
-        self._apply_policy(config, old)
-        app.registry.health = config.health
-        app.admission.limits = config.limits
-        app.core.max_per_engine = config.limits.max_inflight_per_engine
-        if app.monitor is not None:
-            app.monitor.config = config
-        if app.upstream is not None:
-            app.upstream.config = config.proxy
-            app.upstream.own_authorization = app.credentials.upstream_authorization(None)
-        app.observer.access_log_info = config.server.access_log
-        if any(k.startswith("server.log") for k in result.applied):
-            self.on_logging(config)
-        if "engines" in result.applied:
-            await self._apply_engines(old.engines, config.engines)
+        if result.applied:
+            await self.live.publish(Config.model_validate(effective))
         return result
-
-    def _apply_policy(self, config: Config, old: Config) -> None:
-        from router.policy import make_policy
-
-        app = self.app
-        if config.policy != old.policy:
-            current = app.core.policy
-            same = (
-                config.policy.name == old.policy.name and config.policy.sglang == old.policy.sglang
-            )
-            if same and isinstance(getattr(current, "config", None), PolicyConfig):
-                current.config = config.policy  # same policy, new weights: its state is kept
-            elif not same:
-                app.core.policy = make_policy(config.policy)
-            app.core.config = config.policy
-        if config.policy != old.policy or config.disaggregation != old.disaggregation:
-            from router.api.decide import Decider
-
-            app.decider = Decider(app)  # the decode choice from the new weights
-
-    async def _apply_engines(self, old: list[EngineConfig], new: list[EngineConfig]) -> None:
-        """Removed and changed engines go (with their index entries), new ones come."""
-        app = self.app
-        before = {endpoint_of(e.url): e for e in old}
-        after = {endpoint_of(e.url): e for e in new}
-        for endpoint, cfg in before.items():
-            if after.get(endpoint) != cfg:
-                await app.remove_engine(endpoint)
-                log.info("engine %s removed by reload", cfg.url)
-        for endpoint, cfg in after.items():
-            if before.get(endpoint) != cfg:
-                app.add_engine(cfg)
-                log.info("engine %s added by reload", cfg.url)
 
 
 class ReloadCollector:

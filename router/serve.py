@@ -23,7 +23,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from router.api.listener import ListenError
 from router.config import Config, ConfigError, load_config
+from router.handoff import registry as handoff_registry
+from router.live_config import LiveConfig
 from router.policy import POLICY_NAMES
 
 log = logging.getLogger("kvroute")
@@ -56,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--handoff",
-        choices=["nixl", "sglang"],
+        choices=handoff_registry.names(),
         help="KV-transfer dialect between prefill and decode engines (default nixl)",
     )
     parser.add_argument(
@@ -66,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block-size", type=int, help="tokens per KV block; must match the engines (default 16)"
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        metavar="N",
+        help="engines that report no KV-event endpoints publish at tcp://<engine host>:N "
+        "(events.port; llm-d's convention is 5557)",
     )
     parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity"
@@ -109,6 +119,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["block_size"] = args.block_size
     if args.handoff:
         overrides["disaggregation"] = {"handoff": args.handoff}
+    if args.kv_events_port is not None:
+        overrides["events"] = {"port": args.kv_events_port}
     if args.grpc_port is not None:
         overrides["grpc"] = {"port": args.grpc_port}
     if args.extproc_port is not None:
@@ -139,7 +151,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    reloader = Reloader(app, source or (lambda: app.config), _configure_logging)
+    follow_logging(app.live)
+    reloader = Reloader(app.live, source or (lambda: app.config), app.credentials)
     app.reloader = reloader  # POST /admin/reload and gRPC Admin/Reload
     app.metrics.registry.register(ReloadCollector(reloader))
     reloads: set[asyncio.Task[Any]] = set()
@@ -212,6 +225,17 @@ def _configure_logging(config: Config) -> None:
     configure_logging(config.server.log_level, config.server.log_format)
 
 
+def follow_logging(live: LiveConfig) -> None:
+    """The process owns the logging setup: a reload that changes it sets it up again."""
+
+    def reconfigure(new: Config, old: Config) -> None:
+        shape = (new.server.log_level, new.server.log_format)
+        if shape != (old.server.log_level, old.server.log_format):
+            _configure_logging(new)
+
+    live.subscribe("logging", ("server",), reconfigure)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -219,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
     _configure_logging(config)
+    for note in config.deprecations:
+        log.warning("%s", note)
     if not config.engines and not config.discovery.kubernetes.enabled:
         print(
             "kvroute serve: no engines; pass --engine URL, list them in --config, or enable "
@@ -237,3 +263,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:  # a taken port: one line, before any engine was contacted
+        print(f"kvroute serve: {exc.strerror}", file=sys.stderr)
+        return 1

@@ -5,7 +5,10 @@ A gateway picks the decode pod and names the prefill engine in the header
 decode leg on its local engine with the returned ``kv_transfer_params``, and relays the
 answer. Without the header a request passes straight through. The header's target must
 be on the allow-list (``--allow`` addresses ``ip:port`` or CIDRs): anything else is
-refused with 403, so the sidecar cannot be used to reach arbitrary hosts.
+refused with 403, so the sidecar cannot be used to reach arbitrary hosts. Either way a
+client's own handoff fields (``kv_transfer_params``, ``bootstrap_*``) are removed
+first, unless ``--allow-client-handoff-fields`` (so a body that is not a JSON object, or
+nests too deep, is a 400 before it reaches an engine).
 """
 
 from __future__ import annotations
@@ -18,21 +21,27 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from router.api.body import read_body
 from router.api.errors import ApiError, bad_request
 from router.api.http import error_response, openai_errors
-from router.api.usage import UsageTap
-from router.config import ProxyConfig
+from router.api.listener import BoundSite, ConnectionGuard, ListenError, bind
+from router.api.openai import decode_body
+from router.api.usage import UsageTap, cached_tokens
+from router.config import ENV_PREFIX, ConfigError, ProxyConfig, ServerConfig, load_config
 from router.handoff import nixl
+from router.handoff import sidecar as sidecar_dialect
+from router.handoff.fields import strip_owned
 from router.http1 import HTTPError
 from router.proxy import Upstream, UpstreamError
 
 log = logging.getLogger("kvroute.sidecar")
-HEADER = "x-prefiller-host-port"
+HEADER = sidecar_dialect.HEADER
 _HOST_PORT = re.compile(r"\[?([0-9A-Za-z.:-]+?)\]?:(\d{1,5})")
 _PATHS = ("/v1/completions", "/v1/chat/completions")
 _decode = msgspec.json.decode
@@ -73,10 +82,17 @@ def parse_target(value: str) -> tuple[str, int]:
 class Sidecar:
     """The sidecar's handlers."""
 
-    def __init__(self, engine_url: str, allow: AllowList, proxy: ProxyConfig) -> None:
+    def __init__(
+        self,
+        engine_url: str,
+        allow: AllowList,
+        proxy: ProxyConfig,
+        allow_client_handoff_fields: bool = False,
+    ) -> None:
         self.engine_url = engine_url.rstrip("/")
         self.allow = allow
         self.proxy = proxy
+        self.allow_client_handoff_fields = allow_client_handoff_fields
         self.upstream: Upstream | None = None
 
     async def start(self) -> None:
@@ -124,7 +140,10 @@ class Sidecar:
 
     async def _generate(self, request: web.Request, rid: str) -> web.StreamResponse:
         assert self.upstream is not None
-        body = await request.read()
+        body = await read_body(request)
+        payload: dict[str, Any] | None = None
+        if not self.allow_client_handoff_fields:
+            body, payload = _without_owned_fields(body)
         headers = {**self._headers(request), "X-Request-Id": rid}
         target = request.headers.get(HEADER)
         if target is None:
@@ -133,12 +152,8 @@ class Sidecar:
         if not self.allow.allows(host, port):
             log.warning("refused %s=%s: not on the allow-list", HEADER, target)
             raise ApiError(403, f"prefill target {host}:{port} is not allowed", param=HEADER)
-        try:
-            payload = _decode(body)
-        except msgspec.DecodeError:
-            raise bad_request("request body is not valid JSON") from None
-        if not isinstance(payload, dict):
-            raise bad_request("request body must be a JSON object")
+        if payload is None:
+            payload = decode_body(body)
         prefill_url = f"http://{host if ':' not in host else f'[{host}]'}:{port}{request.path}"
         try:
             status, data = await self.upstream.call(
@@ -159,14 +174,31 @@ class Sidecar:
                 answer = {}
             if isinstance(answer, dict):
                 params = nixl.returned_params(answer)
-                cached = nixl.cached_tokens(answer)
+                cached = cached_tokens(answer)
         elif 400 <= status < 500:
             return web.Response(body=data, status=status, content_type="application/json")
+        if params is not None and not self._side_channel_allowed(params, host):
+            log.warning(
+                "prefill engine %s names NIXL side channel %s:%s, which is not on the "
+                "allow-list; decoding locally",
+                target,
+                params.get("remote_host"),
+                params.get("remote_port"),
+            )
+            params = None
         decode_payload = nixl.decode_body(payload, params) if params else payload
         tap = UsageTap(cached_tokens=cached) if params else None
         return await self._relay(
             request, self.engine_url + request.path, _encode(decode_payload), headers, tap
         )
+
+    def _side_channel_allowed(self, params: dict[str, object], prefill_host: str) -> bool:
+        """The local engine may pull from the prefill host itself, or from an address the
+        allow-list names (``ip:port`` pairs match the side channel's port too)."""
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if host is None or host == prefill_host:
+            return True
+        return isinstance(host, str) and isinstance(port, int) and self.allow.allows(host, port)
 
     async def _relay(
         self,
@@ -204,6 +236,20 @@ class Sidecar:
             self.upstream.finish(response, deadline)
 
 
+def _without_owned_fields(body: bytes) -> tuple[bytes, dict[str, Any]]:
+    """The body without a client's own handoff fields (router.handoff.fields), and the
+    decoded request it carries.
+
+    Decoded as the router decodes every body (``decode_body``: depth-checked, 400 for
+    anything but a JSON object): a body the sidecar cannot read is the client's 400,
+    not passed on, since an engine's laxer parser (``NaN``, deeper nesting) could still
+    find the fields in it."""
+    payload = decode_body(body)
+    if not strip_owned(payload):
+        return body, payload
+    return _encode(payload), payload
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", required=True, metavar="URL", help="the local decode engine")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -215,6 +261,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CIDR|IP:PORT",
         help="prefill targets the x-prefiller-host-port header may name (repeatable); "
         "none given: every request naming a prefiller is refused",
+    )
+    parser.add_argument(
+        "--allow-client-handoff-fields",
+        action="store_true",
+        help="pass a client's own kv_transfer_params and bootstrap_* fields to the engine "
+        "(default: removed; only for clients that run their own disaggregation)",
     )
     parser.add_argument(
         "--log-level",
@@ -230,23 +282,55 @@ async def start_sidecar(
     host: str = "127.0.0.1",
     port: int = 0,
     proxy: ProxyConfig | None = None,
+    server: ServerConfig | None = None,
+    allow_client_handoff_fields: bool = False,
 ) -> tuple[web.AppRunner, Sidecar, str]:
-    """Start a sidecar in the running loop; returns (runner, sidecar, its URL)."""
-    sidecar = Sidecar(engine_url, AllowList(allow), proxy or ProxyConfig())
-    await sidecar.start()
-    app = web.Application(middlewares=[openai_errors])
+    """Start a sidecar in the running loop; returns (runner, sidecar, its URL).
+
+    ``server``: the listener's connection cap and timeouts (``ServerConfig``'s
+    defaults, the router's, unless given)."""
+    server = server or ServerConfig()
+    guard = ConnectionGuard(server.max_connections, server.header_timeout_s, server.body_timeout_s)
+    app = web.Application(middlewares=[guard.middleware, openai_errors])
+    sidecar = Sidecar(
+        engine_url, AllowList(allow), proxy or ProxyConfig(), allow_client_handoff_fields
+    )
     app.add_routes(sidecar.routes())
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=server.keepalive_timeout_s,
+        auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    bound_host, bound_port = sock.getsockname()[:2]
+    try:
+        bound = await bind(host, port, guard, runner)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    await sidecar.start()
+    bound_host, bound_port = bound.sockets[0].getsockname()[:2]
+    await BoundSite(runner, bound, f"{bound_host}:{bound_port}").start()
     return runner, sidecar, f"http://{bound_host}:{bound_port}"
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    runner, sidecar, url = await start_sidecar(args.engine, args.allow, args.host, args.port)
+def server_settings(environ: Mapping[str, str]) -> ServerConfig:
+    """The listener's cap and timeouts: ``ServerConfig``'s defaults, overridden by
+    ``KVROUTE_SERVER__*`` variables as for ``kvroute serve`` (host and port are flags)."""
+    prefix = f"{ENV_PREFIX}SERVER__"
+    return load_config(environ={k: v for k, v in environ.items() if k.startswith(prefix)}).server
+
+
+async def _serve(args: argparse.Namespace, server: ServerConfig) -> int:
+    runner, sidecar, url = await start_sidecar(
+        args.engine,
+        args.allow,
+        args.host,
+        args.port,
+        server=server,
+        allow_client_handoff_fields=args.allow_client_handoff_fields,
+    )
     print(f"kvroute sidecar listening on {url} (engine {args.engine})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -270,9 +354,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute sidecar: bad --allow entry: {exc}", file=sys.stderr)
         return 2
     try:
+        server = server_settings(os.environ)
+    except ConfigError as exc:
+        print(f"kvroute sidecar: {exc}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_serve(args))
+    try:
+        return asyncio.run(_serve(args, server))
+    except ListenError as exc:
+        print(f"kvroute sidecar: {exc.strerror}", file=sys.stderr)
+        return 1

@@ -16,19 +16,31 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "url", metavar="URL", help="the router's HTTP address, e.g. http://127.0.0.1:8000"
+        "url",
+        metavar="URL",
+        help="the router's HTTP address, e.g. http://127.0.0.1:8000 (or host:port)",
     )
     parser.add_argument("--json", action="store_true", help="print the JSON answer as it is")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
 
 
+def router_url(address: str) -> str:
+    """``host:port`` -> ``http://host:port``; a URL stays as it is."""
+    return address if "://" in address else f"http://{address}"
+
+
 def fetch(url: str, timeout: float) -> dict[str, Any]:
     """The router's ``/admin/engines`` answer; raises RuntimeError with a clear reason."""
+    url = router_url(url)
     request = urllib.request.Request(url.rstrip("/") + "/admin/engines")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            answer = json.loads(response.read())
     except urllib.error.HTTPError as exc:
+        if exc.code == 404:  # every kvroute router serves /admin/engines
+            raise RuntimeError(
+                f"{url} is not a kvroute router (no /admin/engines there; an engine?)"
+            ) from None
         try:
             message = json.loads(exc.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -39,6 +51,9 @@ def fetch(url: str, timeout: float) -> dict[str, Any]:
         raise RuntimeError(f"cannot reach {url}: {reason}") from None
     except ValueError:
         raise RuntimeError(f"{url} did not answer JSON; is it a kvroute router?") from None
+    if not isinstance(answer, dict) or not isinstance(answer.get("engines"), list):
+        raise RuntimeError(f"{url} is not a kvroute router (its /admin/engines is no list)")
+    return answer
 
 
 def _share(value: float | None) -> str:
@@ -100,5 +115,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(answer, indent=2))
     else:
-        print(table(answer.get("engines", [])))
+        print(table(answer["engines"]))
     return 0

@@ -41,9 +41,10 @@ from router.config import (
     EngineConfig,
     EventEndpoints,
     KubernetesDiscoveryConfig,
+    TopologyConfig,
 )
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
-from router.security import engine_allowed
+from router.security import engine_refused
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -89,8 +90,35 @@ def _ready(pod: Mapping[str, Any]) -> bool:
     return False
 
 
-def engine_of_pod(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig) -> PodState:
-    """The engine a pod runs and whether it is ready; :class:`PodProblem` if it cannot be one."""
+def node_of_pod(pod: Mapping[str, Any]) -> str | None:
+    """The node a pod is scheduled on (``spec.nodeName``), if any yet."""
+    return (pod.get("spec") or {}).get("nodeName") or None
+
+
+def topology_of_pod(
+    pod: Mapping[str, Any],
+    cfg: KubernetesDiscoveryConfig,
+    node_labels: Mapping[str, str] | None = None,
+) -> TopologyConfig:
+    """Where a pod runs: its node, and the zone and rack labels of that node (the pod's
+    own labels of the same names where the node's are not known)."""
+    labels: Mapping[str, str] = (pod.get("metadata") or {}).get("labels") or {}
+    node = node_labels or {}
+    return TopologyConfig(
+        node=node_of_pod(pod),
+        rack=node.get(cfg.rack_label) or labels.get(cfg.rack_label) or None,
+        zone=node.get(cfg.zone_label) or labels.get(cfg.zone_label) or None,
+    )
+
+
+def engine_of_pod(
+    pod: Mapping[str, Any],
+    cfg: KubernetesDiscoveryConfig,
+    node_labels: Mapping[str, str] | None = None,
+) -> PodState:
+    """The engine a pod runs and whether it is ready; :class:`PodProblem` if it cannot be one.
+
+    ``node_labels``: the labels of the pod's node, for its topology."""
     meta = pod.get("metadata") or {}
     labels: Mapping[str, str] = meta.get("labels") or {}
     notes: Mapping[str, str] = meta.get("annotations") or {}
@@ -145,6 +173,7 @@ def engine_of_pod(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig) -> Pod
         models=models,
         dp_size=dp_size,
         kv_events=kv_events,
+        topology=topology_of_pod(pod, cfg, node_labels),
     )
     return PodState(engine, _ready(pod))
 
@@ -216,6 +245,8 @@ class KubernetesDiscovery:
         self.synced = asyncio.Event()
         """Set once the first list has been applied."""
         self._pods: dict[str, _Tracked] = {}
+        self._nodes: dict[str, dict[str, str]] = {}
+        """Labels of the nodes engine pods run on (read once per node)."""
         self._problems: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._api: Any = None
@@ -403,12 +434,14 @@ class KubernetesDiscovery:
         return version
 
     @staticmethod
-    def _status_message(what: str, status: int, body: bytes) -> str:
+    def _status_message(
+        what: str, status: int, body: bytes, rights: str = "list and watch pods"
+    ) -> str:
         try:
             message = _decode(body).get("message") or body[:200].decode("utf-8", "replace")
         except (msgspec.DecodeError, AttributeError):
             message = body[:200].decode("utf-8", "replace")
-        hint = " (does the router's service account have RBAC to list and watch pods?)"
+        hint = f" (does the router's service account have RBAC to {rights}?)"
         return f"{what}: HTTP {status}: {message}{hint if status in (401, 403) else ''}"
 
     # ------------------------------------------------------------------ reconciling
@@ -421,10 +454,41 @@ class KubernetesDiscovery:
         for pod in listed.values():
             await self._apply(pod)
 
+    async def _node_labels(self, name: str | None) -> dict[str, str] | None:
+        """A node's labels, read from the API server once per node (its zone and rack do
+        not change under a running pod); None when not to be read or unreadable."""
+        if name is None or not self.cfg.node_topology:
+            return None
+        if name in self._nodes:
+            return self._nodes[name]
+        resp = await self._api.read_node(
+            name,
+            _preload_content=False,
+            _request_timeout=aiohttp.ClientTimeout(total=30),
+        )
+        try:
+            body = await resp.read()
+            status = resp.status
+        finally:
+            resp.release()
+        if status != 200:
+            # Remembered as unknown: the pod's own labels stand in (no retry per event).
+            log.warning(
+                "%s; engine topology from the pod alone",
+                self._status_message(f"get node {name}", status, body, "get nodes"),
+            )
+            self._nodes[name] = {}
+            return None
+        labels = (_decode(body).get("metadata") or {}).get("labels") or {}
+        self._nodes[name] = {str(k): str(v) for k, v in labels.items()}
+        return self._nodes[name]
+
     async def _apply(self, pod: Mapping[str, Any]) -> None:
         key = _pod_key(pod)
         try:
-            state = engine_of_pod(pod, self.cfg)
+            scheduled = (pod.get("status") or {}).get("podIP")
+            labels = await self._node_labels(node_of_pod(pod)) if scheduled else None
+            state = engine_of_pod(pod, self.cfg, labels)
         except PodProblem as exc:
             if self._problems.get(key) != str(exc):
                 log.warning("pod %s is not used as an engine: %s", key, exc)
@@ -452,7 +516,7 @@ class KubernetesDiscovery:
                     "pod %s: %s is already a configured engine; left as it is", key, endpoint
                 )
                 return
-            refused = await engine_allowed(state.engine.url, self.fleet.config.auth.engine_cidrs)
+            refused = await engine_refused(state.engine, self.fleet.config.auth.engine_cidrs)
             if refused is not None:
                 log.warning("pod %s: not an engine: %s", key, refused)
                 return

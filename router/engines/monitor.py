@@ -3,7 +3,8 @@
 None of this runs on the request path. Discovery reads an engine's ``/v1/models`` and,
 when it offers one, ``/server_info`` (the emulator reports its KV-event endpoints and
 block size there, so ``kvroute serve --engine URL`` needs no further flags); it runs
-at start-up and again whenever an engine that was never discovered becomes healthy.
+with an engine's first passing health probe (at start-up, or whenever an engine that
+was not up then first answers).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from router.engines.load import LoadTracker
 from router.engines.registry import Engine, EngineState, Registry
 from router.engines.scrape import parse_metrics
 from router.proxy import Upstream, UpstreamError
+from router.security import endpoint_allowed
 
 log = logging.getLogger("kvroute.engines")
 _decode = msgspec.json.decode
@@ -58,7 +60,8 @@ class EngineMonitor:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        await asyncio.gather(*(self.discover(e) for e in self.registry), return_exceptions=True)
+        """Probe (and so discover) every engine once, then keep doing it on timers."""
+        await asyncio.gather(*(self.probe(e) for e in self.registry), return_exceptions=True)
         self._tasks = [
             asyncio.ensure_future(self._every(self.config.health.interval_s, self.probe_all)),
             asyncio.ensure_future(self._every(self.config.scrape.interval_s, self.scrape_all)),
@@ -100,8 +103,17 @@ class EngineMonitor:
             info = _decode(body) if status == 200 else {}
         except (UpstreamError, msgspec.DecodeError):
             info = {}
+        reported = engine.events is None  # not configured: whatever it reports is checked
         if isinstance(info, dict):
             self._apply_server_info(engine, info)
+        if engine.block_size is None:
+            await self._read_block_size(engine, timeout)
+        if engine.events is None and engine.wants_events:
+            await self._read_event_sources(engine, timeout)
+        if engine.events is None and engine.wants_events and self.config.events.port:
+            self._apply_port_convention(engine)
+        if reported and engine.events is not None:
+            await self._check_reported_events(engine)
         engine.discovered = True
         engine.refresh()
         self.registry.changed()
@@ -182,29 +194,118 @@ class EngineMonitor:
                         topic=engine.events.topic,
                     )
 
+    async def _read_block_size(self, engine: Engine, timeout: float) -> None:
+        """The block size from ``vllm:cache_config_info`` (or SGLang's page size), so that
+        a pool without a configured block size adopts its engines' before it routes."""
+        try:
+            status, body = await self.upstream.get(engine.url + "/metrics", timeout)
+        except UpstreamError:
+            return
+        if status == 200:
+            scrape = parse_metrics(body.decode("utf-8", "replace"))
+            engine.block_size = scrape.block_size
+            engine.sglang = scrape.sglang
+
+    async def _read_event_sources(self, engine: Engine, timeout: float) -> None:
+        """vLLM 0.32's ``GET /kv_event_sources``: ``{"<dp rank>": {"endpoint",
+        "replay_endpoint", "topic", ...}}`` (no dev mode needed)."""
+        try:
+            status, body = await self.upstream.get(engine.url + "/kv_event_sources", timeout)
+            sources = _decode(body) if status == 200 else {}
+        except (UpstreamError, msgspec.DecodeError):
+            return
+        if not isinstance(sources, dict):
+            return
+        host = urlsplit(engine.url).hostname or "127.0.0.1"
+        ranks: dict[int, EventEndpoints] = {}
+        for rank, entry in sources.items():
+            if not isinstance(entry, dict) or not str(rank).isdigit():
+                continue
+            if entry.get("enable_kv_cache_events") is False or entry.get("publisher") not in (
+                None,
+                "zmq",
+            ):
+                continue
+            pub, replay, topic = (
+                entry.get("endpoint"),
+                entry.get("replay_endpoint"),
+                entry.get("topic"),
+            )
+            if not isinstance(pub, str) or not pub:
+                continue
+            ranks[int(rank)] = EventEndpoints(
+                endpoint=_reachable(pub, host),
+                replay_endpoint=_reachable(replay, host)
+                if isinstance(replay, str) and replay
+                else None,
+                topic=topic if isinstance(topic, str) else "",
+            )
+        if 0 not in ranks:
+            return
+        engine.events = ranks[0]
+        engine.rank_events.update({r: e for r, e in ranks.items() if r != 0})
+        if len(ranks) > engine.dp_size:
+            engine.dp_size = len(ranks)
+        log.info("engine %s publishes KV events at %s", engine.url, engine.events.endpoint)
+
+    def _apply_port_convention(self, engine: Engine) -> None:
+        host = urlsplit(engine.url).hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        replay_port = self.config.events.replay_port
+        engine.events = EventEndpoints(
+            endpoint=f"tcp://{host}:{self.config.events.port}",
+            replay_endpoint=f"tcp://{host}:{replay_port}" if replay_port else None,
+        )
+
+    async def _check_reported_events(self, engine: Engine) -> None:
+        """Forget KV-event endpoints the engine reported off its own host and outside
+        ``auth.engine_cidrs``: the router would connect there. It is then routed from
+        decisions, like an engine without events."""
+        own = urlsplit(engine.url).hostname
+        cidrs = self.config.auth.engine_cidrs
+        for endpoints in (engine.events, *engine.rank_events.values()):
+            if endpoints is None:
+                continue
+            for endpoint in (endpoints.endpoint, endpoints.replay_endpoint):
+                if endpoint is None:
+                    continue
+                refused = await endpoint_allowed(endpoint, cidrs, own_host=own)
+                if refused is not None:
+                    log.warning(
+                        "engine %s reports KV events at %s, not followed: %s",
+                        engine.url,
+                        endpoint,
+                        refused,
+                    )
+                    engine.events = None
+                    engine.rank_events.clear()
+                    return
+
     # ------------------------------------------------------------------ health
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(e) for e in self.registry))
 
     async def probe(self, engine: Engine) -> None:
+        """GET /health; the first passing probe discovers the engine and admits it."""
         try:
             status, _ = await self.upstream.get(
                 engine.url + "/health", self.config.health.timeout_s
             )
-            ok = status == 200
-        except UpstreamError:
-            ok = False
-        if not ok:
-            if self.registry.record_failure(engine):
-                log.warning("engine %s ejected after %d failures", engine.url, engine.failures)
+            problem = "" if status == 200 else f"answered {status}"
+        except UpstreamError as exc:
+            problem = str(exc)
+        if problem:
+            self.registry.record_failure(engine)
+            if engine.state is EngineState.PENDING and engine.failures == 1:
+                log.warning("engine %s not ready yet: /health %s", engine.url, problem)
             return
         if not engine.discovered:
             await self.discover(engine)
         if engine.state is EngineState.REFUSED:
             return
-        if self.registry.probe_succeeded(engine):
-            log.info("engine %s re-admitted", engine.url)
+        self.registry.probe_succeeded(engine)
 
     # ------------------------------------------------------------------ load
 
@@ -222,6 +323,7 @@ class EngineMonitor:
         if status != 200:
             return
         scrape = parse_metrics(body.decode("utf-8", "replace"))
+        engine.sglang = scrape.sglang
         now = time.monotonic()
         for key in engine.keys:
             sample = scrape.ranks.get(key.rank)

@@ -4,14 +4,18 @@ An engine is one inference server URL; with ``dp_size`` N it is N routing target
 (:class:`~router.types.EngineKey` per data-parallel rank) that share the URL and
 health. Only healthy engines are candidates.
 
-Health: ``record_failure`` counts consecutive failures from requests and probes;
-``eject_after_failures`` in a row eject the engine for a backoff that doubles with
-each ejection (up to ``backoff_max_s``); a successful probe after the backoff
-re-admits it and resets the count.
+Health: an engine is ``pending`` until its first health probe passes (an engine that
+was never reachable is not ready). ``record_failure`` counts consecutive failures from
+requests and probes; ``eject_after_failures`` in a row eject the engine for a backoff
+that doubles with each ejection in a row (up to ``backoff_max_s``); a successful probe
+after the backoff re-admits it and resets the count. A healthy run longer than
+``backoff_max_s`` since the last admission starts the doubling over; the count of
+ejections (``kvroute_engine_ejections_total``) only grows.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,10 +23,15 @@ from enum import Enum
 from urllib.parse import urlsplit
 
 from router.config import EngineConfig, EventEndpoints, HealthConfig
+from router.topology import Topology
 from router.types import EngineKey
+
+log = logging.getLogger("kvroute.engines")
 
 
 class EngineState(str, Enum):
+    PENDING = "pending"
+    """Not yet answered a health probe: no requests (it may never have been reachable)."""
     HEALTHY = "healthy"
     EJECTED = "ejected"
     DRAINING = "draining"
@@ -69,13 +78,22 @@ class Engine:
     wants_events: bool = True
     """False when configured with ``kv_events: none``."""
     block_size: int | None = None
+    sglang: bool = False
+    """An SGLang server (it exports ``sglang:cache_config_info``): a request for one of
+    its data-parallel ranks names it in the body's ``data_parallel_rank``."""
     bootstrap_port: int | None = None
     """SGLang prefill engines: where their bootstrap listener is."""
-    state: EngineState = EngineState.HEALTHY
+    topology: Topology | None = None
+    """Where it runs (node, rack, zone), when known: prices its KV transfers."""
+    state: EngineState = EngineState.PENDING
     failures: int = 0
     ejections: int = 0
+    """Times ejected since it was registered (only grows: a metric counter)."""
+    backoff_level: int = 0
+    """Ejections since the last long healthy run: the next backoff's exponent."""
     ejected_until: float = 0.0
-    admitted_at: float = 0.0
+    admitted_at: float | None = None
+    """When a probe last admitted it (first answer or re-admission); None: never."""
     refused_reason: str = ""
     discovered: bool = False
     """Whether /v1/models and /server_info have been read."""
@@ -114,6 +132,7 @@ class Engine:
             models_configured=bool(cfg.models),
             dp_size=cfg.dp_size,
             bootstrap_port=cfg.bootstrap_port,
+            topology=Topology.from_config(cfg.topology),
             events=cfg.kv_events if isinstance(cfg.kv_events, EventEndpoints) else None,
             wants_events=cfg.kv_events != "none",
         )
@@ -155,6 +174,11 @@ class Registry:
 
     def engine_of(self, key: EngineKey) -> Engine | None:
         return self._engines.get(key.endpoint)
+
+    def topology_of(self, key: EngineKey) -> Topology | None:
+        """Where the engine behind ``key`` runs (None: not known, or no such engine)."""
+        engine = self._engines.get(key.endpoint)
+        return engine.topology if engine is not None else None
 
     def models(self) -> list[str]:
         """Every model some engine serves, sorted."""
@@ -222,27 +246,46 @@ class Registry:
     def record_failure(self, engine: Engine) -> bool:
         """Count a failure; returns True if this one ejected the engine."""
         engine.failures += 1
-        now = self.clock()
-        if now - engine.admitted_at > self.health.backoff_max_s:
-            engine.ejections = 0  # a long healthy run forgives earlier ejections
         if (
-            engine.state is EngineState.HEALTHY
-            and engine.failures >= self.health.eject_after_failures
+            engine.state is not EngineState.HEALTHY
+            or engine.failures < self.health.eject_after_failures
         ):
-            backoff = min(
-                self.health.backoff_initial_s * 2**engine.ejections, self.health.backoff_max_s
-            )
-            engine.ejections += 1
-            engine.ejected_until = now + backoff
-            self._set_state(engine, EngineState.EJECTED)
-            return True
-        return False
+            return False
+        now = self.clock()
+        if engine.admitted_at is not None and now - engine.admitted_at > self.health.backoff_max_s:
+            engine.backoff_level = 0  # a long healthy run forgives earlier ejections
+        backoff = min(
+            self.health.backoff_initial_s * 2**engine.backoff_level, self.health.backoff_max_s
+        )
+        if backoff < self.health.backoff_max_s:
+            engine.backoff_level += 1
+        engine.ejections += 1
+        engine.ejected_until = now + backoff
+        log.warning(
+            "engine %s ejected after %d failures in a row (requests or probes); "
+            "re-admitted by a passing probe after %.1f s (ejection %d)",
+            engine.url,
+            engine.failures,
+            backoff,
+            engine.ejections,
+        )
+        self._set_state(engine, EngineState.EJECTED)
+        return True
 
     def probe_succeeded(self, engine: Engine) -> bool:
-        """A health probe passed; returns True if that re-admitted the engine."""
+        """A health probe passed; returns True if that admitted the engine (its first
+        answer, or a re-admission after an ejection)."""
         engine.failures = 0
-        if engine.state is EngineState.EJECTED and self.clock() >= engine.ejected_until:
-            engine.admitted_at = self.clock()
+        now = self.clock()
+        if engine.state is EngineState.PENDING or (
+            engine.state is EngineState.EJECTED and now >= engine.ejected_until
+        ):
+            log.info(
+                "engine %s %s",
+                engine.url,
+                "re-admitted" if engine.state is EngineState.EJECTED else "answers: healthy",
+            )
+            engine.admitted_at = now
             self._set_state(engine, EngineState.HEALTHY)
             return True
         return False
@@ -256,5 +299,7 @@ class Registry:
         self._set_state(engine, EngineState.DRAINING)
 
     def undrain(self, engine: Engine) -> None:
+        """Back to taking requests (to ``pending`` if no probe has passed yet)."""
         if engine.state is EngineState.DRAINING:
-            self._set_state(engine, EngineState.HEALTHY)
+            admitted = engine.admitted_at is not None
+            self._set_state(engine, EngineState.HEALTHY if admitted else EngineState.PENDING)

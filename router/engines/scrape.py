@@ -40,6 +40,9 @@ class Scrape:
 
     ranks: dict[int, EngineSample] = field(default_factory=dict)
     block_size: int | None = None
+    sglang: bool = False
+    """The engine exports SGLang's metrics (``sglang:...``): it picks a data-parallel
+    rank from the request body's ``data_parallel_rank``, not vLLM's header."""
 
 
 def parse_metrics(text: str) -> Scrape:
@@ -69,4 +72,6 @@ def parse_metrics(text: str) -> Scrape:
             m = _BLOCK_SIZE.search(line)
             if m:
                 out.block_size = int(m.group(1))
+            if line.startswith("sglang:"):
+                out.sglang = True
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -27,15 +28,16 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from router.api.extproc import SERVICE_NAME as EXTPROC_SERVICE
-from router.api.extproc import ExtProcService
-from router.api.grpc import AdminService, RouterService
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.security import AuthError, grpc_credentials
 
 if TYPE_CHECKING:
-    from router.app import RouterApp
-    from router.engines.registry import Engine, EngineState
+    from router.api.picks import PickLedger
+    from router.config import Config
+    from router.engines.registry import Engine, EngineState, Registry
+    from router.metrics import RouterMetrics
+    from router.security import Credentials
 
 log = logging.getLogger("kvroute.grpc")
 
@@ -113,8 +115,9 @@ class ClientKeys(aio.ServerInterceptor):
     servicer runs. Admin calls are checked by the admin layer; health and reflection
     stay open for probes."""
 
-    def __init__(self, app: RouterApp) -> None:
-        self.app = app
+    def __init__(self, credentials: Credentials, metrics: RouterMetrics) -> None:
+        self.credentials = credentials
+        self.metrics = metrics
         self.prefix = f"/{ROUTER_SERVICE}/"
 
     async def intercept_service(
@@ -123,7 +126,7 @@ class ClientKeys(aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        credentials = self.app.credentials
+        credentials = self.credentials
         if handler is None or credentials.client_open or not details.method.startswith(self.prefix):
             return handler
         metadata = {
@@ -133,8 +136,8 @@ class ClientKeys(aio.ServerInterceptor):
             credentials.check_client(metadata.get("authorization"))
         except AuthError as exc:
             method = details.method[len(self.prefix) :]
-            self.app.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
-            self.app.metrics.auth_refusals.labels("grpc", "client", str(exc.status)).inc()
+            self.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
+            self.metrics.auth_refusals.labels("grpc", "client", str(exc.status)).inc()
             return _refusal(handler, exc.message)
         return handler
 
@@ -161,18 +164,53 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return handler
 
 
+@dataclass(frozen=True, slots=True)
+class Servicers:
+    """Builds the servicers the listeners serve (their handlers are the API layer's:
+    :mod:`router.api.grpc` and :mod:`router.api.extproc`)."""
+
+    router: Callable[[], pb_grpc.RouterServicer]
+    admin: Callable[[], pb_grpc.AdminServicer]
+    extproc: Callable[[], ep_grpc.ExternalProcessorServicer]
+
+
 class GrpcServers:
     """The gRPC listeners a router's configuration asks for, and their health."""
 
-    def __init__(self, app: RouterApp) -> None:
-        self.app = app
+    def __init__(
+        self,
+        config: Config,
+        servicers: Servicers,
+        *,
+        registry: Registry,
+        picks: PickLedger,
+        credentials: Credentials,
+        metrics: RouterMetrics,
+        draining: Callable[[], bool],
+        drain_listeners: list[Callable[[], None]],
+    ) -> None:
+        """``config``: the listeners' settings (``grpc``, ``extproc``, ``tls``: they need a
+        restart); ``draining`` and ``drain_listeners``: the router's drain state, which
+        turns health NOT_SERVING."""
+        self.config = config
+        self.servicers = servicers
+        self.registry = registry
+        self.picks = picks
+        self.credentials = credentials
+        self.metrics = metrics
+        self.draining = draining
+        self.drain_listeners = drain_listeners
+        self.grpc_port: int | None = None
+        """The API listener's bound port, once started."""
+        self.extproc_port: int | None = None
+        """The ext_proc listener's bound port, once started."""
         self.listeners: list[Listener] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refresher: asyncio.Task[None] | None = None
         self._expirer: asyncio.Task[None] | None = None
 
     def _ready(self) -> bool:
-        return not self.app.draining and self.app.registry.healthy_count() > 0
+        return not self.draining() and self.registry.healthy_count() > 0
 
     async def refresh(self) -> None:
         ready = self._ready()
@@ -188,15 +226,15 @@ class GrpcServers:
         self._refresh_soon()
 
     async def start(self) -> None:
-        app = self.app
-        cfg = app.config
+        cfg = self.config
+        servicers = self.servicers
         limit = cfg.limits.max_body_bytes + 65_536
         if cfg.grpc.port is not None:
             services = {
                 ROUTER_SERVICE: lambda s: pb_grpc.add_RouterServicer_to_server(
-                    RouterService(app), s
+                    servicers.router(), s
                 ),
-                ADMIN_SERVICE: lambda s: pb_grpc.add_AdminServicer_to_server(AdminService(app), s),
+                ADMIN_SERVICE: lambda s: pb_grpc.add_AdminServicer_to_server(servicers.admin(), s),
             }
             api = Listener(
                 "gRPC API",
@@ -207,15 +245,15 @@ class GrpcServers:
                 (),
                 limit,
                 grpc_credentials(cfg.tls) if cfg.tls.on("grpc") else None,
-                (ClientKeys(app),),
+                (ClientKeys(self.credentials, self.metrics),),
             )
-            app.grpc_port = await api.start()
+            self.grpc_port = await api.start()
             self.listeners.append(api)
             self._expirer = asyncio.ensure_future(self._expire())
         if cfg.extproc.port is not None:
             services = {
                 EXTPROC_SERVICE: lambda s: ep_grpc.add_ExternalProcessorServicer_to_server(
-                    ExtProcService(app), s
+                    servicers.extproc(), s
                 ),
             }
             extproc = Listener(
@@ -228,10 +266,10 @@ class GrpcServers:
                 limit,
                 grpc_credentials(cfg.tls) if cfg.tls.on("extproc") else None,
             )
-            app.extproc_port = await extproc.start()
+            self.extproc_port = await extproc.start()
             self.listeners.append(extproc)
-        app.drain_listeners.append(self._refresh_soon)
-        app.registry.listeners.append(self._on_engine)
+        self.drain_listeners.append(self._refresh_soon)
+        self.registry.listeners.append(self._on_engine)
         await self.refresh()
         self._refresher = asyncio.ensure_future(self._refresh_every(1.0))
 
@@ -242,7 +280,7 @@ class GrpcServers:
 
     async def _expire(self) -> None:
         """Expire picks that were never released, soon after their deadline."""
-        picks = self.app.picks
+        picks = self.picks
         while True:
             deadline = picks.next_deadline()
             wait = picks.ttl_s if deadline is None else deadline - picks.clock()
@@ -258,12 +296,12 @@ class GrpcServers:
             *(t for t in (self._refresher, self._expirer, *self._tasks) if t is not None),
             return_exceptions=True,
         )
-        if self._on_engine in self.app.registry.listeners:
-            self.app.registry.listeners.remove(self._on_engine)
-        if self._refresh_soon in self.app.drain_listeners:
-            self.app.drain_listeners.remove(self._refresh_soon)
+        if self._on_engine in self.registry.listeners:
+            self.registry.listeners.remove(self._on_engine)
+        if self._refresh_soon in self.drain_listeners:
+            self.drain_listeners.remove(self._refresh_soon)
         await asyncio.gather(*(listener.stop() for listener in self.listeners))
         self.listeners = []
 
 
-__all__ = ["ADMIN_SERVICE", "LIVENESS", "READINESS", "ROUTER_SERVICE", "GrpcServers"]
+__all__ = ["ADMIN_SERVICE", "LIVENESS", "READINESS", "ROUTER_SERVICE", "GrpcServers", "Servicers"]

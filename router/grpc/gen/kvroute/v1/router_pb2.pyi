@@ -288,7 +288,7 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
 
 class AddEngineRequest(_message.Message):
-    __slots__ = ("url", "role", "models", "dp_size", "bootstrap_port", "kv_events", "kv_events_replay", "kv_events_topic")
+    __slots__ = ("url", "role", "models", "dp_size", "bootstrap_port", "kv_events", "kv_events_replay", "kv_events_topic", "topology")
     URL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,7 @@ class AddEngineRequest(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     url: str
     role: str
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -305,7 +306,18 @@ class AddEngineRequest(_message.Message):
     kv_events: str
     kv_events_replay: str
     kv_events_topic: str
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., dp_size: _Optional[int] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., kv_events_replay: _Optional[str] = ..., kv_events_topic: _Optional[str] = ...) -> None: ...
+    topology: EngineTopology
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., dp_size: _Optional[int] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., kv_events_replay: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., topology: _Optional[_Union[EngineTopology, _Mapping]] = ...) -> None: ...
+
+class EngineTopology(_message.Message):
+    __slots__ = ("node", "rack", "zone")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RACK_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    rack: str
+    zone: str
+    def __init__(self, node: _Optional[str] = ..., rack: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
 
 class EngineRef(_message.Message):
     __slots__ = ("endpoint",)
@@ -330,7 +342,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., index_blocks: _Optional[int] = ..., index_share: _Optional[float] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("endpoint", "url", "role", "state", "models", "dp_size", "ranks", "inflight_requests", "index_blocks", "index_share", "refused_reason", "discovered")
+    __slots__ = ("endpoint", "url", "role", "state", "models", "dp_size", "ranks", "inflight_requests", "index_blocks", "index_share", "refused_reason", "discovered", "topology")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +355,7 @@ class EngineStatus(_message.Message):
     INDEX_SHARE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REASON_FIELD_NUMBER: _ClassVar[int]
     DISCOVERED_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     url: str
     role: str
@@ -355,4 +368,5 @@ class EngineStatus(_message.Message):
     index_share: float
     refused_reason: str
     discovered: bool
-    def __init__(self, endpoint: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., dp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., index_blocks: _Optional[int] = ..., index_share: _Optional[float] = ..., refused_reason: _Optional[str] = ..., discovered: _Optional[bool] = ...) -> None: ...
+    topology: EngineTopology
+    def __init__(self, endpoint: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., dp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., index_blocks: _Optional[int] = ..., index_share: _Optional[float] = ..., refused_reason: _Optional[str] = ..., discovered: _Optional[bool] = ..., topology: _Optional[_Union[EngineTopology, _Mapping]] = ...) -> None: ...
