@@ -73,11 +73,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.discovery.namespace -}}{{- $_ := set $k8s "namespace" .Values.discovery.namespace -}}{{- end -}}
 {{- if .Values.discovery.kvEventsPort -}}{{- $_ := set $k8s "kv_events_port" (int .Values.discovery.kvEventsPort) -}}{{- end -}}
 {{- if .Values.discovery.kvEventsReplayPort -}}{{- $_ := set $k8s "kv_events_replay_port" (int .Values.discovery.kvEventsReplayPort) -}}{{- end -}}
+{{- $_ := set $k8s "node_topology" (.Values.discovery.nodeTopology | default false) -}}
+{{- if .Values.discovery.rackLabel -}}{{- $_ := set $k8s "rack_label" .Values.discovery.rackLabel -}}{{- end -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" $k8s) -}}
 {{- end -}}
 {{- if .Values.engines -}}{{- $_ := set $cfg "engines" .Values.engines -}}{{- end -}}
 {{- $redis := include "kvroute.redisUrl" . -}}
-{{- if $redis -}}{{- $_ := set $cfg "index" (dict "backend" "redis" "url" $redis) -}}{{- end -}}
+{{- if $redis -}}
+{{- $index := dict "backend" "redis" -}}
+{{- /* router.config's own index.url (the key's deprecated name) still wins over the chart's */ -}}
+{{- $own := get (.Values.router.config | default dict) "index" | default dict -}}
+{{- if not (hasKey $own "url") -}}{{- $_ := set $index "redis" (dict "url" $redis) -}}{{- end -}}
+{{- $_ := set $cfg "index" $index -}}
+{{- end -}}
 {{- $merged := mustMergeOverwrite $cfg (deepCopy .Values.router.config) -}}
 {{- toYaml $merged -}}
 {{- end -}}
