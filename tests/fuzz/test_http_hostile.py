@@ -11,6 +11,7 @@ Bounded by the hypothesis profile (``ci`` in ``make test``, ``fuzz`` in ``make f
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,9 @@ from router.process import EngineProcess, ServerProcess
 
 #: What the router may answer; anything else (a 500 above all) fails the test.
 DOCUMENTED = {200, 400, 404, 413, 429, 502, 503, 504}
+#: ``make fuzz``'s profile draws 3,000 requests per route: one of a nested body (the
+#: Messages API's blocks) takes minutes, past pytest's usual 120 s.
+ROUTE_TIMEOUT_S = 1200 if os.environ.get("HYPOTHESIS_PROFILE") == "fuzz" else 120
 LIMITS = """
 limits:
   max_body_bytes: 65536
@@ -118,6 +122,7 @@ def assert_documented(resp: httpx.Response) -> None:
 
 
 @schema.include(method="POST").parametrize()
+@pytest.mark.timeout(ROUTE_TIMEOUT_S)
 @settings(suppress_health_check=list(HealthCheck))
 def test_generated_requests_get_documented_answers(case: schemathesis.Case, fleet: Fleet) -> None:
     resp = case.call(base_url=fleet.url, timeout=10)

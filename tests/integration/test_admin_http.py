@@ -17,6 +17,7 @@ from support.routers import start_router
 from router.app import RouterApp
 from router.cli import main
 from router.emulator import EmulatedEngine
+from router.topology import Topology
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -86,6 +87,7 @@ async def test_engines_are_added_drained_and_removed(
         body = json.dumps({"url": extra.url, "role": "decode", "kv_events": "none"}).encode()
         status, added = await call(http, "POST", base, body)
         assert status == 201 and added["endpoint"] == endpoint(extra) and added["role"] == "decode"
+        await poll(lambda: router.registry.get(endpoint(extra)).state.value == "healthy")
         status, drained = await call(http, "POST", f"{base}/{endpoint(extra)}/drain")
         assert status == 200 and drained["state"] == "draining"
         assert router.registry.get(endpoint(extra)).state.value == "draining"
@@ -95,6 +97,29 @@ async def test_engines_are_added_drained_and_removed(
         assert status == 200 and removed["state"] == "removed"
         assert router.registry.get(endpoint(extra)) is None
     finally:
+        await extra.stop()
+
+
+async def test_an_engine_added_with_its_topology_lists_it_back(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    extra = await start_test_engine(engine_id="adm-topo")
+    base = f"{router.url}/admin/engines"
+    try:
+        where = {"node": "gpu-7", "rack": "r2", "zone": "z1"}
+        body = json.dumps({"url": extra.url, "kv_events": "none", "topology": where}).encode()
+        status, added = await call(http, "POST", base, body)
+        assert status == 201 and added["topology"] == where
+        assert router.registry.get(endpoint(extra)).topology == Topology("gpu-7", "r2", "z1")
+        status, listed = await call(http, "GET", base)
+        assert status == 200
+        others = [e["topology"] for e in listed["engines"] if e["endpoint"] != endpoint(extra)]
+        assert others and all(t is None for t in others)  # configured without any
+        bad = json.dumps({"url": extra.url, "topology": {"row": "3"}}).encode()
+        status, answer = await call(http, "POST", base, bad)
+        assert status == 400 and "row" in answer["error"]["message"]
+    finally:
+        await call(http, "DELETE", f"{base}/{endpoint(extra)}")
         await extra.stop()
 
 
@@ -131,7 +156,7 @@ async def test_kvroute_status_prints_the_engines(
     router: RouterApp, pair: list[EmulatedEngine], capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The CLI blocks on its HTTP call: run it off the loop the router serves on.
-    assert await asyncio.to_thread(main, ["status", router.url]) == 0
+    assert await asyncio.to_thread(main, ["status", router.url, "--timeout", "30"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == [
         "ENGINE",
@@ -146,7 +171,7 @@ async def test_kvroute_status_prints_the_engines(
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert rows[endpoint(pair[0])][1:4] == ["both", "healthy", "kvroute-emulated"]
     assert "dp1" in rows  # the DP engine shows a row per rank
-    assert await asyncio.to_thread(main, ["status", router.url, "--json"]) == 0
+    assert await asyncio.to_thread(main, ["status", router.url, "--json", "--timeout", "30"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert {e["endpoint"] for e in answer["engines"]} == {endpoint(e) for e in pair}
 
@@ -154,3 +179,19 @@ async def test_kvroute_status_prints_the_engines(
 async def test_kvroute_status_says_why_it_cannot_read(capsys: pytest.CaptureFixture[str]) -> None:
     assert await asyncio.to_thread(main, ["status", "http://127.0.0.1:9", "--timeout", "2"]) == 1
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+async def test_kvroute_status_takes_host_and_port(
+    router: RouterApp, pair: list[EmulatedEngine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address = router.url.removeprefix("http://")
+    assert await asyncio.to_thread(main, ["status", address, "--timeout", "30"]) == 0
+    assert endpoint(pair[0]) in capsys.readouterr().out
+
+
+async def test_kvroute_status_against_an_engine_says_it_is_not_a_router(
+    pair: list[EmulatedEngine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await asyncio.to_thread(main, ["status", pair[0].url, "--timeout", "30"]) == 1
+    err = capsys.readouterr().err
+    assert f"{pair[0].url} is not a kvroute router" in err and "404" not in err

@@ -15,6 +15,7 @@ from support.engines import poll, start_test_engine
 from support.routers import start_router
 
 from router.bench import report
+from router.bench.loadgen import run_load
 from router.bench.runner import run_target
 from router.bench.workloads import (
     PromptExpander,
@@ -111,6 +112,27 @@ async def test_a_second_turn_carries_the_first_answer_and_hits_it(
     assert second.cached_tokens == computed // 16 * 16
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_chat_workload_runs_on_the_responses_api_and_hits_its_cache(
+    stream: bool, pair: list[EmulatedEngine]
+) -> None:
+    urls = [e.url for e in pair]
+    app = await start_router(urls)
+    try:
+        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
+        first, second = await run_load(
+            app.url, chat_workload(1, 2, 100, 30, 24), concurrency=1, stream=stream,
+            api="responses",
+        )  # fmt: skip
+    finally:
+        await app.stop()
+    assert first.ok and second.ok, (first.error, second.error)
+    assert len(first.text.split()) == 24 and first.completion_tokens == 24
+    assert first.prompt_tokens == len(spec_tokens(first.spec))
+    assert second.engine == first.engine
+    assert second.cached_tokens >= first.prompt_tokens // 16 * 16 > 0
+
+
 def test_bench_compare_starts_engines_and_routers_and_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "out"
     status = main(
@@ -137,7 +159,9 @@ def test_bench_compare_starts_engines_and_routers_and_writes_its_report(tmp_path
         assert sum(e["requests"] for e in target["engines"]) == 4
     assert document["workload"]["block_tokens"] == 128
     assert document["workload"]["oracle_block_hit_rate"] > 0
-    assert "| metric | kv | rr | rr/kv |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| metric | better | kv | rr | rr/kv |" in summary
+    assert "| TTFT p50 | lower |" in summary and "ratios: a target's value over kv's" in summary
     for name in ("ttft_cdf.png", "engine_load.png", "hit_rate.png"):
         assert (out / name).read_bytes().startswith(b"\x89PNG")
 
@@ -209,7 +233,7 @@ def test_a_peer_that_fails_to_start_is_recorded_and_the_others_still_run(
     assert failure["spec"].startswith("cmd:")
     assert "exited with status 3" in failure["reason"]
     summary = (out / "summary.md").read_text()
-    assert "| metric | kv |" in summary
+    assert "| metric | better | kv |" in summary
     assert "Failed (no results): broken:" in summary
 
 

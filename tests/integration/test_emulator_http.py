@@ -210,6 +210,18 @@ async def test_server_info_reports_what_was_bound(
     assert info["kv_events_topic"] == f"kv@127.0.0.1:{engine.port}@kvroute-emulated"
 
 
+async def test_kv_event_sources_answers_as_vllm_0_32_does(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    status, sources = await get(http, f"{engine.url}/kv_event_sources")
+    assert status == 200 and list(sources) == ["0"]
+    rank0 = sources["0"]
+    assert rank0["enable_kv_cache_events"] is True and rank0["publisher"] == "zmq"
+    assert rank0["endpoint"] == engine.kv_events_endpoint
+    assert rank0["replay_endpoint"] == engine.kv_events_replay_endpoint
+    assert rank0["topic"] == engine.kv_events_topic and rank0["buffer_steps"] == 10_000
+
+
 async def test_health(engine: EmulatedEngine, http: aiohttp.ClientSession) -> None:
     async with http.get(f"{engine.url}/health") as resp:
         assert resp.status == 200
@@ -260,7 +272,9 @@ async def test_bad_requests_get_openai_errors(
     assert got == status
     error = answer["error"]
     assert fragment in error["message"] and error["code"] == status
-    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    # vLLM types a body that is not JSON with the reason phrase (FastAPI's handler).
+    expected = "Bad Request" if body == b"{not json" else "BadRequestError"
+    assert error["type"] == ("NotFoundError" if status == 404 else expected)
 
 
 async def test_wrong_method_is_an_openai_error(

@@ -131,7 +131,10 @@ async def test_replay_resends_a_missed_range_then_the_end_marker(
     # Nobody listens while these are published.
     for tag in "abc":
         await complete(http, engine.url, text_prompt(20, tag))
-    replies = await replay(engine.kv_events_replay_endpoint or "", first + 1)
+    topics: list[bytes] = []
+    replies = await replay(engine.kv_events_replay_endpoint or "", first + 1, topics=topics)
+    # vLLM 0.32's frames: the stream's topic before each seq, an empty one in the marker.
+    assert topics == [(engine.kv_events_topic or "").encode()] * 3 + [b""]
     *batches, (end_seq, end_payload) = replies
     assert (end_seq, end_payload) == (END_SEQ, b"")
     assert [decode_seq(s) for s, _ in batches] == [first + 1, first + 2, first + 3]

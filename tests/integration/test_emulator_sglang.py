@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from support.clients import Reply, metric_sum, metrics, post, post_reply, stream_reply
-from support.engines import poll, start_test_engine
+from support.engines import TEST_PARAMS, poll, start_test_engine
 
 from router.emulator import EmulatedEngine
 
@@ -29,9 +29,16 @@ def free_port() -> int:
 
 @pytest_asyncio.fixture(scope="module")
 async def pair() -> AsyncIterator[tuple[EmulatedEngine, EmulatedEngine]]:
-    """A prefill and a decode engine with a generous bootstrap timeout."""
-    prefill = await start_test_engine(engine_id="sg-p", role="prefill", bootstrap_timeout_s=30)
-    decode = await start_test_engine(engine_id="sg-d", role="decode", bootstrap_timeout_s=30)
+    """A prefill and a decode engine with a generous bootstrap timeout, and a prefill hold
+    that outlasts a loaded machine (480 model seconds are 0.48 s at the tests' clock: a
+    hundred pairs at once on 2 busy cores took longer to be pulled)."""
+    params = TEST_PARAMS.replace(kv_hold_timeout_s=60_000.0)
+    prefill = await start_test_engine(
+        engine_id="sg-p", role="prefill", bootstrap_timeout_s=30, params=params
+    )
+    decode = await start_test_engine(
+        engine_id="sg-d", role="decode", bootstrap_timeout_s=30, params=params
+    )
     yield prefill, decode
     await decode.stop()
     await prefill.stop()

@@ -8,6 +8,8 @@ engine emulator live beside the emulator's tests.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +22,7 @@ from router.events import subscriber as subscriber_module
 from router.events.ingest import EventIngestor
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored
-from router.events.vllm import encode_seq
+from router.events.vllm import REPLAY_FRAMES, ReplayFrames, encode_seq
 from router.hashing import block_keys, seed_for
 from router.index import MemoryIndex
 from router.types import EngineKey
@@ -64,8 +66,15 @@ async def subscriber(ctx, index):
     await sub.close()
 
 
-async def connected(ctx, subscriber, tmp_path, name: str = "e1") -> tuple[Publisher, EngineKey]:
-    pub = Publisher(ctx, f"ipc://{tmp_path}/{name}-pub", f"ipc://{tmp_path}/{name}-replay")
+async def connected(
+    ctx, subscriber, tmp_path, name: str = "e1", replay_frames: ReplayFrames = "topic"
+) -> tuple[Publisher, EngineKey]:
+    pub = Publisher(
+        ctx,
+        f"ipc://{tmp_path}/{name}-pub",
+        f"ipc://{tmp_path}/{name}-replay",
+        replay_frames=replay_frames,
+    )
     engine = EngineKey(f"127.0.0.1:{9000 + len(name)}")
     await subscriber.add_source(
         EventSource(engine, MODEL, pub.pub_endpoint, pub.replay_endpoint, block_size=BS)
@@ -78,15 +87,25 @@ def depth(index: MemoryIndex, toks: list[int], engine: EngineKey) -> int:
     return match.blocks if match else 0
 
 
+@pytest.mark.parametrize("replay_frames", REPLAY_FRAMES)
 async def test_batches_published_before_connecting_arrive_by_replay(
-    ctx, subscriber, index, tmp_path
+    ctx, subscriber, index, tmp_path, replay_frames: ReplayFrames
 ) -> None:
-    pub = Publisher(ctx, f"ipc://{tmp_path}/early-pub", f"ipc://{tmp_path}/early-replay")
+    pub = Publisher(
+        ctx,
+        f"ipc://{tmp_path}/early-pub",
+        f"ipc://{tmp_path}/early-replay",
+        replay_frames=replay_frames,
+    )
     toks = tokens(100, 3)
     await pub.publish([stored([1, 2, 3], toks)])  # nobody listens yet
     engine = EngineKey("127.0.0.1:9100")
     await subscriber.add_source(EventSource(engine, MODEL, pub.pub_endpoint, pub.replay_endpoint))
     await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 3))
+    # Both reply shapes (vLLM 0.32's with a topic frame, older without) and both end
+    # markers are read as replies, never as garbage, and the replay ends as ok.
+    await until(lambda: asyncio.sleep(0, subscriber.stats.replays["ok"] >= 1))
+    assert subscriber.stats.garbage == 0 and subscriber.stats.replays["failed"] == 0
     await pub.close()
 
 
@@ -106,8 +125,11 @@ async def test_stored_child_and_removed_events_update_the_index(
     await pub.close()
 
 
-async def test_a_gap_is_repaired_by_replay(ctx, subscriber, index, tmp_path) -> None:
-    pub, engine = await connected(ctx, subscriber, tmp_path)
+@pytest.mark.parametrize("replay_frames", REPLAY_FRAMES)
+async def test_a_gap_is_repaired_by_replay(
+    ctx, subscriber, index, tmp_path, replay_frames: ReplayFrames
+) -> None:
+    pub, engine = await connected(ctx, subscriber, tmp_path, replay_frames=replay_frames)
     toks = tokens(300, 3)
     await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
     await pub.publish([stored([21], toks[:BS])])
@@ -115,6 +137,7 @@ async def test_a_gap_is_repaired_by_replay(ctx, subscriber, index, tmp_path) -> 
     await pub.publish([stored([23], toks[2 * BS :], parent=22)])
     await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 3))
     assert subscriber.stats.gaps == 1 and subscriber.stats.replays["ok"] >= 2
+    assert subscriber.stats.garbage == 0
     await pub.close()
 
 
@@ -191,6 +214,29 @@ async def test_a_restart_whose_first_batches_were_missed_is_found_on_reconnect(
     await until(lambda: asyncio.sleep(0, depth(index, new, engine) == 2))
     assert depth(index, old, engine) == 0
     assert subscriber.stats.restarts == 1
+
+
+async def test_a_restart_is_found_when_the_verifying_replay_goes_unanswered(
+    ctx, subscriber, index, tmp_path
+) -> None:
+    """Seen with real vLLM: right after a restart the engine's replay socket may not
+    answer in time. Live batches numbered from 0 again, buffered meanwhile, still prove
+    the restart: its old entries go, and the new ones apply."""
+    pub, engine = await connected(ctx, subscriber, tmp_path)
+    old, new = tokens(500, 2), tokens(600, 1)
+    await until(lambda: asyncio.sleep(0, not subscriber._streams[engine].replaying))
+    await pub.publish([stored([51], old[:BS])])
+    await pub.publish([stored([52], old[BS:], parent=51)])
+    await until(lambda: asyncio.sleep(0, depth(index, old, engine) == 2))
+    pub.restart()
+    pub.answer_replays = False
+    subscriber.resync(engine)  # what a reconnect or a re-admission does
+    await pub.publish([stored([61], new)])
+    await until(lambda: asyncio.sleep(0, subscriber.stats.restarts == 1))
+    await until(lambda: asyncio.sleep(0, depth(index, new, engine) == 1))
+    assert depth(index, old, engine) == 0
+    assert subscriber.stats.replays["failed"] == 1
+    await pub.close()
 
 
 async def test_garbage_frames_are_counted_and_the_stream_goes_on(
@@ -326,3 +372,62 @@ async def test_a_bound_socket_keeps_a_bounded_number_of_topic_streams(
 def test_llmd_topics_parse() -> None:
     assert parse_llmd_topic("kv@10.1.2.3:8000@meta/llama") == ("10.1.2.3:8000", "meta/llama")
     assert parse_llmd_topic("kv-events") is None
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+#: A publisher in its own process, so that its 256 MiB frame is not counted here.
+BIG_FRAME_PUBLISHER = """
+import sys, time, zmq
+sock = zmq.Context().socket(zmq.PUB)
+sock.connect(sys.argv[1])
+time.sleep(0.3)  # the slow joiner
+sock.send_multipart([sys.argv[2].encode(), (0).to_bytes(8, "big"), b"\\x91" * (256 << 20)])
+time.sleep(1.0)
+"""
+
+
+@pytest.mark.parametrize("limit", [None, 512 << 20], ids=["default limit", "512 MiB limit"])
+async def test_a_256_mib_frame_is_refused_and_nothing_is_kept(
+    ctx, index, tmp_path, limit: int | None
+) -> None:
+    """Over the default ``events.max_message_bytes`` the publisher is disconnected before
+    the frame is read; under a limit raised above it, the frame is read, found to be
+    garbage, and released at once (not kept until the next message arrives)."""
+    subscriber = KVEventSubscriber(
+        EventIngestor(index), ctx=ctx, **({"max_message_bytes": limit} if limit else {})
+    )
+
+    def resolve(topic: str, rank: int | None) -> EventSource | None:
+        parsed = parse_llmd_topic(topic)
+        return EventSource(EngineKey(parsed[0]), parsed[1], block_size=BS) if parsed else None
+
+    bound = await subscriber.bind(f"ipc://{tmp_path}/central", resolve)
+    topic = f"kv@10.0.0.9:8000@{MODEL}"
+    before = resident_bytes()
+    publisher = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", BIG_FRAME_PUBLISHER, bound, topic
+    )
+    assert await publisher.wait() == 0
+    await asyncio.sleep(0.2)
+    grown = resident_bytes() - before
+    assert grown < 32 << 20, f"resident memory grew by {grown >> 20} MiB"
+    assert subscriber.stats.batches == 0
+    assert subscriber.stats.garbage == (0 if limit is None else 1)
+    # The socket goes on: a publisher sending batches of a sane size is heard.
+    pub = Publisher(ctx, bound, f"ipc://{tmp_path}/after-replay", connect=True)
+    pub.topic = topic.encode()
+    toks = tokens(5000, 1)
+
+    async def landed() -> bool:
+        pub.restart()
+        await pub.publish([stored([7], toks)])
+        await asyncio.sleep(0.02)
+        return depth(index, toks, EngineKey("10.0.0.9:8000")) == 1
+
+    await until(landed)
+    await pub.close()
+    await subscriber.close()

@@ -353,6 +353,77 @@ async def test_refusals_are_immediate_responses_in_openai_form(
         await app.stop()
 
 
+async def test_requests_the_http_api_refuses_get_an_immediate_400(
+    fleet: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    limits = {"max_n": 2, "max_prompts": 2, "max_prompt_tokens": 8, "max_output_tokens": 16}
+    app = await start_router([e.url for e in fleet], extproc={"port": 0}, limits=limits)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.extproc_port}") as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            cases: list[tuple[dict[str, Any], str, int, str, str]] = [
+                ({"prompt": "x", "n": 3}, "/v1/completions", 400, "n", "'n' must be at most 2"),
+                (
+                    {"prompt": ["a", "b", "c"]},
+                    "/v1/completions",
+                    400,
+                    "prompt",
+                    "at most 2 prompts per request, got 3",
+                ),
+                (
+                    {"prompt": words("long", 9)},
+                    "/v1/completions",
+                    400,
+                    "prompt",
+                    "the prompt has 9 tokens; this router accepts at most 8",
+                ),
+                (
+                    {"prompt": "x", "max_tokens": 17},
+                    "/v1/completions",
+                    400,
+                    "max_tokens",
+                    "'max_tokens' must be at most 16",
+                ),
+                (
+                    {**chat, "max_completion_tokens": 17},
+                    "/v1/chat/completions",
+                    400,
+                    "max_completion_tokens",
+                    "'max_completion_tokens' must be at most 16",
+                ),
+                (
+                    {"prompt": "x", "model": "nope"},
+                    "/v1/completions",
+                    404,
+                    "model",
+                    "The model 'nope' does not exist",
+                ),
+            ]
+            for body, path, status, param, needle in cases:
+                call, (answer,) = await route(stub, body, path=path)
+                refusal = answer.immediate_response
+                assert refusal.status.code == status, (body, refusal)
+                error = json.loads(refusal.body)["error"]
+                assert needle in error["message"] and error["param"] == param, error
+                assert set_headers(refusal.headers)["content-type"] == "application/json"
+                await finish(call)
+            assert app.loads.in_flight == 0 and app.picks.open_count == 0
+            # Within every limit: routed.
+            ok = {"prompt": words("fits", 8), "max_tokens": 16, "n": 2}
+            call, (head, *_) = await route(stub, ok)
+            assert destination_of(head) in {endpoint(e) for e in fleet}
+            await call.write(response_body(b"", eos=True))
+            await call.read()
+            await finish(call)
+        samples = await metrics(http, app.url)
+        refused = metric_sum(samples, "kvroute_extproc_requests_total", outcome="client_error")
+        assert refused == len(cases)
+        assert metric_sum(samples, "kvroute_extproc_requests_total", outcome="routed") == 1
+    finally:
+        await app.stop()
+
+
 async def test_fallbacks_are_listed_cheapest_first(fleet: list[EmulatedEngine]) -> None:
     app = await start_router([e.url for e in fleet], extproc={"port": 0, "fallbacks": 2})
     try:
@@ -460,3 +531,49 @@ async def test_health_services_follow_draining(picker: RouterApp) -> None:
         call, (answer,) = await route(stub, {"prompt": "late", "max_tokens": 2})
         assert answer.immediate_response.status.code == 503
         await finish(call)
+
+
+HANDOFF_FIELDS = {
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.2"},
+    "bootstrap_host": "127.0.0.2",
+    "bootstrap_port": 9,
+    "bootstrap_room": 12345,
+}
+
+
+async def test_client_handoff_fields_are_removed_from_the_body_the_gateway_forwards(
+    stub: ep_grpc.ExternalProcessorStub,
+) -> None:
+    body = {"prompt": "handoff", "max_tokens": 2, **HANDOFF_FIELDS}
+    call, (head, *chunks) = await route(stub, body)
+    data, eos = echoed(chunks)
+    assert eos and json.loads(data) == {"prompt": "handoff", "max_tokens": 2}
+    sent = set_headers(head.request_headers.response.header_mutation)
+    assert sent["content-length"] == str(len(data))
+    await finish(call)
+    # Buffered: the body answer carries the new body.
+    call = stub.Process()
+    await call.write(request_headers(body_mode=Mode.BUFFERED))
+    await call.read()
+    await call.write(request_body(json.dumps(body).encode(), eos=True))
+    common = (await call.read()).request_body.response
+    assert json.loads(common.body_mutation.body) == {"prompt": "handoff", "max_tokens": 2}
+    assert set_headers(common.header_mutation)["content-length"] == str(
+        len(common.body_mutation.body)
+    )
+    await finish(call)
+
+
+async def test_streamed_mode_refuses_handoff_fields_it_can_no_longer_remove(
+    stub: ep_grpc.ExternalProcessorStub,
+) -> None:
+    call = stub.Process()
+    await call.write(request_headers(body_mode=Mode.STREAMED))
+    await call.read()
+    first, second = split_body({"prompt": "handoff", "max_tokens": 2, **HANDOFF_FIELDS})
+    await call.write(request_body(first, eos=False))
+    await call.read()  # the first chunk went on unchanged
+    await call.write(request_body(second, eos=True))
+    answer = (await call.read()).immediate_response
+    assert answer.status.code == 400 and b"kv_transfer_params" in answer.body
+    await finish(call)

@@ -32,6 +32,7 @@ from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.process import ServerProcess
+from router.topology import Topology
 
 LONG = 2000
 
@@ -372,6 +373,123 @@ async def test_bad_picks_get_status_codes_with_a_message(
         await app.stop()
 
 
+#: Small request limits, for the tests that every front end refuses what HTTP refuses.
+LIMITS = {
+    "max_n": 2,
+    "max_prompts": 2,
+    "max_sequences": 3,
+    "max_prompt_tokens": 8,
+    "max_output_tokens": 16,
+}
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def body(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload).encode()
+
+
+async def test_pick_refuses_what_the_http_api_refuses(
+    fleet: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in fleet], grpc={"port": 0}, limits=LIMITS)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with connect(app.grpc_port) as stubs:
+            pick = stubs.router.Pick
+            cases: list[tuple[pb.PickRequest, grpc.StatusCode, str]] = [
+                (pb.PickRequest(text="x", n=3), INVALID, "'n' must be at most 2"),
+                (
+                    pb.PickRequest(body=body({"prompt": ["a", "b", "c"]})),
+                    INVALID,
+                    "at most 2 prompts per request, got 3",
+                ),
+                (
+                    pb.PickRequest(body=body({"prompt": ["a", "b"], "n": 2})),
+                    INVALID,
+                    "asks for 4 sequences",
+                ),
+                (
+                    pb.PickRequest(token_ids=pb.TokenIds(ids=list(range(9)))),
+                    INVALID,
+                    "the prompt has 9 tokens; this router accepts at most 8",
+                ),
+                (pb.PickRequest(text=words("long", 9)), INVALID, "the prompt has 9 tokens"),
+                (pb.PickRequest(text="x", max_tokens=17), INVALID, "'max_tokens' must be at most"),
+                (
+                    pb.PickRequest(body=body({**chat, "max_completion_tokens": 17})),
+                    INVALID,
+                    "'max_completion_tokens' must be at most 16",
+                ),
+                (
+                    pb.PickRequest(text="x", model="nope"),
+                    grpc.StatusCode.NOT_FOUND,
+                    "The model 'nope' does not exist",
+                ),
+                (
+                    pb.PickRequest(block_keys=pb.BlockKeys(keys=[1], prompt_tokens=16), n=3),
+                    INVALID,
+                    "'n' must be at most 2",
+                ),
+                (
+                    pb.PickRequest(block_keys=pb.BlockKeys(keys=[], prompt_tokens=9)),
+                    INVALID,
+                    "the prompt has 9 tokens",
+                ),
+                (
+                    pb.PickRequest(block_keys=pb.BlockKeys(keys=[1]), max_tokens=17),
+                    INVALID,
+                    "'max_tokens' must be at most 16",
+                ),
+            ]
+            for request, code, needle in cases:
+                got, message = await rpc_error(pick(request))
+                assert got == code and needle in message, (request, got, message)
+            assert app.picks.open_count == 0 and app.loads.in_flight == 0
+            for request in (
+                pb.PickRequest(token_ids=pb.TokenIds(ids=list(range(8))), max_tokens=16),
+                pb.PickRequest(body=body({"prompt": ["a", "b"], "max_tokens": 16})),
+                pb.PickRequest(text="x", n=2),
+                pb.PickRequest(block_keys=pb.BlockKeys(keys=[], prompt_tokens=8), n=2),
+            ):
+                answer = await pick(request)
+                await stubs.router.Release(pb.ReleaseRequest(request_id=answer.request_id))
+        samples = await metrics(http, app.url)
+        refused = metric_sum(
+            samples, "kvroute_grpc_requests_total", method="Pick", code="INVALID_ARGUMENT"
+        )
+        assert refused == len(cases) - 1
+        assert metric_sum(samples, "kvroute_grpc_requests_total", method="Pick", code="OK") == 4
+    finally:
+        await app.stop()
+
+
+async def test_generate_refuses_what_the_http_api_refuses(fleet: list[EmulatedEngine]) -> None:
+    app = await start_router([e.url for e in fleet], grpc={"port": 0}, limits=LIMITS)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with connect(app.grpc_port) as stubs:
+            cases: list[tuple[dict[str, Any], grpc.StatusCode, str]] = [
+                ({"prompt": "x", "n": 3}, INVALID, "'n' must be at most 2"),
+                ({"prompt": ["a", "b", "c"]}, INVALID, "at most 2 prompts per request, got 3"),
+                ({"prompt": ["a", "b"], "n": 2}, INVALID, "asks for 4 sequences"),
+                ({"prompt": list(range(9))}, INVALID, "the prompt has 9 tokens"),
+                ({"prompt": "x", "max_tokens": 17}, INVALID, "'max_tokens' must be at most 16"),
+                ({**chat, "max_completion_tokens": 17}, INVALID, "'max_completion_tokens'"),
+                ({"prompt": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND, "'nope'"),
+            ]
+            for payload, code, needle in cases:
+                request = pb.GenerateRequest(body=body(payload))
+                got, message = await rpc_error(_drain(stubs.router.Generate(request)))
+                assert got == code and needle in message, (payload, got, message)
+            answer = await generate(
+                stubs.router, {"prompt": list(range(8)), "max_tokens": 2, "n": 2}
+            )
+            assert answer.status == 200 and len(json.loads(answer.data)["choices"]) == 2
+        assert app.loads.in_flight == 0
+    finally:
+        await app.stop()
+
+
 # --------------------------------------------------------------------------- Generate
 
 
@@ -554,6 +672,25 @@ async def test_admin_adds_drains_and_removes_engines(
                 admin.AddEngine(pb.AddEngineRequest(url=extra.url, role="chef"))
             )
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "role" in message
+    finally:
+        await extra.stop()
+
+
+async def test_admin_adds_an_engine_with_its_topology(router: RouterApp) -> None:
+    extra = await start_test_engine(engine_id="grpc-topo")
+    endpoint = f"127.0.0.1:{extra.port}"
+    try:
+        async with connect(router.grpc_port) as stubs:
+            where = pb.EngineTopology(node="gpu-3", rack="r1")
+            added = await stubs.admin.AddEngine(
+                pb.AddEngineRequest(url=extra.url, kv_events="none", topology=where)
+            )
+            assert added.HasField("topology") and added.topology == where
+            assert router.registry.get(endpoint).topology == Topology("gpu-3", "r1", None)
+            listed = await stubs.admin.ListEngines(pb.ListEnginesRequest())
+            others = [e for e in listed.engines if e.endpoint != endpoint]
+            assert others and not any(e.HasField("topology") for e in others)
+            await stubs.admin.RemoveEngine(pb.EngineRef(endpoint=endpoint))
     finally:
         await extra.stop()
 

@@ -13,7 +13,7 @@ import pytest
 from redis.crc import key_slot
 from support.redis import RedisServer, monitored_commands, random_namespace, redis_cluster
 
-from router.config import IndexConfig
+from router.config import IndexConfig, RedisIndexConfig
 from router.index import Match, MemoryIndex, index_from_config
 from router.index.base import IndexUnavailable
 from router.index.redis import (
@@ -175,13 +175,13 @@ async def test_expiring_records_count_once_per_block_and_engine(
     clock.now += 3
     stats = await index.stats()
     assert (stats.blocks, stats.entries) == (0, 0)
-    assert await index.client.hlen(f"{{{index.namespace}}}:blocks") == 0  # memory reclaimed
+    assert await index.client.hlen(index.key("blocks")) == 0  # memory reclaimed
 
 
 async def test_a_cleared_engine_is_collected_and_its_id_reused_without_inheritance(
     index: RedisIndex, clock: Clock
 ) -> None:
-    engines = f"{{{index.namespace}}}:engines"
+    engines = index.key("engines")
     many = list(range(20_000, 23_000))  # more than one collection step
     await index.add(A, many)
     await index.add(A, KEYS, ttl=10.0)
@@ -327,7 +327,7 @@ async def test_fenced_writes_reject_stale_tokens_and_applied_sequences(index: Re
     assert await index.lookup(KEYS, [A]) == {A: Match(4)}  # none of them wrote anything
     position = await index.stream_position(A)
     assert (position.seq, position.ts) == (7, 1.5)
-    assert position.hashes == ({11: KEYS[0], 12: KEYS[1], 13: KEYS[2], 14: KEYS[3]}, {})
+    assert position.hashes == ({11: KEYS[0], 12: KEYS[1], 13: KEYS[2], 14: KEYS[3]}, {}, {})
 
 
 async def test_a_fence_without_sequence_restarts_the_stream(index: RedisIndex) -> None:
@@ -336,11 +336,13 @@ async def test_a_fence_without_sequence_restarts_the_stream(index: RedisIndex) -
         WriteBatch(A, [AddOp(KEYS[:2], Tier.GPU, [1, 2])], Fence("one", 40, 9.0)),
         WriteBatch(A, [ClearOp()], Fence("one", None)),  # the engine restarted
         WriteBatch(A, [AddOp(KEYS[:1], Tier.OFFLOADED, [5])], Fence("one", 0, 10.0)),
+        WriteBatch(A, [AddOp(KEYS[:2], Tier.DISK, [5, 6])], Fence("one", 1, 10.5)),
     ]
-    assert await index.write(batches) == [WriteResult.APPLIED] * 3
+    assert await index.write(batches) == [WriteResult.APPLIED] * 4
     position = await index.stream_position(A)
-    assert (position.seq, position.hashes) == (0, ({}, {5: KEYS[0]}))
-    assert await index.lookup(KEYS, [A]) == {A: Match(1, offloaded=1)}
+    # A writer taking the stream over reloads every tier's engine hashes, disk too.
+    assert (position.seq, position.hashes) == (1, ({}, {5: KEYS[0]}, {5: KEYS[0], 6: KEYS[1]}))
+    assert await index.lookup(KEYS, [A]) == {A: Match(2, offloaded=2, disk=1)}
 
 
 async def test_one_pipelined_write_applies_many_batches_in_order(index: RedisIndex) -> None:
@@ -388,7 +390,8 @@ async def test_the_index_works_on_redis_cluster(clock: Clock) -> None:
 
 def test_the_index_section_selects_the_backend() -> None:
     assert isinstance(index_from_config(IndexConfig()), MemoryIndex)
-    redis_config = IndexConfig(backend="redis", url="rediss://h:1/0", namespace="n", budget_ms=3)
+    redis = RedisIndexConfig(url="rediss://h:1/0", namespace="n", budget_ms=3)
+    redis_config = IndexConfig(backend="redis", redis=redis)
     chosen = index_from_config(redis_config)
     assert isinstance(chosen, RedisIndex)
     assert (chosen.url, chosen.namespace, chosen.budget) == ("rediss://h:1/0", "n", 0.003)
@@ -441,3 +444,29 @@ async def test_calls_beyond_the_connection_pool_wait_for_a_connection(
         assert idx.available and idx.counters.outages == 0
     finally:
         await idx.close()
+
+
+# --------------------------------------------------------------------------- layout
+
+
+async def test_an_index_of_the_old_layout_is_never_read_and_the_new_one_is_built_beside_it(
+    index: RedisIndex, redis_namespace: str
+) -> None:
+    """Keys written by a release of the two-tier-bit layout (``{ns}:blocks`` values of
+    ``engine id x 4 + tier bits``) stay as they are and are never read: this release's
+    keys carry their layout (``{ns}:v2:...``), so it starts empty and learns from events
+    instead of misreading an engine id or a tier."""
+    import struct
+
+    old = f"{{{redis_namespace}}}:"
+    field = struct.pack("<Q", KEYS[0])
+    # Engine id 1 on GPU in the old layout (1 x 4 + 1) would read as id 0, disk tier.
+    await index.client.hset(f"{old}engines", mapping={A.label: 1, B.label: 0})
+    await index.client.hset(f"{old}blocks", field, struct.pack("<HH", 1, 1 * 4 + 1))
+    assert await index.lookup(KEYS[:1], [A, B]) == {}
+    await index.add(B, KEYS[:2])
+    found = await index.lookup(KEYS[:2], [A, B])
+    assert found == {B: Match(2)}
+    assert index.key("blocks") == f"{old}v2:blocks"
+    assert await index.client.hlen(index.key("blocks")) == 2
+    assert await index.client.hget(f"{old}blocks", field) == struct.pack("<HH", 1, 5)

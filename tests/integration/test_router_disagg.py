@@ -6,6 +6,7 @@ recomputing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -306,7 +307,11 @@ async def test_a_client_leaving_during_prefill_aborts_the_prefill_leg(
 async def test_sglang_pairs_are_never_mixed_up_across_100_concurrent_requests(
     http: aiohttp.ClientSession,
 ) -> None:
-    prefill = [await start_test_engine(engine_id=f"sp{i}", role="prefill") for i in range(2)]
+    # Holds that outlast a loaded machine: 480 model seconds are 0.48 s at the tests' clock.
+    held = TEST_PARAMS.replace(kv_hold_timeout_s=60_000.0)
+    prefill = [
+        await start_test_engine(engine_id=f"sp{i}", role="prefill", params=held) for i in range(2)
+    ]
     decode = [await start_test_engine(engine_id=f"sd{i}", role="decode") for i in range(2)]
     plain = await start_test_engine(engine_id="reference")
     app = await start_router(
@@ -715,3 +720,79 @@ async def test_decode_choice_follows_engine_reported_load_the_router_does_not_se
         await app.stop()
         for engine in (prefill, busy, idle):
             await engine.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_cached_tokens_are_what_the_prefill_cache_saved_in_both_dialects(
+    dialect: str, stream: bool, http: aiohttp.ClientSession
+) -> None:
+    app, prefill, decode = await start_pd(f"ct-{dialect}-{int(stream)}", dialect, prefills=1)
+    try:
+        shared = prompt("same", LONG)
+        cached = []
+        for q in range(2):
+            body: dict[str, Any] = {"prompt": f"{shared} q{q}", "max_tokens": 3}
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            async with http.post(f"{app.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                mode = resp.headers["x-kvroute-mode"]
+                text = (await resp.read()).decode()
+            if stream:
+                events = [e for e in text.split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                text = events[-2][len("data: ") :]
+            usage = json.loads(text)["usage"]
+            if q == 0:
+                assert mode == "split"
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        # a fresh prompt saved nothing; the second found the shared prefix cached
+        assert cached == [0, LONG]
+    finally:
+        await stop_pd(app, [*prefill, decode])
+
+
+async def test_a_clients_bogus_bootstrap_room_does_not_eject_the_decode_engine(
+    http: aiohttp.ClientSession,
+) -> None:
+    app, prefill, decode = await start_pd("room", "sglang", prefills=1)
+    try:
+        body = {"prompt": "short", "max_tokens": 2, "bootstrap_room": 99, "bootstrap_port": 1}
+        for _ in range(4):  # more than health.eject_after_failures
+            reply = await post_reply(http, f"{app.url}/v1/completions", body)
+            assert reply.status == 200, reply.body
+        assert app.registry.get(endpoint(decode)).state.value == "healthy"
+    finally:
+        await stop_pd(app, [*prefill, decode])
+
+
+async def test_a_side_channel_outside_the_allowed_networks_is_never_handed_to_decode(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The prefill engine (127.0.0.1, allowed) names a side channel on 127.0.0.2, outside
+    # auth.engine_cidrs: the decode engine must not be sent to dial there.
+    prefill = await start_test_engine(
+        engine_id="sc-p", role="prefill", side_channel_host="127.0.0.2"
+    )
+    decode = await start_test_engine(engine_id="sc-d", role="decode", handoff_failure="error")
+    app = await start_router(
+        [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}],
+        auth={"engine_cidrs": ["127.0.0.1/32"]},
+    )
+    try:
+        pulled = await engine_metric(http, decode, "kvroute_emulator_kv_pulled_tokens_total")
+        reply = await post_reply(
+            http, f"{app.url}/v1/completions", {"prompt": prompt("sc", LONG), "max_tokens": 2}
+        )
+        assert reply.status == 200, reply.body
+        assert reply.headers["x-kvroute-mode"] == "local:side_channel_refused"
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_handoffs_total", outcome="side_channel_refused") == 1
+        after = await engine_metric(http, decode, "kvroute_emulator_kv_pulled_tokens_total")
+        assert after == pulled
+        assert "127.0.0.2" in caplog.text and "engine_cidrs" in caplog.text
+    finally:
+        await app.stop()
+        await prefill.stop()
+        await decode.stop()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
 import aiohttp
-from support.clients import post
+import zmq.asyncio
+from support.clients import metric_sum, metrics, post
 from support.engines import poll, start_test_engine
 from support.routers import start_router
+from support.vllm_publisher import Publisher
 
+from router.events.types import BlockStored
 from router.hashing import block_keys, seed_for
 from router.types import EngineKey
 
@@ -67,5 +71,54 @@ async def test_an_engine_restart_clears_its_entries_and_rebuilds_from_new_events
         await poll(lambda: depth(old) == 0)
         assert depth(new) == 20
     finally:
+        await app.stop()
+        await engine.stop()
+
+
+async def test_a_rogue_publishers_block_size_drops_its_events_never_the_engine(
+    ipc_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """Bind mode: anyone who reaches the bound socket may name an engine in the topic.
+    A BlockStored with block size 32 for an engine whose /metrics say 16 is counted and
+    dropped; the engine keeps serving, and well-formed events for it still land."""
+    engine = await start_test_engine(engine_id="claimed")
+    app = await start_router(
+        [engine.url], events={"bind_endpoint": f"ipc://{ipc_dir}/central-rogue"}
+    )
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx, app.subscriber.bound_endpoint, f"ipc://{ipc_dir}/rogue-replay", True)
+    pub.topic = f"kv@127.0.0.1:{engine.port}@{MODEL}".encode()
+    key = EngineKey(f"127.0.0.1:{engine.port}")
+    try:
+        await poll(lambda: app.registry.get(key.endpoint).block_size == 16)
+        rogue = BlockStored([1], None, list(range(32)), 32, medium="GPU")
+
+        async def counted() -> bool:
+            pub.restart()  # resend from scratch until the connection is up
+            await pub.publish([rogue])
+            await asyncio.sleep(0.02)
+            return app.ingestor.counters.skipped["block_size_mismatch"] > 0
+
+        await poll(counted)
+        for _ in range(3):
+            await pub.publish([rogue])
+        good = BlockStored([2], None, list(range(100, 116)), 16, medium="GPU")
+        await pub.publish([good])
+        await asyncio.sleep(0.1)
+        assert app.registry.get(key.endpoint).state.value == "healthy"
+        await poll(lambda: app.ingestor.counters.blocks_stored == 1)
+        status, _ = await post(
+            http, f"{app.url}/v1/completions", {"prompt": "still served", "max_tokens": 1}
+        )
+        assert status == 200
+        samples = await metrics(http, app.url)
+        mismatched = metric_sum(
+            samples, "kvroute_kv_events_block_size_mismatch_total", engine=key.label
+        )
+        assert mismatched == app.ingestor.counters.block_size_mismatches[key] >= 4
+        assert metric_sum(samples, "kvroute_engine_refused", engine=key.label) == 0
+    finally:
+        await pub.close()
+        ctx.destroy(linger=0)
         await app.stop()
         await engine.stop()

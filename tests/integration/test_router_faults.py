@@ -6,7 +6,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 import pytest_asyncio
+from aiohttp import web
 from support.clients import metric_sum, metrics, post, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
@@ -78,10 +80,12 @@ async def test_an_engine_that_never_answers_times_out_with_504(
             http, f"{app.url}/v1/completions", {"prompt": "hello", "max_tokens": 4}
         )
         assert status == 504 and body["error"]["type"] == "gateway_timeout"
+        assert "not retried" in body["error"]["message"]
         samples = await metrics(http, app.url)
-        # two attempts, one retry: the give-up after the last attempt is not a retry
-        assert metric_sum(samples, "kvroute_retries_total", reason="timeout") == 1
-        # The engines saw their requests abandoned, and nothing is left in flight here.
+        # The engine had the request queued: it is not resent to the other one.
+        assert metric_sum(samples, "kvroute_retries_total", reason="timeout") == 0
+        assert metric_sum(samples, "kvroute_first_byte_timeouts_total") == 1
+        # The engine saw its request abandoned, and nothing is left in flight here.
         for engine in flaky_pair:
             await poll(lambda e=engine: e.state.drivers[0].model.stats().num_running == 0)
         assert app.core.loads.in_flight == 0
@@ -89,8 +93,8 @@ async def test_an_engine_that_never_answers_times_out_with_504(
         await app.stop()
 
 
-async def test_a_stall_before_the_first_byte_is_retried_on_another_engine(
-    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+async def test_a_stall_before_the_first_byte_is_a_504_not_resent_to_another_engine(
+    flaky_pair: list[EmulatedEngine], http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     stalled, good = flaky_pair
     await faults(http, stalled, stall_after_tokens=0)
@@ -101,12 +105,23 @@ async def test_a_stall_before_the_first_byte_is_retried_on_another_engine(
         health={"interval_s": 30.0},
     )
     try:
+        statuses = []
         for i in range(2):
             body = {"prompt": f"stream {i}", "max_tokens": 4, "stream": True}
             async with http.post(f"{app.url}/v1/completions", json=body) as resp:
-                assert resp.status == 200
+                statuses.append((resp.status, resp.headers.get("x-kvroute-engine")))
                 text = (await resp.read()).decode()
-            assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+            if resp.status == 200:
+                assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+        stalled_at = f"127.0.0.1:{stalled.port}"
+        assert sorted(s for s, _ in statuses) == [200, 504]
+        assert (200, f"127.0.0.1:{good.port}") in statuses
+        assert f"{stalled_at} accepted it but sent no first byte" in caplog.text
+        assert "not retried on another engine" in caplog.text
+        await poll(lambda: stalled.state.drivers[0].model.stats().num_running == 0)
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_first_byte_timeouts_total", engine=stalled_at) == 1
+        assert metric_sum(samples, "kvroute_retries_total") == 0
     finally:
         await app.stop()
 
@@ -237,3 +252,44 @@ async def test_kv_event_batches_skipped_on_the_wire_are_replayed(
     finally:
         await app.stop()
         await engine.stop()
+
+
+async def test_an_engine_answering_429_is_retried_around_but_not_ejected(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """A 429 says the engine is busy, not broken: the request goes to another engine,
+    and no number of them ejects it (a real HTTP server that sheds every request)."""
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy", "code": 429}}, status=429)
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    shedding = web.Application()
+    shedding.add_routes([web.post("/v1/completions", busy), web.get("/health", healthy)])
+    runner = web.AppRunner(shedding)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    app = await start_router(
+        [{"url": f"http://127.0.0.1:{port}", "models": ["kvroute-emulated"]}, engine.url],
+        policy={"name": "round_robin"},
+        health={"interval_s": 30.0},
+    )
+    try:
+        for i in range(6):  # twice health.eject_after_failures
+            reply = await post_reply(
+                http,
+                f"{app.url}/v1/completions",
+                {"model": "kvroute-emulated", "prompt": f"busy {i}", "max_tokens": 1},
+            )
+            assert reply.status == 200, reply.body
+        shed = app.registry.get(f"127.0.0.1:{port}")
+        assert shed is not None and shed.state.value == "healthy"
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_retries_total", reason="status") >= 3
+    finally:
+        await app.stop()
+        await runner.cleanup()

@@ -158,6 +158,21 @@ async def test_models_health_ready_and_openapi(
     schema = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
     ref = schema["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
     assert "prompt" in doc["components"]["schemas"][ref]["required"]
+    # Every POST route the router itself parses is described (and so fuzzed by
+    # tests/fuzz/test_http_hostile.py), with what the router requires of its body.
+    required = {
+        "/v1/chat/completions": {"messages"},
+        "/v1/responses": {"input"},
+        "/v1/messages": {"model", "messages", "max_tokens"},
+        "/v1/messages/count_tokens": {"model", "messages"},
+    }
+    for path, fields in required.items():
+        content = doc["paths"][path]["post"]["requestBody"]["content"]
+        ref = content["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        assert set(doc["components"]["schemas"][ref]["required"]) == fields, path
+    held = doc["paths"]["/v1/responses/{response_id}"]["get"]["parameters"]
+    assert [p["name"] for p in held] == ["response_id"]
+    assert "post" in doc["paths"]["/v1/responses/{response_id}/cancel"]
 
 
 async def test_metrics_expose_the_documented_names(
@@ -393,18 +408,52 @@ async def test_per_engine_limit_spreads_then_waits_then_429(
             await engine.stop()
 
 
+async def test_a_chat_is_checked_and_accounted_by_its_max_completion_tokens(
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await start_test_engine(engine_id="mct", time_scale=1.0)
+    app = await start_router([engine.url])
+    url = f"{app.url}/v1/chat/completions"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    try:
+        status, payload = await post(http, url, {**chat, "max_completion_tokens": 2_000_000})
+        assert (status, payload["error"]["param"]) == (400, "max_completion_tokens")
+        body = {**chat, "max_completion_tokens": 300, "stream": True}
+        async with http.post(url, json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readany()
+            load = app.loads.view[EngineKey(f"127.0.0.1:{engine.port}", 0)]
+            assert load.requests == 1 and load.decode_tokens == 300
+    finally:
+        await app.stop()
+        await engine.stop()
+
+
+async def test_prompts_times_n_past_max_sequences_gets_400(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    body = {"prompt": ["a"] * 1_024, "n": 128, "max_tokens": 1}
+    status, payload = await post(http, f"{router.url}/v1/completions", body)
+    assert (status, payload["error"]["param"]) == (400, "n")
+    assert "131072 sequences" in payload["error"]["message"]
+    status, _ = await post(http, f"{router.url}/v1/completions", {**body, "n": 1})
+    assert status == 200
+
+
 # ---------------------------------------------------------------------------- failures
 
 
 async def test_a_dead_engine_is_retried_around_then_ejected(
-    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
-    dead = f"http://127.0.0.1:{closed_port()}"
+    doomed = await start_test_engine(engine_id="doomed")
+    dead = doomed.url
     app = await start_router(
         [{"url": dead, "models": [MODEL]}, pair[0].url],
         policy={"name": "round_robin"},
         health={"interval_s": 30.0},
     )
+    await doomed.stop()  # after its first probe admitted it: only requests notice
     try:
         for i in range(6):
             status, _ = await post(
@@ -413,6 +462,7 @@ async def test_a_dead_engine_is_retried_around_then_ejected(
             assert status == 200
         engine = app.registry.get(dead.removeprefix("http://"))
         assert engine is not None and engine.state is EngineState.EJECTED
+        assert f"engine {dead} ejected after 3 failures in a row" in caplog.text
         samples = await metrics(http, app.url)
         assert sum(s.value for s in samples["kvroute_retries_total"]) >= 1
     finally:
@@ -420,10 +470,12 @@ async def test_a_dead_engine_is_retried_around_then_ejected(
 
 
 async def test_no_reachable_engine_gives_502_then_503(http: aiohttp.ClientSession) -> None:
-    dead = f"http://127.0.0.1:{closed_port()}"
+    doomed = await start_test_engine(engine_id="doomed")
     app = await start_router(
-        [{"url": dead, "models": [MODEL]}], health={"interval_s": 30.0, "eject_after_failures": 1}
+        [{"url": doomed.url, "models": [MODEL]}],
+        health={"interval_s": 30.0, "eject_after_failures": 1},
     )
+    await doomed.stop()
     try:
         status, payload = await post(
             http, f"{app.url}/v1/completions", {"model": MODEL, "prompt": "hi"}
@@ -436,6 +488,30 @@ async def test_no_reachable_engine_gives_502_then_503(http: aiohttp.ClientSessio
         assert (await get(http, f"{app.url}/ready"))[0] == 503
     finally:
         await app.stop()
+
+
+async def test_an_engine_never_reachable_is_pending_and_not_ready(
+    http: aiohttp.ClientSession,
+) -> None:
+    port = closed_port()
+    app = await start_router([{"url": f"http://127.0.0.1:{port}", "models": [MODEL]}])
+    engine = None
+    try:
+        record = app.registry.get(f"127.0.0.1:{port}")
+        assert record is not None and record.state is EngineState.PENDING
+        status, payload = await get(http, f"{app.url}/ready")
+        assert (status, payload["reason"]) == (503, "no healthy engine")
+        status, _ = await post(http, f"{app.url}/v1/completions", {"prompt": "hi"})
+        assert status == 503
+        engine = await start_test_engine(engine_id="late", port=port)
+        await poll(lambda: record.state is EngineState.HEALTHY)
+        status, payload = await get(http, f"{app.url}/ready")
+        assert (status, payload["healthy_engines"]) == (200, 1)
+        assert record.ejections == 0  # failing while pending is no ejection
+    finally:
+        await app.stop()
+        if engine is not None:
+            await engine.stop()
 
 
 async def test_an_engine_that_goes_away_is_ejected_and_readmitted_when_back(

@@ -32,14 +32,14 @@ async def test_reload_applies_policy_and_engines_and_keeps_restart_keys(
         new = router_config(
             [other.url],
             policy={"name": "round_robin"},
-            index={"namespace": "elsewhere"},
+            index={"redis": {"namespace": "elsewhere"}},
             limits={"max_inflight": 7},
         )
-        result = await Reloader(app, lambda: new).reload()
+        result = await Reloader(app.live, lambda: new, app.credentials).reload()
         assert result is not None
         assert set(result.applied) == {"engines", "policy.name", "limits.max_inflight"}
-        assert set(result.restart) == {"index.namespace"}
-        assert app.config.index.namespace == "kvroute"  # still what runs
+        assert set(result.restart) == {"index.redis.namespace"}
+        assert app.config.index.redis.namespace == "kvroute"  # still what runs
         assert app.config.limits.max_inflight == 7
         assert app.core.policy.name == "round_robin"
         assert app.decider.decode_policy.name == "round_robin"
@@ -56,9 +56,9 @@ async def test_reload_applies_policy_and_engines_and_keeps_restart_keys(
         assert reply.headers["x-kvroute-engine"] == endpoint_of(other.url)
         assert reply.headers["x-kvroute-reason"].startswith("round_robin:")
         # Nothing changed the second time.
-        again = await Reloader(app, lambda: new).reload()
+        again = await Reloader(app.live, lambda: new, app.credentials).reload()
         assert again is not None and not again.applied
-        assert set(again.restart) == {"index.namespace"}
+        assert set(again.restart) == {"index.redis.namespace"}
     finally:
         await app.stop()
         await other.stop()

@@ -4,6 +4,7 @@ emulated engines; certificates are made by the test (``support.tls``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -15,12 +16,14 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from cryptography import x509
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.clients import post_reply
+from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll, start_test_engine
-from support.grpc_clients import rpc_error
+from support.grpc_clients import generate, rpc_error
+from support.listeners import DialCounter, hostile_handoff
 from support.routers import router_config, start_router
 from support.tls import TestCA
 
@@ -216,6 +219,56 @@ async def test_grpc_client_and_admin_keys(engine: EmulatedEngine) -> None:
             assert len(listed.engines) == 1
             got, message = await rpc_error(admin.Reload(pb.ReloadRequest(), metadata=admin_md))
             assert got == grpc.StatusCode.INVALID_ARGUMENT and "configuration" in message
+    finally:
+        await app.stop()
+
+
+def test_serve_refuses_to_start_with_a_key_file_without_keys(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# every key rotated out\n")
+    config = tmp_path / "router.yaml"
+    config.write_text(f"engines: [{{url: 'http://127.0.0.1:{closed_port()}'}}]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "router", "serve", "--port", "0", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "KVROUTE_AUTH__API_KEYS_FILE": str(keys)},
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"auth.api_keys_file: {keys} holds no keys" in lines[0], lines
+
+
+async def test_a_reload_to_a_key_file_without_keys_is_refused_and_the_keys_stay(
+    engine: EmulatedEngine,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{CLIENT_KEY}\n")
+    sections = {"grpc": {"port": 0}, "auth": {"api_keys_file": str(keys)}}
+    app = await start_router([engine.url], **sections)
+    app.reloader = Reloader(
+        app.live, lambda: router_config([engine.url], **sections), app.credentials
+    )
+    try:
+        keys.write_text("")
+        async with http.post(f"{app.url}/admin/reload") as resp:
+            assert resp.status == 400
+        assert "holds no keys" in caplog.text and "keeping the running one" in caplog.text
+        url = f"{app.url}/v1/completions"
+        assert (await post_reply(http, url, BODY)).status == 401
+        assert (await post_reply(http, url, BODY, bearer(CLIENT_KEY))).status == 200
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            router = pb_grpc.RouterStub(channel)
+            body = b'{"prompt": "x", "max_tokens": 1, "model": "kvroute-emulated"}'
+            got, _ = await rpc_error(router.Generate(pb.GenerateRequest(body=body)).read())
+            assert got == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await app.stop()
 
@@ -458,7 +511,7 @@ async def test_a_redis_password_is_never_shown(
     url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{closed_port()}/0"
     caplog.set_level(logging.DEBUG)
     app = await start_router(
-        [engine.url], index={"backend": "redis", "url": url, "namespace": "pw-test"}
+        [engine.url], index={"backend": "redis", "redis": {"url": url, "namespace": "pw-test"}}
     )
     try:
         seen: list[str] = []
@@ -472,16 +525,210 @@ async def test_a_redis_password_is_never_shown(
         seen += [repr(app.config), str(app.config), app.config.model_dump_json()]
         # A reload that changes the URL logs the change (it waits for a restart), masked.
         moved = url.replace("/0", "/1")
-        new = router_config([engine.url], index={"backend": "redis", "url": moved})
-        result = await Reloader(app, lambda: new).reload()
-        assert result is not None and "index.url" in result.restart
+        new = router_config([engine.url], index={"backend": "redis", "redis": {"url": moved}})
+        result = await Reloader(app.live, lambda: new, app.credentials).reload()
+        assert result is not None and "index.redis.url" in result.restart
         assert "redis://:***@127.0.0.1" in caplog.text
         seen.append(caplog.text)
         assert [text[:300] for text in seen if REDIS_PASSWORD in text] == []
     finally:
         await app.stop()
     cfg = tmp_path / "router.yaml"
-    cfg.write_text(f"index:\n  backend: redis\n  url: {url}\n")
+    cfg.write_text(f"index:\n  backend: redis\n  redis:\n    url: {url}\n")
     assert main(["config", "check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert REDIS_PASSWORD not in out and "redis://:***@127.0.0.1" in out
+
+
+# ---------------------------------------------------------------------------- handoff fields
+
+
+@pytest_asyncio.fixture
+async def dial_counter() -> AsyncIterator[tuple[DialCounter, int]]:
+    counter = DialCounter()
+    port = await counter.start()
+    yield counter, port
+    await counter.stop()
+
+
+async def test_client_handoff_fields_never_reach_an_engine(
+    engine: EmulatedEngine,
+    http: aiohttp.ClientSession,
+    dial_counter: tuple[DialCounter, int],
+) -> None:
+    counter, port = dial_counter
+    app = await start_router([engine.url], grpc={"port": 0})
+    fields = hostile_handoff(port)
+    try:
+        completion = {**BODY, **fields}
+        chat = {
+            "model": BODY["model"],
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            **fields,
+        }
+        assert (await post_reply(http, f"{app.url}/v1/completions", completion)).status == 200
+        assert (await post_reply(http, f"{app.url}/v1/chat/completions", chat)).status == 200
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            generated = await generate(pb_grpc.RouterStub(channel), completion)
+            assert generated.status == 200, generated.data
+        await asyncio.sleep(0.2)  # a pull the engine had started would have dialled by now
+        assert counter.dials == 0
+        samples = await metrics(http, app.url)
+        for name in fields:
+            assert (
+                metric_sum(samples, "kvroute_client_handoff_fields_removed_total", field=name) == 3
+            ), name
+    finally:
+        await app.stop()
+
+
+async def test_trusted_clients_may_send_handoff_fields(
+    engine: EmulatedEngine,
+    http: aiohttp.ClientSession,
+    dial_counter: tuple[DialCounter, int],
+) -> None:
+    counter, port = dial_counter
+    app = await start_router([engine.url], auth={"allow_client_handoff_fields": True})
+    try:
+        body = {**BODY, "kv_transfer_params": hostile_handoff(port)["kv_transfer_params"]}
+        await post_reply(http, f"{app.url}/v1/completions", body)
+        await poll(lambda: counter.dials > 0)  # the engine did as the client said
+    finally:
+        await app.stop()
+
+
+async def test_grpc_pick_refuses_a_body_with_handoff_fields(engine: EmulatedEngine) -> None:
+    app = await start_router([engine.url], grpc={"port": 0})
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            router = pb_grpc.RouterStub(channel)
+            body = json.dumps({**BODY, "bootstrap_room": 7}).encode()
+            code, message = await rpc_error(router.Pick(pb.PickRequest(body=body)))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "bootstrap_room" in message
+            picked = await router.Pick(pb.PickRequest(body=json.dumps(BODY).encode()))
+            await router.Release(pb.ReleaseRequest(request_id=picked.request_id))
+        assert app.picks.open_count == 0
+    finally:
+        await app.stop()
+
+
+# ---------------------------------------------------------------------------- event endpoints
+
+
+async def test_engines_whose_kv_events_are_outside_the_allowed_networks_are_refused(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([engine.url], auth={"engine_cidrs": ["127.0.0.0/8"]})
+    try:
+        url = f"{app.url}/admin/engines"
+        for events in (
+            {"endpoint": "tcp://10.1.2.3:5557"},
+            {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://169.254.169.254:80"},
+            {"endpoint": "tcp://eth0;10.1.2.3:5557"},  # ZMQ's source;destination form
+            {"endpoint": "udp://127.0.0.1:5557"},
+        ):
+            async with http.post(url, json={"url": "http://127.0.0.1:9", "kv_events": events}) as r:
+                assert r.status == 403, events
+                assert "kv_events" in (await r.json())["error"]["message"]
+        assert app.registry.get("127.0.0.1:9") is None
+        assert len(app.registry) == 1
+        ok = {"url": "http://127.0.0.1:9", "kv_events": {"endpoint": "tcp://127.0.0.5:5557"}}
+        async with http.post(url, json=ok) as r:
+            assert r.status == 201
+    finally:
+        await app.stop()
+
+
+async def test_grpc_add_engine_with_kv_events_outside_the_allowed_networks_is_refused(
+    engine: EmulatedEngine,
+) -> None:
+    app = await start_router([engine.url], grpc={"port": 0}, auth={"engine_cidrs": ["127.0.0.0/8"]})
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            admin = pb_grpc.AdminStub(channel)
+            for events, replay in (("tcp://10.1.2.3:5557", ""), ("ipc:///x", "tcp://[fe80::1]:1")):
+                request = pb.AddEngineRequest(
+                    url="http://127.0.0.1:9", kv_events=events, kv_events_replay=replay
+                )
+                code, message = await rpc_error(admin.AddEngine(request))
+                assert code == grpc.StatusCode.PERMISSION_DENIED, events
+                assert "kv_events" in message and "engine_cidrs" in message
+        assert app.registry.get("127.0.0.1:9") is None and len(app.registry) == 1
+    finally:
+        await app.stop()
+
+
+async def test_event_endpoints_an_engine_reports_elsewhere_are_not_followed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine (on 127.0.0.1, allowed) says its events are on 127.0.0.2, outside
+    ``auth.engine_cidrs``: the router never connects there and routes it from decisions."""
+    remote = await start_test_engine(
+        engine_id="elsewhere",
+        kv_events_endpoint="tcp://127.0.0.2:*",
+        kv_events_replay_endpoint="tcp://127.0.0.2:*",
+    )
+    app = await start_router([remote.url], auth={"engine_cidrs": ["127.0.0.1/32"]})
+    try:
+        record = app.registry.get(f"127.0.0.1:{remote.port}")
+        assert record is not None and record.discovered and record.events is None
+        assert app.subscriber is not None and app.subscriber.states() == []
+        assert "reports KV events at tcp://127.0.0.2" in caplog.text
+    finally:
+        await app.stop()
+        await remote.stop()
+
+
+@pytest.mark.parametrize("cidrs", [["127.0.0.0/8"], ["127.0.0.1/32"]])
+async def test_event_endpoints_from_kv_event_sources_are_checked_too(
+    cidrs: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM 0.32's ``/kv_event_sources`` (the engine has no ``/server_info``) is checked
+    like ``/server_info``: its endpoints on 127.0.0.2 are followed only while
+    ``auth.engine_cidrs`` has that host."""
+    sources = {
+        "0": {
+            "endpoint": "tcp://127.0.0.2:5557",
+            "replay_endpoint": "tcp://127.0.0.2:5558",
+            "topic": "",
+            "publisher": "zmq",
+        }
+    }
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": BODY["model"]}]})
+
+    async def event_sources(_: web.Request) -> web.Response:
+        return web.json_response(sources)
+
+    fake = web.Application()
+    fake.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/v1/models", models),
+            web.get("/kv_event_sources", event_sources),
+        ]
+    )
+    runner = web.AppRunner(fake)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    app = await start_router([f"http://127.0.0.1:{port}"], auth={"engine_cidrs": cidrs})
+    try:
+        record = app.registry.get(f"127.0.0.1:{port}")
+        assert record is not None and record.discovered
+        if "127.0.0.0/8" in cidrs:
+            assert record.events is not None
+            assert record.events.endpoint == "tcp://127.0.0.2:5557"
+        else:
+            assert record.events is None
+            assert "reports KV events at tcp://127.0.0.2:5557" in caplog.text
+    finally:
+        await app.stop()
+        await runner.cleanup()

@@ -154,7 +154,7 @@ async def test_sighup_changes_a_policy_weight_without_failing_requests(
                 os.killpg(proc.proc.pid, signal.SIGHUP)
                 await poll(lambda: "reload failed" in stderr_of(proc), timeout=5)
                 changed = {**config, "policy": {"name": "kv_cost", "prefill_weight": 4.0}}
-                changed["index"] = {"namespace": "other"}  # needs a restart: reported only
+                changed["index"] = {"redis": {"namespace": "other"}}  # needs a restart
                 path.write_text(yaml.safe_dump(changed))
                 os.killpg(proc.proc.pid, signal.SIGHUP)
                 await poll(lambda: prefill_cost(reasons[-1]) == 2 * before, timeout=10)
@@ -169,7 +169,7 @@ async def test_sighup_changes_a_policy_weight_without_failing_requests(
             assert metric_sum(samples, "kvroute_config_reloads_total", outcome="failed") == 1
         log = stderr_of(proc)
         assert "policy.prefill_weight: 2.0 -> 4.0" in log
-        assert "applied only after a restart: index.namespace" in log
+        assert "applied only after a restart: index.redis.namespace" in log
     finally:
         proc.stop()
 

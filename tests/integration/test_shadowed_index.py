@@ -94,7 +94,7 @@ async def test_a_burst_sharing_a_prefix_writes_it_once(
     for i in range(8):  # no await suspends between them: one flush takes all eight
         await shadowed.add(A, [*prefix, 20_000 + i], ttl=30)
     await shadowed.drain()
-    adds = await shadowed.redis.client.zrange(f"{{{redis_namespace}}}:expiring-adds", 0, -1)
+    adds = await shadowed.remote.client.zrange(shadowed.remote.key("expiring-adds"), 0, -1)
     # The newest decision records all 101 blocks, each older one only its last block.
     assert sorted(len(member) // 8 for member in adds) == [1] * 7 + [101]
     for i in range(8):

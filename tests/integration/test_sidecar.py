@@ -10,6 +10,7 @@ import aiohttp
 import pytest_asyncio
 from support.clients import metric_sum, metrics, post
 from support.engines import start_test_engine
+from support.listeners import DialCounter, hostile_handoff
 
 from router.emulator import EmulatedEngine
 from router.sidecar import start_sidecar
@@ -107,3 +108,47 @@ async def test_without_the_header_requests_pass_straight_through(
     async with http.get(f"{pod['url']}/v1/models") as resp:
         assert resp.status == 200
         assert (await resp.json())["data"][0]["id"] == "kvroute-emulated"
+
+
+async def test_client_handoff_fields_are_removed_before_the_local_engine(
+    pod: dict, http: aiohttp.ClientSession
+) -> None:
+    counter = DialCounter()
+    port = await counter.start()
+    try:
+        body = {"prompt": prompt("own", 40), "max_tokens": 2, **hostile_handoff(port)}
+        status, answer = await post(http, f"{pod['url']}/v1/completions", body)
+        assert status == 200, answer  # the decode engine fails a pull it cannot make
+        target = f"127.0.0.2:{pod['prefill'].port}"
+        status, answer = await post(
+            http, f"{pod['url']}/v1/completions", body, headers={"x-prefiller-host-port": target}
+        )
+        assert status == 200, answer
+        assert counter.dials == 0
+    finally:
+        await counter.stop()
+
+
+async def test_a_side_channel_off_the_allow_list_is_not_pulled_from(
+    http: aiohttp.ClientSession,
+) -> None:
+    decode = await start_test_engine(engine_id="sc-decode", role="decode", handoff_failure="error")
+    prefill = await start_test_engine(
+        engine_id="sc-prefill", role="prefill", host="127.0.0.2", side_channel_host="127.0.0.3"
+    )
+    runner, sidecar, url = await start_sidecar(decode.url, [f"127.0.0.2:{prefill.port}"])
+    try:
+        before = await pulled(http, decode)
+        status, body = await post(
+            http,
+            f"{url}/v1/completions",
+            {"prompt": prompt("sc", 600), "max_tokens": 2},
+            headers={"x-prefiller-host-port": f"127.0.0.2:{prefill.port}"},
+        )
+        assert status == 200, body
+        assert await pulled(http, decode) == before  # decoded locally, nothing pulled
+    finally:
+        await runner.cleanup()
+        await sidecar.close()
+        await decode.stop()
+        await prefill.stop()

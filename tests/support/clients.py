@@ -20,7 +20,11 @@ async def post(
     http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
 ) -> tuple[int, Any]:
     """POST JSON (or raw bytes) and return (status, decoded JSON body or None)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if isinstance(body, bytes):
+        data = body
+    else:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **(headers or {})}
     async with http.post(url, data=data, headers=headers) as resp:
         raw = await resp.read()
         return resp.status, json.loads(raw) if raw else None
@@ -155,9 +159,13 @@ class Subscriber:
         self._ctx.term()
 
 
-async def replay(endpoint: str, start_seq: int, timeout: float = 5.0) -> list[tuple[bytes, bytes]]:
+async def replay(
+    endpoint: str, start_seq: int, timeout: float = 5.0, topics: list[bytes] | None = None
+) -> list[tuple[bytes, bytes]]:
     """Ask a replay ROUTER for batches from ``start_seq``; returns every reply up to and
-    including the end marker, as (seq frame, payload)."""
+    including the end marker, as (seq frame, payload). Replies may be vLLM 0.32's
+    ``[b"", topic, seq, payload]`` or older releases' ``[b"", seq, payload]``; the topic
+    frames are appended to ``topics`` when given."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -166,8 +174,11 @@ async def replay(endpoint: str, start_seq: int, timeout: float = 5.0) -> list[tu
         await sock.send_multipart([b"", encode_seq(start_seq)])
         replies: list[tuple[bytes, bytes]] = []
         while True:
-            empty, seq, payload = await asyncio.wait_for(sock.recv_multipart(), timeout)
-            assert empty == b""
+            frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+            assert frames[0] == b"" and len(frames) in (3, 4), frames
+            seq, payload = frames[-2:]
+            if topics is not None and len(frames) == 4:
+                topics.append(frames[1])
             replies.append((seq, payload))
             if seq == END_SEQ:
                 return replies

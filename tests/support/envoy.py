@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from router.process import start_group, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "build" / "envoy" / "envoy" / "_bin" / "envoy"
@@ -177,7 +178,7 @@ class Envoy:
         config.write_text(yaml.safe_dump(gateway_config(extproc_port)))
         admin_file = self.dir / "admin-address"
         self.log = open(self.dir / "envoy.log", "w+")
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
             [
                 binary,
                 "-c",
@@ -192,7 +193,6 @@ class Envoy:
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         try:
             deadline = time.monotonic() + timeout
@@ -246,14 +246,6 @@ class Envoy:
         return self.log.read()[-4000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-            except ProcessLookupError:
-                pass
+        stop_group(self.proc, grace=10.0)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -10,7 +10,8 @@ parts of the protocol an informer relies on:
   chunked stream of JSON lines, every change after ``V`` then new ones as they happen,
   ``BOOKMARK`` events on request, the end of the stream after ``T`` seconds;
 * a version older than the retained history (:meth:`compact`) gets the API server's
-  answer: HTTP 200 and one ``ERROR`` event holding a ``Status`` with code 410.
+  answer: HTTP 200 and one ``ERROR`` event holding a ``Status`` with code 410;
+* ``GET /api/v1/nodes/NAME``: a node with its labels (:meth:`put_node`), 404 for others.
 
 Selectors support ``k=v``, ``k==v``, ``k!=v``, ``k`` and ``!k`` terms joined by commas.
 """
@@ -34,8 +35,10 @@ def pod(
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     namespace: str = "inference",
+    node: str | None = None,
 ) -> dict[str, Any]:
-    """A pod object as the API server returns it (the fields discovery reads)."""
+    """A pod object as the API server returns it (the fields discovery reads); ``node``:
+    the node it is scheduled on (``spec.nodeName``)."""
     status: dict[str, Any] = {
         "phase": "Running" if ip else "Pending",
         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -52,7 +55,10 @@ def pod(
             "labels": {"llm-d.ai/inference-serving": "true", **(labels or {})},
             "annotations": annotations or {},
         },
-        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+        "spec": {
+            "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}],
+            **({"nodeName": node} if node else {}),
+        },
         "status": status,
     }
 
@@ -92,6 +98,10 @@ class FakeKubeAPI:
         """Watches from a version below this get 410 Gone."""
         self.requests: list[dict[str, str]] = []
         """Query parameters of every list and watch request, in order."""
+        self.nodes: dict[str, dict[str, str]] = {}
+        """Node name -> its labels."""
+        self.node_reads: list[str] = []
+        """Names of the nodes read, in order."""
         self._changed = asyncio.Condition()
         self._streams: set[web.StreamResponse] = set()
         self._bookmarks = 0
@@ -103,6 +113,7 @@ class FakeKubeAPI:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_get(f"/api/v1/namespaces/{self.namespace}/pods", self._pods)
+        app.router.add_get("/api/v1/nodes/{name}", self._node)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -149,6 +160,10 @@ class FakeKubeAPI:
         name = obj["metadata"]["name"]
         kind = "MODIFIED" if name in self.pods else "ADDED"
         return await self._record(kind, obj)
+
+    def put_node(self, name: str, labels: dict[str, str]) -> None:
+        """Create or replace a node (nodes are read, not watched)."""
+        self.nodes[name] = dict(labels)
 
     async def delete(self, name: str) -> int:
         return await self._record("DELETED", self.pods[name])
@@ -214,6 +229,25 @@ class FakeKubeAPI:
                 "apiVersion": "v1",
                 "metadata": {"resourceVersion": str(self.version)},
                 "items": items,
+            }
+        )
+
+    async def _node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.node_reads.append(name)
+        if request.headers.get("Authorization") != "Bearer test-token":
+            return web.json_response({"kind": "Status", "code": 401}, status=401)
+        if name not in self.nodes:
+            return web.json_response(
+                {"kind": "Status", "status": "Failure", "code": 404, "reason": "NotFound",
+                 "message": f'nodes "{name}" not found'},
+                status=404,
+            )  # fmt: skip
+        return web.json_response(
+            {
+                "kind": "Node",
+                "apiVersion": "v1",
+                "metadata": {"name": name, "labels": self.nodes[name]},
             }
         )
 

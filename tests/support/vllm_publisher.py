@@ -15,15 +15,21 @@ import zmq
 import zmq.asyncio
 
 from router.events.types import KVEvent
-from router.events.vllm import END_SEQ, decode_seq, encode_batch, encode_seq
+from router.events.vllm import END_SEQ, ReplayFrames, decode_seq, encode_batch, encode_seq
 
 
 class Publisher:
     """A vLLM-style publisher with fault knobs."""
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, pub: str, replay: str, connect: bool = False
+        self,
+        ctx: zmq.asyncio.Context,
+        pub: str,
+        replay: str,
+        connect: bool = False,
+        replay_frames: ReplayFrames = "topic",
     ) -> None:
+        self.replay_frames = replay_frames
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if connect:
@@ -37,6 +43,8 @@ class Publisher:
         self.router.bind(replay)
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
+        self.answer_replays = True
+        """False: replay requests go unanswered (an engine too busy, or still starting)."""
         self.seq = 0
         self.topic = b""
         self._task = asyncio.ensure_future(self._serve_replay())
@@ -62,11 +70,16 @@ class Publisher:
     async def _serve_replay(self) -> None:
         while True:
             ident, _, start = await self.router.recv_multipart()
+            if not self.answer_replays:
+                continue
             first = decode_seq(start)
+            # vLLM 0.32: [b"", topic, seq, payload] ... [b"", b"", END, b""]; older: no topic.
+            topic = [self.topic] if self.replay_frames == "topic" else []
+            end_topic = [b""] if self.replay_frames == "topic" else []
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    await self.router.send_multipart([ident, b"", encode_seq(seq), payload])
-            await self.router.send_multipart([ident, b"", END_SEQ, b""])
+                    await self.router.send_multipart([ident, b"", *topic, encode_seq(seq), payload])
+            await self.router.send_multipart([ident, b"", *end_topic, END_SEQ, b""])
 
     async def close(self) -> None:
         self._task.cancel()

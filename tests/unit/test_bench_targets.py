@@ -82,12 +82,19 @@ def test_the_table_puts_targets_side_by_side_with_ratios_to_the_baseline() -> No
     base = {"name": "rr", "ok": 10, "hit_rate": 0.2, "ttft_s": {"p50": 0.5}, "ceiling": 0.4}
     kv = {"name": "kv", "ok": 10, "hit_rate": 0.3, "ttft_s": {"p50": 0.25}, "ceiling": 0.4}
     rows = table_rows([base, kv], "rr")
-    assert rows[0] == ["metric", "rr", "kv", "kv/rr"]
+    assert rows[0] == ["metric", "better", "rr", "kv", "kv/rr"]
     by_label = {row[0]: row[1:] for row in rows}
-    assert by_label["prefix-cache hit rate (engines)"] == ["20.0%", "30.0%", "1.50x"]
-    assert by_label["TTFT p50"] == ["500 ms", "250 ms", "0.50x"]
-    assert by_label["ceiling (infinite cache)"] == ["40.0%", "", ""]
-    assert by_label["TTFT p99"] == ["-", "-", "-"]
+    assert by_label["prefix-cache hit rate (engines)"] == ["higher", "20.0%", "30.0%", "1.50x"]
+    assert by_label["TTFT p50"] == ["lower", "500 ms", "250 ms", "0.50x"]
+    assert by_label["ceiling (infinite cache)"] == ["", "40.0%", "", ""]
+    assert by_label["TTFT p99"] == ["lower", "-", "-", "-"]
+    assert by_label["wall time"] == ["", "-", "-", "-"]  # no score: no ratio
+
+
+def test_every_row_with_a_ratio_says_which_way_is_better() -> None:
+    summaries = [{"name": n, "ok": 1, "ceiling": 0.5} for n in ("rr", "kv")]
+    for row in table_rows(summaries, "rr")[1:]:
+        assert row[1] in ("higher", "lower") or row[-1] in ("", "-"), row
 
 
 def test_number_formats() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError
+from router.config import ConfigError, load_config
 from router.serve import add_arguments, config_from_args
 
 
@@ -73,3 +73,58 @@ def test_a_bad_value_is_refused_naming_the_field(
     monkeypatch.setenv("KVROUTE_POLICY__NAME", "fastest")
     with pytest.raises(ConfigError, match=r"policy\.name"):
         config_from_args(parse("--engine", "http://10.0.0.2:8000"))
+
+
+def test_a_misspelt_key_suggests_the_right_one_and_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        "policy:\n  prefil_weight: 2\nengines:\n  - url: http://10.0.0.1:8000\n    rol: both\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    text = str(err.value)
+    assert (
+        f"policy.prefil_weight: Extra inputs are not permitted; did you mean prefill_weight? "
+        f"(in {path})" in text
+    )
+    assert "engines.0.rol: Extra inputs are not permitted; did you mean role?" in text
+
+
+def test_a_key_far_from_any_gets_no_suggestion(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("server:\n  colour: blue\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert "server.colour: Extra inputs are not permitted (in" in str(err.value)
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_bad_key_from_the_environment_names_the_variable_not_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("policy:\n  name: kv_cost\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={"KVROUTE_POLCY__NAME": "kv_cost"})
+    text = str(err.value)
+    assert "polcy: Extra inputs are not permitted; did you mean policy?" in text
+    assert "(from environment variable KVROUTE_POLCY__NAME)" in text
+    assert str(path) not in text
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={"KVROUTE_POLICY__NAME": "fastest"})
+    assert "(from environment variable KVROUTE_POLICY__NAME)" in str(err.value)
+
+
+def test_a_bad_flag_value_is_blamed_on_the_flag(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("server:\n  port: 9001\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {"server": {"port": 99_999}}, environ={})
+    assert "server.port:" in str(err.value) and "(from a command-line flag)" in str(err.value)
+
+
+def test_a_yaml_error_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("policy:\n  name: [kv_cost\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert f'in "{path}", line 2' in str(err.value)
+    assert "<unicode string>" not in str(err.value)

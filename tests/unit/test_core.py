@@ -5,12 +5,14 @@ from __future__ import annotations
 import heapq
 import random
 from collections import Counter
+from collections.abc import Mapping, Sequence
 
 from router.config import PolicyConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
 from router.hashing import block_keys, seed_for
-from router.index import MemoryIndex
+from router.index import Match, MemoryIndex
+from router.index.base import IndexUnavailable
 from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.types import EngineKey
@@ -136,3 +138,25 @@ async def test_a_shared_first_block_does_not_pile_onto_one_engine() -> None:
     mean = sum(assigned.values()) / len(ENGINES)
     assert len(assigned) == len(ENGINES)
     assert max(assigned.values()) / mean <= 1.3, assigned
+
+
+class _UnreachableIndex(MemoryIndex):
+    async def lookup(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> Mapping[EngineKey, Match]:
+        raise IndexUnavailable("Redis is unreachable: refused", "unreachable")
+
+
+async def test_a_decision_without_the_index_says_so_in_its_reason() -> None:
+    clock = Clock()
+    cfg = PolicyConfig()
+    core = RoutingCore(
+        _UnreachableIndex(clock=clock), make_policy(cfg, clock), cfg, LoadTracker(16), clock=clock
+    )
+    request = RouteRequest("r", block_keys(list(range(64)), 16, SEED), 64, 16)
+    decision = await core.route(request, ENGINES[:2])
+    assert decision.reason == "no_prefix" and decision.index == "skipped:unreachable"
+    assert "index=skipped:unreachable" in decision.summary()
+    assert core.counters.index_errors == 1
+    answered = await make_core(clock).route(request, ENGINES[:2])
+    assert answered.index == "" and "index=" not in answered.summary()

@@ -29,7 +29,7 @@ from router.config import load_config
 
 KUBE_VERSION = "1.30.0"
 #: Custom resources Kubernetes' own schemas do not cover; checked field by field below.
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "ScaledObject"}
 
 
 def _renderer_or_skip() -> str:
@@ -171,6 +171,28 @@ def test_the_router_runs_non_root_with_probes_and_a_drain(mode: str) -> None:
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+def test_the_chart_points_the_index_redis_section_at_its_redis() -> None:
+    config = router_config(committed("service"))
+    assert config.index.backend == "redis"
+    assert config.index.redis.url == "redis://kvroute-redis:6379/0"
+    assert config.deprecations == []
+
+
+@pytest.mark.parametrize(
+    ("own", "deprecated"),
+    [({"redis": {"url": "redis://mine:6379/2"}}, False), ({"url": "redis://mine:6379/2"}, True)],
+    ids=["index.redis.url", "index.url"],
+)
+def test_an_index_url_in_router_config_wins_over_the_charts_redis(
+    own: dict[str, Any], deprecated: bool
+) -> None:
+    _renderer_or_skip()
+    objects = documents(render_text("service", {"router": {"config": {"index": own}}}))
+    config = router_config(objects)
+    assert config.index.redis.url == "redis://mine:6379/2"
+    assert bool(config.deprecations) is deprecated
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_kvroute_command_line_is_accepted(mode: str) -> None:
     """The container args parse with kvroute's own CLI."""
@@ -228,6 +250,63 @@ def test_the_sidecar_fronts_its_decode_engine() -> None:
     ]
     assert args[args.index("--engine") + 1] == f"http://127.0.0.1:{engine_port}"
     assert "--allow" in args
+
+
+AUTOSCALING = {"target": {"name": "vllm-decode"}, "model": "llama", "targetSaturation": "0.7"}
+
+
+def test_the_keda_scaled_object_scales_the_engines_on_pool_saturation() -> None:
+    _renderer_or_skip()
+    objects = documents(
+        render_text("service", {"autoscaling": {**AUTOSCALING, "keda": {"enabled": True}}})
+    )
+    validate(objects)
+    (scaled,) = by_kind(objects, "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "vllm-decode",
+    }
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+    meta = trigger["metadata"]
+    assert meta["query"] == 'max(kvroute_pool_saturation{model="llama"})'
+    check_names([meta["query"]])
+    assert 0 < float(meta["threshold"]) <= 1 and meta["serverAddress"].startswith("http")
+    assert all(isinstance(v, str) for v in meta.values())  # KEDA reads strings only
+    assert not by_kind(objects, "HorizontalPodAutoscaler")
+
+
+def test_the_plain_hpa_scales_the_engines_on_the_external_metric() -> None:
+    _renderer_or_skip()
+    objects = documents(
+        render_text("service", {"autoscaling": {**AUTOSCALING, "hpa": {"enabled": True}}})
+    )
+    validate(objects)  # autoscaling/v2 against Kubernetes' own schema
+    (hpa,) = by_kind(objects, "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"] == {
+        "name": "kvroute_pool_saturation",
+        "selector": {"matchLabels": {"model": "llama"}},
+    }
+    assert metric["external"]["target"] == {"type": "Value", "value": "0.7"}
+    assert metric["external"]["metric"]["name"] in documented_metrics()
+    assert not by_kind(objects, "ScaledObject")
+
+
+def test_autoscaling_is_off_by_default_and_refuses_both_at_once() -> None:
+    _renderer_or_skip()
+    kinds = {o["kind"] for o in documents(render_text("service"))}
+    assert not kinds & {"ScaledObject", "HorizontalPodAutoscaler"}
+    both = {**AUTOSCALING, "keda": {"enabled": True}, "hpa": {"enabled": True}}
+    with pytest.raises(Exception, match="not both"):
+        render_text("service", {"autoscaling": both})
+    with pytest.raises(Exception, match=r"autoscaling\.target\.name"):
+        render_text("service", {"autoscaling": {"keda": {"enabled": True}}})
 
 
 def test_service_monitor_scrapes_the_router_port() -> None:

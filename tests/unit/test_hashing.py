@@ -117,3 +117,24 @@ def test_the_last_prompt_token_is_never_cacheable() -> None:
     assert cacheable_blocks(32, 16) == 1
     assert cacheable_blocks(33, 16) == 2
     assert cacheable_blocks(1, 16) == cacheable_blocks(0, 16) == 0
+
+
+def test_media_extra_keys_fold_into_their_blocks_as_documented() -> None:
+    seed = seed_for("model")
+    extra = {2: [("img-a", 5)], 3: [("img-a", -11), b"\x01\x02"]}
+    plain = reference_keys(TOKENS[:80], 16, seed)
+    keys = block_keys(TOKENS[:80], 16, seed, extra=extra)
+    assert keys[:2] == plain[:2]  # blocks before the first item keep today's keys
+    pairs = b"mm" + struct.pack("<I", 5) + b"img-a" + struct.pack("<q", 5)
+    k2 = xxhash.xxh3_64_intdigest(
+        pairs, xxhash.xxh3_64_intdigest(struct.pack("<16I", *TOKENS[32:48]), plain[1])
+    )
+    assert keys[2] == k2
+    tail = b"mm" + struct.pack("<I", 5) + b"img-a" + struct.pack("<q", -11)
+    tail += b"pe" + struct.pack("<I", 2) + b"\x01\x02"
+    k3 = xxhash.xxh3_64_intdigest(
+        tail, xxhash.xxh3_64_intdigest(struct.pack("<16I", *TOKENS[48:64]), k2)
+    )
+    assert keys[3] == k3
+    assert keys[4] == chain(k3, TOKENS[64:80])
+    assert chain(plain[1], TOKENS[32:48], extra[2]) == k2

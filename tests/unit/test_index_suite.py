@@ -196,3 +196,55 @@ async def test_stats_count_blocks_and_entries(index: KVIndex, clock: FakeClock) 
     clock.now += 2
     stats = await index.stats()
     assert (stats.blocks, stats.entries) == (4, 6)
+
+
+# --------------------------------------------------------------------------- three tiers
+
+
+async def test_each_block_counts_at_its_best_tier(index: KVIndex) -> None:
+    # Blocks 0-1 on GPU (and disk), 2-3 on CPU and disk, 4-5 on disk alone.
+    await index.add(A, KEYS[:2])
+    await index.add(A, KEYS[2:4], tier=Tier.CPU)
+    await index.add(A, KEYS, tier=Tier.DISK)
+    assert await index.lookup(KEYS, [A]) == {A: Match(6, offloaded=4, disk=2)}
+
+
+async def test_the_cpu_tier_is_the_offloaded_tier() -> None:
+    assert Tier.OFFLOADED is Tier.CPU
+    assert list(Tier) == [Tier.GPU, Tier.CPU, Tier.DISK]
+
+
+async def test_removal_from_gpu_keeps_the_cpu_and_disk_copies(index: KVIndex) -> None:
+    await index.add(A, KEYS[:3])
+    await index.add(A, KEYS[:3], tier=Tier.CPU)
+    await index.add(A, KEYS[:3], tier=Tier.DISK)
+    await index.remove(A, KEYS[:3], tier=Tier.GPU)
+    assert await index.lookup(KEYS, [A]) == {A: Match(3, offloaded=3, disk=0)}
+    await index.remove(A, KEYS[:3], tier=Tier.CPU)
+    assert await index.lookup(KEYS, [A]) == {A: Match(3, offloaded=3, disk=3)}
+    await index.remove(A, KEYS[:1], tier=Tier.DISK)
+    assert await index.lookup(KEYS, [A]) == {}
+
+
+async def test_remove_without_a_tier_drops_all_three(index: KVIndex) -> None:
+    for tier in Tier:
+        await index.add(A, KEYS[:2], tier=tier)
+    await index.add(B, KEYS[:2], tier=Tier.DISK)
+    await index.remove(A, KEYS[:2])
+    assert await index.lookup(KEYS, [A, B]) == {B: Match(2, offloaded=2, disk=2)}
+
+
+async def test_clear_drops_the_disk_tier_too(index: KVIndex) -> None:
+    await index.add(A, KEYS[:2], tier=Tier.DISK)
+    await index.add(B, KEYS[:1], tier=Tier.DISK)
+    await index.clear(A)
+    assert await index.lookup(KEYS, [A, B]) == {B: Match(1, offloaded=1, disk=1)}
+    stats = await index.stats()
+    assert (stats.blocks, stats.engines) == (1, 1)
+
+
+async def test_an_engine_holding_deeper_on_disk_matches_deeper(index: KVIndex) -> None:
+    await index.add(A, KEYS[:2])
+    await index.add(B, KEYS[:5], tier=Tier.DISK)
+    got = await index.lookup(KEYS, [A, B])
+    assert got == {A: Match(2), B: Match(5, offloaded=5, disk=5)}

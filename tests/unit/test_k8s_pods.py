@@ -96,3 +96,28 @@ def test_pods_that_cannot_be_engines_say_why(
 ) -> None:
     with pytest.raises(PodProblem, match=message.replace("(", r"\(").replace(")", r"\)")):
         engine_of_pod(pod("p", "10.0.0.1", labels=labels, annotations=notes), CFG)
+
+
+def test_topology_from_the_node_name_and_the_nodes_zone_and_rack_labels() -> None:
+    node = {"topology.kubernetes.io/zone": "us-east-1a", "topology.kubernetes.io/rack": "r7"}
+    state = engine_of_pod(pod("d", "10.0.0.1", node="gpu-3"), CFG, node)
+    assert state.engine is not None
+    assert state.engine.topology.model_dump() == {
+        "node": "gpu-3",
+        "rack": "r7",
+        "zone": "us-east-1a",
+    }
+
+
+def test_without_node_labels_the_pods_own_labels_and_a_configured_rack_label_are_used() -> None:
+    cfg = CFG.model_copy(update={"rack_label": "example.com/rack"})
+    labelled = pod("d", "10.0.0.1", node="gpu-3", labels={"example.com/rack": "r2"})
+    topology = engine_of_pod(labelled, cfg).engine.topology
+    assert (topology.node, topology.rack, topology.zone) == ("gpu-3", "r2", None)
+    # The node's label wins over the pod's.
+    assert engine_of_pod(labelled, cfg, {"example.com/rack": "r5"}).engine.topology.rack == "r5"
+    assert engine_of_pod(pod("p", "10.0.0.2"), CFG).engine.topology.model_dump() == {
+        "node": None,
+        "rack": None,
+        "zone": None,
+    }

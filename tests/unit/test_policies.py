@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
+from pydantic import BaseModel, Field
 
+from router import config as router_config
 from router.config import PolicyConfig, SGLangCacheAwareConfig
-from router.engines.load import EngineLoad, LoadTracker
+from router.engines.load import EngineLoad, LoadTracker, LoadView
 from router.index.base import Match
 from router.policy import POLICY_NAMES, make_policy
-from router.policy.base import RouteRequest
+from router.policy.base import Decision, Policy, RouteRequest
 from router.policy.baselines import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, Session
 from router.policy.kv_cost import KVCostPolicy
 from router.policy.sglang import CacheAwareSGLang
@@ -208,3 +211,57 @@ def test_load_tracker_moves_work_from_prefill_to_decode_and_releases_it() -> Non
         0,
     )
     assert tracker.in_flight == 0
+
+
+# ------------------------------------------------------------------ adding a policy
+
+
+class EveryNthParams(BaseModel):
+    """A toy policy's own parameters: its section of ``policy``."""
+
+    nth: int = Field(2, ge=1)
+
+
+class ToyPolicyConfig(PolicyConfig):
+    """``PolicyConfig`` with the toy's section, as router/config.py would hold it."""
+
+    every_nth: EveryNthParams = Field(default_factory=EveryNthParams)
+
+
+class EveryNth(Policy):
+    """A toy policy defined here (not shipped): the candidate at index ``nth - 1``."""
+
+    name = "every_nth"
+
+    def __init__(self, params: EveryNthParams) -> None:
+        self.params = params
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig, clock: Callable[[], float]) -> EveryNth:
+        assert isinstance(config, ToyPolicyConfig)
+        return cls(config.every_nth)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: Mapping[EngineKey, Match],
+        loads: LoadView,
+    ) -> Decision:
+        engine = candidates[min(self.params.nth, len(candidates)) - 1]
+        return Decision(engine, self.name, "every_nth", matches.get(engine, Match(0)).blocks)
+
+
+def test_a_policy_with_parameters_is_its_module_and_its_config_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Adding a policy is its class and one line of ``router.config.POLICIES`` beside its
+    parameters; the configuration accepts the name and ``make_policy`` builds it."""
+    with pytest.raises(ValueError, match="unknown policy 'every_nth'"):
+        PolicyConfig(name="every_nth")
+    monkeypatch.setitem(router_config.POLICIES, "every_nth", f"{__name__}:EveryNth")
+    config = ToyPolicyConfig(name="every_nth", every_nth=EveryNthParams(nth=3))
+    policy = make_policy(config)
+    assert isinstance(policy, EveryNth) and policy.params.nth == 3
+    decision = policy.choose(req(), ENGINES, {}, {})
+    assert decision.engine == C and decision.reason == "every_nth"

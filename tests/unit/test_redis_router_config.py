@@ -10,7 +10,7 @@ from router.index import MemoryIndex
 from router.index.shadow import ShadowedIndex
 from router.types import EngineKey
 
-REDIS = {"backend": "redis", "url": "redis://127.0.0.1:1/0", "namespace": "cfg"}
+REDIS = {"backend": "redis", "redis": {"url": "redis://127.0.0.1:1/0", "namespace": "cfg"}}
 
 
 def config(**sections):
@@ -22,7 +22,7 @@ async def test_the_redis_backend_gives_a_router_a_shadowed_index_as_configured()
     try:
         assert isinstance(index, ShadowedIndex)
         assert (index.shadow.window, index.shadow.max_keys) == (5, 123)
-        assert index.redis.namespace == "cfg"
+        assert index.remote.namespace == "cfg"
     finally:
         await index.close()
     assert isinstance(build_index(config()), MemoryIndex)
@@ -35,7 +35,7 @@ def test_routers_fed_by_an_indexer_need_the_redis_backend() -> None:
 
 def test_published_load_must_outlive_the_exchange_interval() -> None:
     with pytest.raises(ConfigError, match="load_ttl_s must be longer"):
-        config(index={**REDIS, "load_interval_s": 0.5, "load_ttl_s": 0.5})
+        config(index={"redis": {"load_interval_s": 0.5, "load_ttl_s": 0.5}})
 
 
 async def test_routers_fed_by_an_indexer_treat_their_engines_as_publishing_events() -> None:

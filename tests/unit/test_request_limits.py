@@ -7,12 +7,13 @@ import json
 import pytest
 
 from router.api.errors import ApiError
-from router.api.openai import (
+from router.api.openai import decode_body, parse_chat, parse_completion
+from router.api.validate import (
+    InvalidRequest,
+    check_keyed,
     check_limits,
     check_prompt_tokens,
-    decode_body,
-    parse_chat,
-    parse_completion,
+    check_request,
 )
 from router.config import LimitsConfig
 
@@ -74,7 +75,48 @@ def test_limits_on_n_max_tokens_and_batch_size() -> None:
         check_limits(
             parse_chat({"messages": [{"role": "user"}], "max_completion_tokens": 10**9}), limits
         )
+    assert err.value.param == "max_completion_tokens"
+
+
+def test_max_completion_tokens_is_checked_even_beside_a_small_max_tokens() -> None:
+    limits = LimitsConfig(max_output_tokens=100)
+    chat = {"messages": [{"role": "user"}], "max_tokens": 1, "max_completion_tokens": 2_000_000}
+    with pytest.raises(ApiError) as err:
+        check_limits(parse_chat(chat), limits)
+    assert (err.value.status, err.value.param) == (400, "max_completion_tokens")
+    assert "at most 100" in err.value.message
+    chat = {"messages": [{"role": "user"}], "max_tokens": 2_000_000, "max_completion_tokens": 1}
+    with pytest.raises(ApiError) as err:
+        check_limits(parse_chat(chat), limits)
     assert err.value.param == "max_tokens"
+
+
+def test_max_completion_tokens_takes_precedence_on_chat_as_in_vllm() -> None:
+    chat = {"messages": [{"role": "user"}], "max_tokens": 1, "max_completion_tokens": 90}
+    assert parse_chat(chat).output_tokens == 90
+    assert parse_chat({"messages": [{"role": "user"}], "max_tokens": 7}).output_tokens == 7
+    assert parse_chat({"messages": [{"role": "user"}]}).output_tokens is None
+    # the completions API has no max_completion_tokens: vLLM reads max_tokens only
+    assert parse_completion({"prompt": "a", "max_completion_tokens": 90}).output_tokens is None
+
+
+def test_prompts_times_n_is_bounded_by_max_sequences() -> None:
+    limits = LimitsConfig(max_sequences=64)
+    check_limits(parse_completion({"prompt": ["a"] * 8, "n": 8}), limits)
+    check_limits(parse_chat({"messages": [{"role": "user"}] * 100, "n": 64}), limits)
+    for payload in ({"prompt": ["a"] * 8, "n": 9}, {"prompt": [[1]] * 65}):
+        with pytest.raises(ApiError) as err:
+            check_limits(parse_completion(payload), limits)
+        assert (err.value.status, err.value.param) == (400, "n")
+        assert "at most 64" in err.value.message
+    with pytest.raises(ApiError):
+        check_limits(parse_chat({"messages": [{"role": "user"}], "n": 65}), limits)
+
+
+def test_the_default_limits_refuse_the_131072_sequence_request() -> None:
+    with pytest.raises(ApiError) as err:
+        check_limits(parse_completion({"prompt": ["a"] * 1_024, "n": 128}), LimitsConfig())
+    assert "131072 sequences" in err.value.message
 
 
 def test_prompt_token_limit_names_the_count() -> None:
@@ -86,3 +128,53 @@ def test_prompt_token_limit_names_the_count() -> None:
     assert err.value.status == 400
     assert err.value.code == "context_length_exceeded"
     assert "3 tokens" in err.value.message
+
+
+def test_each_refusal_names_the_limit_it_broke() -> None:
+    limits = LimitsConfig(max_n=2, max_prompts=2, max_sequences=3, max_output_tokens=16)
+    for payload, reason in [
+        ({"prompt": "a", "n": 3}, "max_n"),
+        ({"prompt": "a", "max_tokens": 17}, "max_output_tokens"),
+        ({"prompt": ["a", "b", "c"]}, "max_prompts"),
+        ({"prompt": ["a", "b"], "n": 2}, "max_sequences"),
+        ({"prompt": "a", "model": "nope"}, "model_not_found"),
+        ({"prompt": "a"}, "model_required"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            check_request(parse_completion(payload), limits, ["m", "m-adapter"])
+        assert err.value.reason == reason, payload
+    parsed = parse_completion({"prompt": [1, 2, 3]})
+    parsed.prompts = [[1, 2, 3]]
+    with pytest.raises(InvalidRequest) as err:
+        check_prompt_tokens(parsed, LimitsConfig(max_prompt_tokens=2))
+    assert err.value.reason == "max_prompt_tokens"
+
+
+def test_check_request_returns_the_model_to_route_for() -> None:
+    limits = LimitsConfig()
+    assert check_request(parse_completion({"prompt": "a"}), limits, ["m"]) == "m"
+    chosen = parse_completion({"prompt": "a", "model": "m-adapter"})
+    assert check_request(chosen, limits, ["m", "m-adapter"]) == "m-adapter"
+
+
+def test_no_served_model_yet_is_a_503_not_a_refusal() -> None:
+    with pytest.raises(ApiError) as err:
+        check_request(parse_completion({"prompt": "a"}), LimitsConfig(), [])
+    assert err.value.status == 503 and not isinstance(err.value, InvalidRequest)
+
+
+def test_block_keys_get_the_same_bounds_and_messages() -> None:
+    limits = LimitsConfig(max_n=2, max_sequences=3, max_output_tokens=16, max_prompt_tokens=8)
+    check_keyed(2, 16, 8, limits)
+    check_keyed(1, None, 8, limits)
+    for args, reason, message in [
+        ((3, None, 8), "max_n", "'n' must be at most 2"),
+        ((1, 17, 8), "max_output_tokens", "'max_tokens' must be at most 16"),
+        ((1, None, 9), "max_prompt_tokens", "the prompt has 9 tokens"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            check_keyed(*args, limits)
+        assert err.value.reason == reason and message in err.value.message
+    with pytest.raises(InvalidRequest) as err:
+        check_keyed(3, None, 8, LimitsConfig(max_n=4, max_sequences=2))
+    assert err.value.reason == "max_sequences"

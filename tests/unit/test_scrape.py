@@ -57,3 +57,12 @@ def test_no_cache_config_means_no_block_size_and_garbage_is_skipped() -> None:
     scrape = parse_metrics(text)
     assert scrape.block_size is None
     assert scrape.ranks[0].running == 4.0 and scrape.ranks[0].waiting is None
+
+
+def test_sglangs_cache_config_marks_the_engine_as_sglang() -> None:
+    from router.engines.scrape import parse_metrics
+
+    sglang = parse_metrics('sglang:cache_config_info{page_size="32"} 1.0\n')
+    assert (sglang.block_size, sglang.sglang) == (32, True)
+    vllm = parse_metrics('vllm:cache_config_info{block_size="16",engine="0"} 1.0\n')
+    assert (vllm.block_size, vllm.sglang) == (16, False)

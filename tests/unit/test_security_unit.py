@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from router.config import AuthConfig, Config, ConfigError, load_config
@@ -10,6 +12,7 @@ from router.security import (
     AuthError,
     Credentials,
     bearer,
+    endpoint_allowed,
     engine_allowed,
     is_loopback,
     redacted,
@@ -69,6 +72,32 @@ def test_key_files_comments_and_reload(tmp_path) -> None:
     creds.check_client("Bearer gamma")
 
 
+@pytest.mark.parametrize("content", ["", "\n\n", "# rotated out\n   \n"])
+def test_a_key_file_without_keys_fails_closed(tmp_path, content: str) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(content)
+    for auth in (AuthConfig(api_keys_file=keys), AuthConfig(admin_keys_file=keys)):
+        with pytest.raises(ConfigError, match=re.escape(f"_keys_file: {keys} holds no keys")):
+            Credentials(auth)
+    with pytest.raises(ConfigError, match=r"auth\.upstream_token_file"):
+        Credentials(AuthConfig(upstream="token", upstream_token_file=keys))
+    with pytest.raises(ConfigError, match=r"auth\.api_keys: every key is blank"):
+        Credentials(AuthConfig(api_keys=["  "]))
+
+
+def test_a_reload_to_a_key_file_without_keys_keeps_the_running_keys(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("alpha\n")
+    creds = Credentials(AuthConfig(api_keys_file=keys))
+    keys.write_text("")
+    with pytest.raises(ConfigError, match="holds no keys"):
+        creds.reload(AuthConfig(api_keys_file=keys))
+    assert not creds.client_open
+    creds.check_client("Bearer alpha")
+    with pytest.raises(AuthError):
+        creds.check_client(None)
+
+
 def test_upstream_modes() -> None:
     assert Credentials(AuthConfig()).upstream_authorization("Bearer c") == "Bearer c"
     assert Credentials(AuthConfig(upstream="drop")).upstream_authorization("Bearer c") is None
@@ -87,27 +116,28 @@ def test_secrets_print_masked() -> None:
 def test_a_redis_password_prints_masked_but_reaches_the_client() -> None:
     url = "rediss://kv:pw-Hq71xZ@redis.internal:6380/0?cluster=true"
     shown = "rediss://kv:***@redis.internal:6380/0?cluster=true"
-    config = load_config(overrides={"index": {"backend": "redis", "url": url}}, environ={})
+    settings = {"backend": "redis", "redis": {"url": url}}
+    config = load_config(overrides={"index": settings}, environ={})
     for text in (repr(config), str(config), repr(config.index), config.model_dump_json()):
         assert "pw-Hq71xZ" not in text and shown in text
-    assert config.model_dump(mode="json")["index"]["url"] == shown  # kvroute config check
+    assert config.model_dump(mode="json")["index"]["redis"]["url"] == shown  # config check
     # What needs the real URL keeps it: the attribute (the Redis client) and
     # model_dump(), which reloads rebuild the configuration from.
-    assert config.index.url == url
-    assert config.model_dump()["index"]["url"] == url
-    assert Config.model_validate(config.model_dump()).index.url == url
-    assert RedisIndex.from_config(config.index).url == url
+    assert config.index.redis.url == url
+    assert config.model_dump()["index"]["redis"]["url"] == url
+    assert Config.model_validate(config.model_dump()).index.redis.url == url
+    assert RedisIndex.from_config(config.index.redis).url == url
     assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redacted("redis://:pw@[::1") == "***"  # unparseable: nothing of it is shown
 
 
 def test_an_index_url_that_is_not_redis_is_refused_without_its_password() -> None:
     for url, got in (("http://:pw-Hq71xZ@host:1/0", "http://"), ("pw-Hq71xZ@host:1", "no scheme")):
-        with pytest.raises(ConfigError, match=r"index\.url") as refused:
-            load_config(overrides={"index": {"url": url}}, environ={})
+        with pytest.raises(ConfigError, match=r"index\.redis\.url") as refused:
+            load_config(overrides={"index": {"redis": {"url": url}}}, environ={})
         assert got in str(refused.value) and "pw-Hq71xZ" not in str(refused.value)
     for scheme in ("redis", "rediss", "unix"):
-        load_config(overrides={"index": {"url": f"{scheme}://localhost/0"}}, environ={})
+        load_config(overrides={"index": {"redis": {"url": f"{scheme}://localhost/0"}}}, environ={})
 
 
 async def test_engine_networks() -> None:
@@ -118,3 +148,16 @@ async def test_engine_networks() -> None:
     assert "outside" in (await engine_allowed("http://[::1]:80", cidrs) or "")
     assert await engine_allowed("http://localhost:80", ["127.0.0.0/8", "::1/128"]) is None
     assert "resolve" in (await engine_allowed("http://no-such-host.invalid:80", cidrs) or "")
+
+
+async def test_event_endpoint_networks() -> None:
+    cidrs = ["127.0.0.0/8", "10.0.0.0/8"]
+    assert await endpoint_allowed("tcp://10.2.3.4:5557", cidrs) is None
+    assert await endpoint_allowed("tcp://[::1]:5557", ["::1/128"]) is None
+    assert await endpoint_allowed("ipc:///run/vllm/events", cidrs) is None  # this host
+    assert "loopback" in (await endpoint_allowed("ipc:///run/x", ["10.0.0.0/8"]) or "")
+    assert "outside" in (await endpoint_allowed("tcp://169.254.169.254:80", cidrs) or "")
+    assert "not a tcp" in (await endpoint_allowed("tcp://eth0;10.2.3.4:5557", cidrs) or "")
+    assert "not a tcp" in (await endpoint_allowed("pgm://10.2.3.4:5557", cidrs) or "")
+    # the engine's own host is allowed whatever the networks say
+    assert await endpoint_allowed("tcp://203.0.113.9:5557", cidrs, own_host="203.0.113.9") is None

@@ -13,7 +13,7 @@ from router.cli import main
 from router.config import DisaggregationConfig, PolicyConfig
 from router.engine_model import EngineParams
 from router.sim.cli import parse_fleet
-from router.sim.cluster import ClusterSim, Fleet, SimRun, SimSettings
+from router.sim.cluster import ClusterSim, Fleet, Layout, SimRun, SimSettings
 
 PARAMS = EngineParams(num_gpu_blocks=4_096, max_model_len=16_384)
 
@@ -118,6 +118,54 @@ def test_a_split_costs_the_transfer_time_in_ttft() -> None:
     # 4,000 tokens x 128 KiB at 1 GB/s: about half a second more than at 50 GB/s.
     added = slow.records[0].ttft - fast.records[0].ttft
     assert added == pytest.approx(4_000 * 131_072 * (1 / 1e9 - 1 / 50e9), rel=0.05)
+
+
+def test_a_layout_places_pools_packed_per_rack_or_apart() -> None:
+    roles = ["prefill"] * 2 + ["decode"] * 2
+    packed = Layout(2, "packed").place(roles)
+    spread = Layout(2, "spread").place(roles)
+    assert [t.rack for t in packed] == ["rack-0", "rack-1", "rack-0", "rack-1"]
+    assert [t.rack for t in spread] == ["rack-0", "rack-0", "rack-1", "rack-1"]
+    assert len({t.node for t in packed}) == 4 and {t.zone for t in packed} == {"zone-0"}
+    with pytest.raises(ValueError, match="layout"):
+        Layout(2, "diagonal")
+
+
+def test_packed_pools_transfer_inside_their_rack_and_spread_ones_cross_it() -> None:
+    specs = timed(groups(4, 2, 2_000), 0.2)  # one request at a time: no load to trade
+    packed = simulate(specs, Fleet(prefill=2, decode=2), layout=Layout(2, "packed"))
+    spread = simulate(
+        timed(groups(4, 2, 2_000), 0.2), Fleet(prefill=2, decode=2), layout=Layout(2, "spread")
+    )
+    assert packed.summary()["cross_rack_share"] == 0.0
+    assert {r.link for r in packed.records if r.mode == "split"} == {"same_rack"}
+    assert spread.summary()["cross_rack_share"] == 1.0
+    assert spread.summary()["layout"] == "spread on 2 racks (25 GB/s uplinks)"
+    # A rack's link is 50 GB/s, the spine's 12.5: the same splits start later.
+    split = [i for i, r in enumerate(packed.records) if r.mode == "split"]
+    assert all(spread.records[i].ttft > packed.records[i].ttft for i in split)
+
+
+def test_transfers_crossing_a_rack_at_once_share_its_uplink() -> None:
+    def burst() -> list[RequestSpec]:
+        # Eight unique 4,000-token prompts at once: their transfers overlap.
+        return timed(
+            [
+                RequestSpec(prompt=[50_000 * k + i for i in range(4_000)], max_tokens=2)
+                for k in range(8)
+            ],
+            0.0,
+        )
+
+    fleet = Fleet(prefill=4, decode=4)
+    wide = simulate(burst(), fleet, layout=Layout(2, "spread", uplink_gb_s=1_000.0))
+    narrow = simulate(burst(), fleet, layout=Layout(2, "spread", uplink_gb_s=2.0))
+    assert all(r.mode == "split" for r in wide.records + narrow.records)
+    # 2 GB/s shared by up to 4 transfers per rack: each runs at a fraction of the spine's
+    # 12.5 GB/s, and the one that crossed alone still ran at most at 2 GB/s.
+    assert narrow.summary()["ttft_s"]["mean"] > wide.summary()["ttft_s"]["mean"]
+    alone = 4_000 * 131_072 / 2e9
+    assert min(r.ttft for r in narrow.records) > alone
 
 
 def test_never_splitting_serves_everything_on_decode_engines() -> None:

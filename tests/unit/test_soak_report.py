@@ -1,5 +1,5 @@
 """The soak's report maths: which failures a fault explains, the per-minute table, the
-verdict (router.bench.soak)."""
+verdict (router.bench.soak.report), and the strict sender's error labels."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ import json
 
 import pytest
 
-from router.bench.soak import (
+from router.bench.soak.fleet import fault_plan
+from router.bench.soak.report import (
     FaultWindow,
     Outcome,
+    RampStep,
+    RouterSummary,
     Sample,
+    SoakRun,
     attribute,
-    error_label,
-    fault_plan,
+    client_cpu_percent,
+    document,
+    format_summary,
     format_table,
     format_verdict,
     judge,
@@ -21,6 +26,7 @@ from router.bench.soak import (
     router_counters,
     summarize_logs,
 )
+from router.bench.soak.sender import error_label
 
 RESTART = FaultWindow("engine restart", 100.0, 106.0, "127.0.0.1:9001")
 REDIS = FaultWindow("redis restart", 200.0, 205.0, None)
@@ -170,3 +176,63 @@ def test_a_fault_that_ends_on_a_minute_boundary_is_not_in_the_next_minute() -> N
     stall = FaultWindow("engine stall", 30.0, 60.0, "127.0.0.1:9001")
     rows = minute_rows([answered(1.0, 0.1)], [Sample(120.0, 1024, 0.0)], [stall], 120.0)
     assert [r.faults for r in rows] == [["engine stall"], []]
+
+
+def a_run() -> SoakRun:
+    run = SoakRun(capacity=50.0, rate=40.0, ramp=[RampStep(2, 50.0, 80.0, 0)], duration=60.0)
+    run.outcomes = [
+        answered(1.0, 0.25),
+        Outcome(7.0, "chat", 9.0, reason="stream ended without [DONE]", lost=True),
+    ]
+    run.windows = [RESTART, REDIS]
+    run.samples = [Sample(0.0, 1024, 0.0, client_cpu_s=1.0), Sample(10.0, 2048, 1.0, 0.0, 6.0)]
+    run.pacer_lag_max_s = 0.012
+    return run
+
+
+def test_the_load_generator_s_cpu_is_over_the_run_in_percent_of_a_core() -> None:
+    assert client_cpu_percent(a_run().samples) == pytest.approx(50.0)  # 5 CPU-s in 10 s
+    assert client_cpu_percent([Sample(0.0, 1024, 0.0)]) == 0.0
+
+
+def test_the_summary_names_the_load_each_fault_and_what_the_router_logged() -> None:
+    router = RouterSummary(
+        {"kvroute_retries_total": 3.0}, [("warning", "engine N down", 2)], ["Traceback: x"]
+    )
+    lines = format_summary(a_run(), router)
+    assert lines[0] == (
+        "capacity 50.0 answered/s, sent 40.0 requests/s; pacer lag at most 12 ms; "
+        "load generator CPU 50% of a core; 0 requests unfinished"
+    )
+    assert lines[1] == "fault: engine restart on 127.0.0.1:9001 from 100.0 s to 106.0 s"
+    assert lines[2] == "fault: redis restart from 200.0 s to 205.0 s"
+    assert lines[3:] == [
+        "router counters at the end:",
+        "         3 kvroute_retries_total",
+        "router log (warnings and errors, numbers elided):",
+        "       2 warning: engine N down",
+        "router traceback:\nTraceback: x",
+    ]
+
+
+def test_the_router_summary_reads_its_metrics_and_its_log() -> None:
+    metrics = 'kvroute_retries_total{engine="a"} 2.0\nkvroute_retries_total{engine="b"} 1.0\n'
+    log = json.dumps({"level": "error", "msg": "lost 12 bytes", "exc": "Traceback"})
+    router = RouterSummary.of(metrics, log)
+    assert router.counters == {"kvroute_retries_total": 3.0}
+    assert router.logs == [("error", "lost N bytes", 1)]
+    assert router.tracebacks == ["Traceback"]
+
+
+def test_the_json_document_keeps_the_setup_every_request_and_the_verdict() -> None:
+    run = a_run()
+    rows = minute_rows(run.outcomes, run.samples, run.windows, run.duration)
+    verdict = judge(run.outcomes, rows, run.windows)
+    doc = document(run, rows, verdict, RouterSummary({}, [], []), {"command": "soak"})
+    assert list(doc)[:2] == ["command", "capacity_answered_per_s"]
+    assert doc["ramp"] == [{"concurrency": 2, "answered_per_s": 50.0, "p99_ms": 80.0, "failed": 0}]
+    assert doc["requests"]["rows"][1] == [
+        7.0, 9.0, "chat", 0, "", False, "lost: stream ended without [DONE]"
+    ]  # fmt: skip
+    assert doc["verdict"]["passed"] is False and doc["verdict"]["lost"] == 1
+    json.dumps(doc)  # serialisable as it is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored
@@ -27,7 +28,7 @@ def _as_expected(event) -> dict:
     out: dict = {"type": type(event).__name__}
     for field in event.__struct_fields__:
         value = getattr(event, field)
-        if value is not None or field == "parent_block_hash":
+        if (value is not None and value is not False) or field == "parent_block_hash":
             out[field] = value
     return out
 
@@ -93,10 +94,36 @@ def test_sequence_frames() -> None:
         b"",
         b"\xc1",
         b"\x93\xa1x\x90\xc0",  # ts is a string
-        b"\x92\xcb\x41\xd9\x54\xfc\x40\x00\x00\x00\x91\x91\xa4Nope",  # unknown tag
+        b"\x92\xcb\x41\xd9\x54\xfc\x40\x00\x00\x00\x91\x91\x01",  # a tag that is no name
         b"\x92\xcb\x41\xd9\x54\xfc\x40\x00\x00\x00\x91\x92\xabBlockStored\x01",  # missing fields
     ],
 )
 def test_garbage_is_a_named_error(payload: bytes) -> None:
     with pytest.raises(EventDecodeError):
         decode_batch(payload)
+
+
+def test_unknown_event_types_and_fields_are_counted_never_fatal() -> None:
+    """Newer engines add events and fields (vLLM 0.32: locality, ownership, session_id):
+    the rest of the batch still applies."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "locality": "LOCAL",
+        "session_id": "s1",
+        "a_field_from_the_future": 1,
+    }
+    positional = ["BlockRemoved", [1], "GPU", 0, "LOCAL", None, "future"]
+    payload = msgspec.msgpack.encode(
+        [1.5, [{"type": "BlockPinned", "block_hashes": [1]}, stored, positional], 0]
+    )
+    batch = decode_batch(payload)
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved"]
+    assert batch.unknown_events == 1
+    assert batch.unknown_fields == 2  # a_field_from_the_future, and "future"
