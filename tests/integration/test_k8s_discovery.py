@@ -27,6 +27,7 @@ from support.routers import start_router
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.engines.registry import EngineState
+from router.topology import Topology, locality
 from router.types import EngineKey
 
 IPS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
@@ -225,6 +226,44 @@ async def test_labels_and_annotations_set_role_models_and_port(
         await app.stop()
 
 
+async def test_topology_comes_from_the_pods_node_and_its_labels(
+    kube: FakeKubeAPI,
+    tmp_path: Path,
+    fresh_engines: list[EmulatedEngine],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pod's node (spec.nodeName) and that node's zone and rack labels become the
+    engine's topology; a node the router may not read leaves the node name and the pod's
+    own labels; nodes are read once each, not per event."""
+    kube.put_node("gpu-1", {"topology.kubernetes.io/zone": "zone-a", "example.com/rack": "r1"})
+    kube.put_node("gpu-2", {"topology.kubernetes.io/zone": "zone-a", "example.com/rack": "r2"})
+    await kube.put(pod("p0", IPS[0], node="gpu-1", labels={"llm-d.ai/role": "prefill"}))
+    await kube.put(pod("d0", IPS[1], node="gpu-2", labels={"llm-d.ai/role": "decode"}))
+    await kube.put(pod("d1", IPS[2], node="hidden", labels={"example.com/rack": "r9"}))
+    caplog.set_level(logging.WARNING, logger="kvroute.discovery")
+    app = await discovering_router(kube, tmp_path, fresh_engines, rack_label="example.com/rack")
+    try:
+        await poll(lambda: len(list(app.registry)) == 3)
+        by_ip = {e.endpoint.split(":")[0]: e.topology for e in app.registry}
+        assert by_ip[IPS[0]] == Topology("gpu-1", "r1", "zone-a")
+        assert by_ip[IPS[1]] == Topology("gpu-2", "r2", "zone-a")
+        assert by_ip[IPS[2]] == Topology("hidden", "r9", None)
+        assert 'get node hidden: HTTP 404: nodes "hidden" not found' in caplog.text
+        # What the router does with it: the pair's link is priced by its locality.
+        assert locality(by_ip[IPS[0]], by_ip[IPS[1]]) == "same_zone"
+        # A later event of the same pod reads no node again.
+        reads = len(kube.node_reads)
+        await kube.put(
+            pod("p0", IPS[0], node="gpu-1", labels={"llm-d.ai/role": "prefill", "changed": "yes"})
+        )
+        assert app.discovery is not None
+        await poll(lambda: app.discovery.stats.events.get("MODIFIED", 0) >= 1)
+        assert len(kube.node_reads) == reads
+        assert sorted(kube.node_reads) == ["gpu-1", "gpu-2", "hidden"]
+    finally:
+        await app.stop()
+
+
 async def test_a_pod_that_stops_being_ready_gets_no_new_requests(
     kube: FakeKubeAPI,
     tmp_path: Path,
@@ -278,7 +317,14 @@ async def test_deleted_pods_drop_their_engine_and_its_index_entries(
         model = app.registry.models()[0]
         await kube.delete("vllm-a")
         await poll(lambda: app.registry.get(key(a).endpoint) is None)
-        assert (await app.index.stats()).entries == 0
+
+        # The registry forgets the engine first (no request is routed to it from that
+        # moment), then the removal awaits its event stream's end and the index's clear:
+        # on a busy machine the test can look in between, so it waits for the end state.
+        async def index_emptied() -> bool:
+            return (await app.index.stats()).entries == 0
+
+        await poll(index_emptied, timeout=10)
         assert app.subscriber.stream_state(key(a)) is None
         reply = await post_reply(
             http, f"{app.url}/v1/completions", {"model": model, "prompt": "gone", "max_tokens": 2}
@@ -317,13 +363,14 @@ async def test_bookmarks_move_the_resource_version_forward(
     await kube.put(pod("vllm-a", IPS[0]))
     app = await discovering_router(kube, tmp_path, fresh_engines)
     try:
-        await poll(lambda: len(kube.watches()) == 1)
+        # Deadlines, not measurements: a watch (re)opens after the discovery's backoff.
+        await poll(lambda: len(kube.watches()) == 1, timeout=30)
         await kube.put(pod("other", IPS[2], labels={"llm-d.ai/inference-serving": "false"}))
         await kube.bookmark()
-        await poll(lambda: app.discovery.stats.events.get("BOOKMARK") == 1)
+        await poll(lambda: app.discovery.stats.events.get("BOOKMARK") == 1, timeout=30)
         assert app.discovery.stats.resource_version == str(kube.version)
         kube.break_watches()
-        await poll(lambda: len(kube.watches()) == 2)
+        await poll(lambda: len(kube.watches()) == 2, timeout=30)
         assert kube.watches()[1]["resourceVersion"] == str(kube.version)
     finally:
         await app.stop()
@@ -368,5 +415,40 @@ async def test_a_refused_pod_list_is_retried_and_says_why(
         await poll(lambda: app.discovery.stats.errors >= 2)
         assert "HTTP 401" in caplog.text and "RBAC" in caplog.text
         assert not app.discovery.synced.is_set()
+    finally:
+        await app.stop()
+
+
+async def test_pods_whose_kv_events_annotation_points_outside_the_allowed_networks_are_skipped(
+    kube: FakeKubeAPI,
+    tmp_path: Path,
+    fresh_engines: list[EmulatedEngine],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whoever can annotate a pod chooses its KV-event endpoint: one outside
+    auth.engine_cidrs keeps the pod out, as an IP outside does."""
+    inside = fresh_engines[0]
+    await kube.put(pod("inside", IPS[0]))
+    await kube.put(
+        pod("aimed", IPS[1], annotations={"kvroute.io/kv-events": "tcp://10.9.9.9:5557"})
+    )
+    caplog.set_level(logging.WARNING, logger="kvroute.discovery")
+    app = await start_router(
+        [],
+        discovery={
+            "kubernetes": {
+                "enabled": True,
+                "kubeconfig": str(kube.kubeconfig(tmp_path, "test-token")),
+                "namespace": kube.namespace,
+                "port": port_of(inside),
+                "sync_timeout_s": 5,
+            }
+        },
+        auth={"engine_cidrs": ["127.0.0.0/8"]},
+    )
+    try:
+        await poll(lambda: f"pod {kube.namespace}/aimed: not an engine" in caplog.text)
+        assert "kv_events" in caplog.text and "10.9.9.9" in caplog.text
+        assert [e.endpoint for e in app.registry] == [key(inside).endpoint]
     finally:
         await app.stop()
