@@ -21,9 +21,9 @@ from support.redis import RedisServer
 from support.vllm_publisher import Publisher
 
 from router.events.ingest import StreamState
-from router.events.redis_writer import RedisEventWriter
 from router.events.subscriber import EventSource
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.events.writer import RemoteEventWriter
 from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.redis import RedisIndex
@@ -68,9 +68,12 @@ async def ctx():
     context.destroy(linger=0)
 
 
-@pytest.fixture
-async def publisher(ctx, tmp_path):
-    pub = Publisher(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+@pytest.fixture(params=["topic", "legacy"])
+async def publisher(ctx, tmp_path, request):
+    """vLLM 0.32's replay frames and older releases' (a takeover reads either)."""
+    pub = Publisher(
+        ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", replay_frames=request.param
+    )
     yield pub
     await pub.close()
 
@@ -87,20 +90,33 @@ async def index(redis_url: str, redis_namespace: str):
     await idx.close()
 
 
+#: Bounds the tests do not exercise, far above what a loaded machine takes: a lease call
+#: is bounded by the renewal interval, and one over it marks the indexer's Redis down
+#: (an outage the test did not make); an unanswered replay leaves batches unapplied.
+LEASE_MS, RENEW_MS, REPLAY_TIMEOUT = 20_000, 2_000, 10.0
+
+
 @pytest.fixture
-async def indexers(index: RedisIndex, ctx):
-    """Make indexers on the test's namespace; they are stopped at the end."""
-    made: list[Indexer] = []
+async def indexers(redis_url: str, redis_namespace: str, ctx):
+    """Make indexers on the test's namespace, each with a Redis client of its own (as
+    separate processes have: a slow call of one never fails another's, nor the test's
+    reads through ``index``); they are stopped at the end."""
+    made: list[tuple[Indexer, RedisIndex]] = []
 
     def make(sources: list[EventSource], token: str, **kwargs) -> Indexer:
-        kwargs.setdefault("lease_ms", 600)
-        indexer = Indexer(index, sources, token=token, ctx=ctx, replay_timeout=1.0, **kwargs)
-        made.append(indexer)
+        kwargs.setdefault("lease_ms", LEASE_MS)
+        kwargs.setdefault("renew_ms", RENEW_MS)
+        own = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+        indexer = Indexer(
+            own, sources, token=token, ctx=ctx, replay_timeout=REPLAY_TIMEOUT, **kwargs
+        )
+        made.append((indexer, own))
         return indexer
 
     yield make
-    for indexer in made:
+    for indexer, own in made:
         await indexer.stop()
+        await own.close()
 
 
 async def test_engine_events_reach_redis(publisher, source, index, indexers) -> None:
@@ -170,7 +186,7 @@ async def test_a_writer_whose_lease_was_taken_is_fenced_off(
     toks = tokens(500, 2)
     await publisher.publish([stored([1], toks[:BS])])
     await until(lambda: _is(depth(index, toks), 1))
-    await index.client.delete(f"{{{index.namespace}}}:lease:{ENGINE.label}")  # as if it lapsed
+    await index.client.delete(index.key(f"lease:{ENGINE.label}"))  # as if it lapsed
     two = indexers([source], "two")
     await two.start()
     assert two.owned == {ENGINE}
@@ -185,34 +201,40 @@ async def test_writes_lost_to_a_redis_outage_are_replayed_after_it(publisher, so
         server = RedisServer()
     except FileNotFoundError:
         pytest.skip("redis-server is not on the PATH")
-    index = RedisIndex(server.url, "outage", budget_ms=200, retry_interval=0.05)
+    # The outage is made (Redis frozen until the indexer gave up on it), not timed: every
+    # bound is far above what a loaded machine takes, far below the deadlines here.
+    index = RedisIndex(server.url, "outage", budget_ms=2000, retry_interval=0.05)
+    reader = RedisIndex(server.url, "outage", budget_ms=2000)  # the test's, not the indexer's
     indexer = Indexer(
         index,
         [source],
-        lease_ms=5000,
-        renew_ms=100,
-        write_timeout=0.3,
-        replay_timeout=1.0,
+        lease_ms=LEASE_MS,
+        renew_ms=RENEW_MS,
+        write_timeout=2.0,
+        replay_timeout=REPLAY_TIMEOUT,
         token="one",
         ctx=ctx,
     )
     try:
         await indexer.start()
+        assert indexer.owned == {ENGINE}
         toks = tokens(600, 3)
         await publisher.publish([stored([1], toks[:BS])])
-        await until(lambda: _is(depth(index, toks), 1))
+        await until(lambda: _is(depth(reader, toks), 1))
+        lost = indexer.stats.lost
         server.pause()
         try:
             await publisher.publish([stored([2], toks[BS : 2 * BS], parent=1)])
-            await until(lambda: indexer.stats.lost >= 1)
+            await until(lambda: indexer.stats.lost > lost and not indexer.owned)
             await publisher.publish([stored([3], toks[2 * BS :], parent=2)])
         finally:
             server.resume()
-        await until(lambda: _answers(index, toks, 3))
+        await until(lambda: _answers(reader, toks, 3), timeout=30)
         assert indexer.stats.resumed >= 1 and indexer.stats.rebuilt == 1  # only at the start
     finally:
         await indexer.stop()
         await index.close()
+        await reader.close()
         server.kill()
 
 
@@ -224,7 +246,7 @@ async def _answers(index: RedisIndex, toks: list[int], expected: int) -> bool:
 
 
 async def test_an_unfenced_writer_pipelines_event_batches(index: RedisIndex) -> None:
-    writer = RedisEventWriter(index)
+    writer = RemoteEventWriter(index)
     state = StreamState(ENGINE, MODEL, BS)
     toks = tokens(700, 40)
     for i in range(40):  # one block per batch, each chained to the previous one
@@ -241,7 +263,7 @@ async def test_an_unfenced_writer_pipelines_event_batches(index: RedisIndex) -> 
 async def test_an_unfenced_writer_rewrites_an_engine_from_its_stream_state(
     index: RedisIndex,
 ) -> None:
-    writer = RedisEventWriter(index)
+    writer = RemoteEventWriter(index)
     state = StreamState(ENGINE, MODEL, BS)
     toks = tokens(900, 3)
     await writer.apply(state, EventBatch(0.0, [stored([1, 2, 3], toks)]))
@@ -267,9 +289,10 @@ def indexer_config(tmp_path: Path, redis_url: str, redis_namespace: str, source)
     path = tmp_path / "indexer.yaml"
     config = {
         "block_size": BS,
-        "index": {"backend": "redis", "url": redis_url, "namespace": redis_namespace},
+        "index": {"backend": "redis", "redis": {"url": redis_url, "namespace": redis_namespace}},
         "indexer": {
-            "lease_ms": 3000,
+            "lease_ms": LEASE_MS,
+            "replay_timeout_s": REPLAY_TIMEOUT,
             "engines": [
                 {
                     "endpoint": ENGINE.endpoint,
@@ -316,7 +339,7 @@ async def test_kvroute_indexer_command_follows_engines_and_stops_on_sigterm(
         await until(lambda: _is(depth(index, toks), 2))
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        lease = f"{{{index.namespace}}}:lease:{ENGINE.label}"
+        lease = index.key(f"lease:{ENGINE.label}")
         assert not await index.client.exists(lease)  # handed back for a standby
     finally:
         if proc.returncode is None:

