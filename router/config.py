@@ -614,7 +614,12 @@ class EventsConfig(_Section):
     """KV-event ingestion."""
 
     enabled: bool = Field(True, description="Subscribe to engines' KV events at all.")
-    replay_timeout_s: float = Field(2.0, gt=0, description="Wait for a replay answer this long.")
+    replay_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Wait for a replay answer this long; an unanswered replay is tried "
+        "again after 1 s, doubling to 30 s.",
+    )
     port: int | None = Field(
         None,
         ge=1,

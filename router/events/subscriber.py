@@ -22,6 +22,9 @@ applied; when the SUB reconnects (ZMQ's socket monitor says so) or the engine is
 re-admitted after an ejection, the stream *resyncs*: it replays from its last sequence
 number and checks that the engine still holds that very batch. If it does, only newer
 batches apply; if not, the engine restarted: clear, and rebuild from sequence 0.
+A replay that goes unanswered is tried again after a backoff (1 s, doubling to 30 s)
+while no live batch starts one first: an idle engine publishes nothing that would reveal
+the gap, and its blocks would otherwise stay missing from the index until it does.
 Garbage frames are counted and dropped; nothing here lets an exception end the
 subscriber. Every socket has a ``MAXMSGSIZE`` (``events.max_message_bytes``): libzmq
 disconnects a publisher whose frame would be larger before allocating it.
@@ -56,6 +59,10 @@ from router.types import EngineKey
 log = logging.getLogger("kvroute.events")
 
 _PENDING_LIMIT = 100_000
+RETRY_FIRST_S = 1.0
+"""Delay before a replay that went unanswered is tried again; it doubles with each
+failure in a row up to :data:`RETRY_MAX_S` and starts over after a replay succeeds."""
+RETRY_MAX_S = 30.0
 MAX_TOPICS = 4_096
 """Bound on the (topic, rank) streams of a bound socket: publishers choose topics, and
 messages on topics past it are dropped as unknown."""
@@ -109,6 +116,9 @@ class _Stream:
         self.last_digest: int | None = None
         self.resync_wanted = False
         self.task: asyncio.Task[None] | None = None
+        self.failed_replays = 0
+        """Replays in a row that went unanswered (the retry's backoff)."""
+        self.retry: asyncio.TimerHandle | None = None
 
     # -------------------------------------------------------------- live messages
 
@@ -180,12 +190,34 @@ class _Stream:
     def _start_replay(
         self, start: int, seq: int | None, payload: bytes | None, verify: bool = False
     ) -> None:
+        self.cancel_retry()
         self.replaying = True
         self.overflowed = False
         self.pending.clear()
         if seq is not None and payload is not None:
             self.pending.append((seq, payload))
         self.task = asyncio.ensure_future(self._replay(start, verify))
+
+    def cancel_retry(self) -> None:
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
+
+    def _schedule_retry(self) -> None:
+        """After an unanswered replay with no live batch waiting: try again later (a live
+        batch that arrives first starts a replay of its own, which cancels this one)."""
+        self.cancel_retry()
+        delay = min(RETRY_FIRST_S * 2 ** (self.failed_replays - 1), RETRY_MAX_S)
+        self.retry = asyncio.get_running_loop().call_later(delay, self._retry_replay)
+
+    def _retry_replay(self) -> None:
+        self.retry = None
+        if self.replaying:
+            return
+        if self.state.last_seq is None:
+            self.request_replay(0)
+        else:
+            self.resync()  # from the last batch applied, checking it is still the engine's
 
     async def _restarted(self, why: str) -> None:
         self.sub.stats.restarts += 1
@@ -217,6 +249,8 @@ class _Stream:
                     restart = await self._drain(pending)
                 if restart is None:
                     if not self.resync_wanted:
+                        if self.failed_replays:
+                            self._schedule_retry()
                         break
                     self.resync_wanted = False
                     last = self.state.last_seq
@@ -260,6 +294,7 @@ class _Stream:
             while True:
                 if not await sock.poll(timeout_ms, zmq.POLLIN):
                     self.sub.stats.replays["failed"] += 1
+                    self.failed_replays += 1
                     log.warning("%s: replay from %d timed out", self.state.engine.label, start)
                     last = self.state.last_seq
                     if last is not None and self.pending:
@@ -281,6 +316,7 @@ class _Stream:
                 seq_frame, payload = reply
                 if seq_frame == END_SEQ:
                     self.sub.stats.replays["ok"] += 1
+                    self.failed_replays = 0
                     if verify and first:
                         await self._restarted(f"it no longer holds batch {start}")
                         return True
@@ -397,6 +433,7 @@ class KVEventSubscriber:
             sock.disable_monitor()
             sock.close(0)
         if stream is not None:
+            stream.cancel_retry()
             if stream.task is not None:
                 stream.task.cancel()
                 await asyncio.gather(stream.task, return_exceptions=True)
@@ -404,6 +441,7 @@ class KVEventSubscriber:
                 await self.ingestor.clear(stream.state)
         for key, s in list(self._topic_streams.items()):
             if s.state.engine == engine:
+                s.cancel_retry()
                 del self._topic_streams[key]
 
     async def wait_synced(self, timeout: float) -> bool:
@@ -519,7 +557,8 @@ class KVEventSubscriber:
     async def close(self) -> None:
         for engine in list(self._readers):
             await self.remove_source(engine)
-        for stream in self._streams.values():
+        for stream in [*self._streams.values(), *self._topic_streams.values()]:
+            stream.cancel_retry()
             if stream.task is not None:
                 stream.task.cancel()
                 await asyncio.gather(stream.task, return_exceptions=True)

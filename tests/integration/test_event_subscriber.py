@@ -109,6 +109,38 @@ async def test_batches_published_before_connecting_arrive_by_replay(
     await pub.close()
 
 
+async def test_an_unanswered_replay_of_an_idle_engine_is_tried_again(ctx, index, tmp_path) -> None:
+    """The engine publishes before the router listens, misses the first replay request
+    (busy, still starting), then answers but publishes nothing more: the retry, not a
+    live batch, brings its blocks into the index; removing the source ends the retries."""
+    sub = KVEventSubscriber(EventIngestor(index), ctx=ctx, replay_timeout=0.2)
+    pub = Publisher(ctx, f"ipc://{tmp_path}/idle-pub", f"ipc://{tmp_path}/idle-replay")
+    try:
+        pub.answer_replays = False
+        toks = tokens(150, 3)
+        await pub.publish([stored([1, 2, 3], toks)])  # nobody listens yet
+        engine = EngineKey("127.0.0.1:9150")
+        await sub.add_source(EventSource(engine, MODEL, pub.pub_endpoint, pub.replay_endpoint))
+        stream = sub._streams[engine]
+        await until(lambda: asyncio.sleep(0, sub.stats.replays["failed"] >= 1))
+        await until(lambda: asyncio.sleep(0, stream.retry is not None))
+        assert depth(index, toks, engine) == 0
+        pub.answer_replays = True
+        await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 3), timeout=10)
+        assert sub.stats.replays["ok"] == 1 and stream.failed_replays == 0
+        assert stream.retry is None  # caught up: nothing more to try
+
+        pub.answer_replays = False
+        stream.resync()  # a resync that goes unanswered schedules a retry too
+        await until(lambda: asyncio.sleep(0, stream.retry is not None))
+        retry = stream.retry
+        await sub.remove_source(engine)
+        assert retry is not None and retry.cancelled() and stream.retry is None
+    finally:
+        await sub.close()
+        await pub.close()
+
+
 async def test_stored_child_and_removed_events_update_the_index(
     ctx, subscriber, index, tmp_path
 ) -> None:
