@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -29,12 +28,12 @@ from aiohttp import web
 
 from router.api.context import Outcome, RequestContext
 from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, NotRouted, not_routed
-from router.api.errors import ApiError, bad_request
+from router.api.errors import bad_request
 from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
 from router.handoff.fields import strip_owned
 from router.plan import SERVING_ROLES
-from router.policy.base import Decision, NoCandidates, RouteRequest
+from router.policy.base import Decision, RouteRequest
 from router.proxy import UpstreamError
 
 if TYPE_CHECKING:
@@ -122,41 +121,13 @@ class Passthrough:
 
     async def _forward(self, ctx: RequestContext) -> None:
         """An engine by load, then (on a failure before the first byte) another."""
-        app = self.app
-        planner = app.decider.planner
-        exclude: set[str] = set()
-        last_error: UpstreamError | None = None
-        for attempt in range(1 + app.config.proxy.retries):
+        planner = self.app.decider.planner
+
+        async def choose(exclude: set[str]) -> Decision:
             candidates = planner.candidates(ctx.model, SERVING_ROLES, exclude)
-            try:
-                decision = await planner.choose(ctx.request, candidates)
-            except NoCandidates:
-                if last_error is not None:
-                    raise ApiError(last_error.http_status, f"engine failed: {last_error}") from None
-                raise ApiError(
-                    503, f"no healthy engine serves model '{ctx.model}'", retry_after=1
-                ) from None
-            if attempt == 0:
-                app.metrics.routing_seconds.observe(time.perf_counter() - ctx.started)
-            try:
-                return await self._attempt(ctx, decision)
-            except UpstreamError as err:
-                last_error = err
-                exclude.add(decision.engine.endpoint)
-                if err.accepted:
-                    raise self.api.not_retried(err, ctx.request, decision) from None
-                retrying = attempt < app.config.proxy.retries
-                if retrying:
-                    app.metrics.retries.labels(err.kind).inc()
-                log.info(
-                    "request %s: %s failed before the first byte (%s); %s",
-                    ctx.request_id,
-                    decision.engine.label,
-                    err,
-                    "retrying" if retrying else "giving up",
-                )
-        assert last_error is not None
-        raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+            return await planner.choose(ctx.request, candidates)
+
+        await self.api.with_retries(ctx, choose, lambda decision: self._attempt(ctx, decision))
 
     async def _attempt(self, ctx: RequestContext, decision: Decision) -> None:
         """One try on one engine; its answer goes to the client as it is. Raises
