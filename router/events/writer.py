@@ -41,6 +41,7 @@ from router.index.remote import (
     WriteBatch,
     WriteOp,
     WriteResult,
+    take_for_write,
 )
 from router.types import EngineKey, Tier
 
@@ -244,14 +245,12 @@ class RemoteEventWriter(EventIngestor):
             self._idle.set()
 
     def _take(self) -> list[WriteBatch]:
-        taken: list[WriteBatch] = []
-        keys = 0
-        queue = self._queue
-        while queue and len(taken) < self.max_flush and (not taken or keys < self.max_flush_keys):
-            batch = queue.popleft()
-            taken.append(batch)
-            keys += sum(len(op.keys) for op in batch.ops if not isinstance(op, ClearOp))
-        return taken
+        return take_for_write(
+            self._queue,
+            self.max_flush,
+            self.max_flush_keys,
+            lambda batch: sum(len(op.keys) for op in batch.ops if not isinstance(op, ClearOp)),
+        )
 
     async def _flush(self, batches: list[WriteBatch]) -> None:
         self.stats.flushes += 1

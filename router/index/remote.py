@@ -20,10 +20,11 @@ it needs from such a thing:
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 from router.index.base import KVIndex
 from router.types import EngineKey, Tier
@@ -81,6 +82,23 @@ class WriteBatch:
     engine: EngineKey
     ops: list[WriteOp]
     fence: Fence | None = None
+
+
+_Queued = TypeVar("_Queued")
+
+
+def take_for_write(
+    queue: deque[_Queued], max_items: int, max_keys: int, keys_of: Callable[[_Queued], int]
+) -> list[_Queued]:
+    """The queue's front for one write: at most ``max_items`` items, and no more once
+    those taken hold ``max_keys`` keys (the first is always taken, however many)."""
+    taken: list[_Queued] = []
+    keys = 0
+    while queue and len(taken) < max_items and (not taken or keys < max_keys):
+        item = queue.popleft()
+        taken.append(item)
+        keys += keys_of(item)
+    return taken
 
 
 class WriteResult(IntEnum):

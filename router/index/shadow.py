@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.index.base import FallbackMatches, IndexStats, IndexUnavailable, KVIndex, Match
-from router.index.remote import ExpireOp, RemoteIndex, WriteBatch
+from router.index.remote import ExpireOp, RemoteIndex, WriteBatch, take_for_write
 from router.types import EngineKey, Tier
 
 log = logging.getLogger("kvroute.index.shadow")
@@ -346,14 +346,9 @@ class ShadowedIndex(KVIndex):
             self._drained.set()
 
     def _take(self) -> list[_Decision]:
-        taken: list[_Decision] = []
-        keys = 0
-        queue = self._queue
-        while queue and len(taken) < self.max_flush and (not taken or keys < self.max_flush_keys):
-            decision = queue.popleft()
-            taken.append(decision)
-            keys += len(decision.keys)
-        return taken
+        return take_for_write(
+            self._queue, self.max_flush, self.max_flush_keys, lambda d: len(d.keys)
+        )
 
     async def _write(self, decisions: list[_Decision]) -> bool:
         """Write ``decisions``' records, one batch per engine, in one call; True if the
