@@ -127,6 +127,8 @@ async def test_an_unanswered_replay_of_an_idle_engine_is_tried_again(ctx, index,
         assert depth(index, toks, engine) == 0
         pub.answer_replays = True
         await until(lambda: asyncio.sleep(0, depth(index, toks, engine) == 3), timeout=10)
+        # The replay applies each batch as it arrives; its end marker follows.
+        await until(lambda: asyncio.sleep(0, not stream.replaying))
         assert sub.stats.replays["ok"] == 1 and stream.failed_replays == 0
         assert stream.retry is None  # caught up: nothing more to try
 
