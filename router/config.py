@@ -1463,6 +1463,38 @@ class FlowConfig(_Section):
     max_wait_status: Literal[429, 503] = Field(
         429, description="Answer to a request that waited its band's longest wait."
     )
+    prefill_isolation: bool = Field(
+        True,
+        description="Route a request away from engines where a request that outranks it "
+        "(a higher band, or within a band a tenant holding fewer in-flight slots) is "
+        "still prefilling, so that it does not share that prefill's engine steps; with "
+        "no other engine it waits for such a prefill to end, up to "
+        "`flow.prefill_isolation_wait_s`. gRPC `Pick` and ext_proc only steer.",
+    )
+    prefill_isolation_wait_s: float = Field(
+        1.0,
+        ge=0,
+        description="Longest a request waits for outranking prefills to end before it "
+        "is routed beside them (counts in its TTFT, shown as `yielded=` in "
+        "`x-kvroute-reason`).",
+    )
+    prefill_reserve: int = Field(
+        1,
+        ge=0,
+        description="With prefill isolation, while requests that outrank a request were "
+        "routed within `flow.prefill_reserve_window_s`: prefills of its rank and below "
+        "run one an engine, on all but this many engines of the pool (or all but as "
+        "many as outranking requests are prefilling and waiting for, if more), so that "
+        "the next higher-ranked request finds an engine with no prefill to share (lower "
+        "ranks lose that prefill capacity meanwhile). A pool of one engine is never "
+        "reserved. 0: off.",
+    )
+    prefill_reserve_window_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long after its last request a class of requests (priority "
+        "band, tenant) keeps engines reserved for itself (`flow.prefill_reserve`).",
+    )
     objectives: dict[str, int] = Field(
         default_factory=dict,
         description="Priority of a request by its InferenceObjective (the gateway's "

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.config import PolicyConfig
 from router.engines.load import LoadTracker
@@ -30,6 +31,9 @@ from router.policy import make_policy
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest
 from router.policy.kv_cost import KVCostPolicy
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.flow.isolation import PrefillIsolation
 
 log = logging.getLogger("kvroute.core")
 
@@ -70,6 +74,9 @@ class RoutingCore:
         self.max_per_engine = 0
         """Requests in flight an engine may hold before it stops being a candidate
         (0: no limit; ``limits.max_inflight_per_engine``)."""
+        self.isolation: PrefillIsolation | None = None
+        """Prefill isolation (``flow.prefill_isolation``): leaves out engines prefilling
+        requests that outrank this one."""
 
     def reconfigure(self, config: PolicyConfig, max_per_engine: int) -> None:
         """Apply a reloaded ``policy`` section and in-flight limit. New weights keep the
@@ -109,6 +116,8 @@ class RoutingCore:
         ``policy`` overrides the router's policy for this choice (decode engines of a
         disaggregated pool are chosen by their own cost). Candidates with
         ``max_per_engine`` requests in flight are skipped; :class:`Saturated` if all are.
+        With prefill isolation, so are engines prefilling a request that outranks this
+        one (:class:`~router.flow.isolation.Yielding` if all are and it may wait).
         """
         if not candidates:
             raise NoCandidates("no engine can take this request")
@@ -121,6 +130,8 @@ class RoutingCore:
                     f"all {len(candidates)} candidate engine(s) have {cap} requests in flight"
                 )
             candidates = room
+        if request.flow is not None and self.isolation is not None:
+            candidates = self.isolation.clear(request, candidates)
         policy = policy or self.policy
         matches = await self.lookup(request.keys, candidates, policy)
         decision = policy.choose(request, candidates, matches, self.loads.view)

@@ -377,6 +377,28 @@ class StateCollector(Collector):
             "Rate-limit decisions made by local buckets because Redis did not answer",
             value=flow.limiter.fallbacks,
         )
+        if flow.isolation is not None:
+            c = flow.isolation.counters
+            yield _family(
+                CounterMetricFamily,
+                "kvroute_flow_prefill_isolation",
+                "Prefill isolation (flow.prefill_isolation): decisions that left out an "
+                "engine prefilling an outranking request (avoided), decisions kept off "
+                "engines reserved for outranking requests (reserved), requests that waited "
+                "for such prefills to end (waited), requests routed beside them (overridden)",
+                ["outcome"],
+                {
+                    ("avoided",): c.avoided,
+                    ("reserved",): c.reserved,
+                    ("waited",): c.waited,
+                    ("overridden",): c.overridden,
+                },
+            )
+            yield CounterMetricFamily(
+                "kvroute_flow_prefill_isolation_wait_seconds",
+                "Seconds requests waited for outranking prefills to end",
+                value=c.wait_s,
+            )
 
     def _engines(self, registry: Registry, core: RoutingCore) -> Iterator[GaugeMetricFamily]:
         healthy = GaugeMetricFamily(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from router.admission import Overloaded
 from router.api.openai import ParsedRequest, tokenize
 from router.core import Saturated
+from router.flow.isolation import Yielding
 from router.hashing import block_keys, seed_for
 from router.media import block_extra_keys
 from router.plan import SERVING_ROLES, Plan, Planner, restrict
@@ -127,8 +128,18 @@ class Decider:
 
     async def wait_for_room(self, route: RouteRequest, full: Saturated) -> None:
         """Every candidate is at ``limits.max_inflight_per_engine``: wait for room until
-        ``route.wait_until``, then :class:`Overloaded`."""
+        ``route.wait_until``, then :class:`Overloaded`. Every candidate prefilling an
+        outranking request (:class:`Yielding`): wait for one to end, then try again."""
         admission = self.admission
+        if isinstance(full, Yielding):
+            # Wait for an outranking prefill to end, then try again (the isolation ends
+            # the yielding when its wait is over); a wait that cannot start ends it now.
+            if not await admission.wait_capacity(full.until):
+                now = admission.clock()
+                isolation = self.core.isolation
+                if now < full.until and route.flow is not None and isolation is not None:
+                    isolation.stop_waiting(route.flow, now)
+            return
         if route.wait_until is None or not await admission.wait_capacity(route.wait_until):
             admission.rejected["engines_full"] += 1
             raise Overloaded(str(full)) from None

@@ -351,6 +351,7 @@ class Exchange:
                 )
                 check_prompt_tokens(parsed, app.config.limits)
                 load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+                route.flow = self.ticket
                 plan = await app.decider.plan(model, route, load_tokens, subset)
                 decode = plan.decode
         except NoCandidates:

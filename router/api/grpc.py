@@ -41,6 +41,7 @@ from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.api.services import Services
+    from router.flow.ticket import FlowTicket
 
 log = logging.getLogger("kvroute.grpc")
 T = TypeVar("T")
@@ -320,6 +321,7 @@ class RouterService(pb_grpc.RouterServicer):
         self._admit(request_id)
         if app.picks.get(request_id) is not None:
             raise ApiError(409, f"a pick with request id {request_id!r} is open; release it first")
+        ticket: FlowTicket | None = None
         if app.flow is not None:  # no wait: the caller forwards, and retries, itself
             ticket = app.flow.ticket(
                 {**_metadata(context), **headers},
@@ -347,6 +349,7 @@ class RouterService(pb_grpc.RouterServicer):
             route = await app.decider.prepare(request_id, model, parsed, session)
             check_prompt_tokens(parsed, app.config.limits)
             load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+        route.flow = ticket
         try:
             plan = await app.decider.plan(model, route, load_tokens, subset)
         except NoCandidates:

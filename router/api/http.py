@@ -349,6 +349,7 @@ class HttpApi:
         )
         check_prompt_tokens(parsed, limits)
         route_request.wait_until = deadline
+        route_request.flow = outcome.ticket
         ctx = RequestContext(
             sink, _PATHS[route], parsed, route_request, payload, body, started, outcome
         )
@@ -527,6 +528,8 @@ class HttpApi:
             sum(len(p) for p in parsed.prompts) * parsed.n,
             decision.cached_tokens if cached_tokens is None else cached_tokens,
             route_request.max_tokens,
+            route_request.flow,
+            sees_first_token=parsed.stream,
         )
         sent = self.upstream_headers(
             sink.headers, route_request.request_id, engine, decision.engine, ctx.path

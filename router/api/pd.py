@@ -141,7 +141,7 @@ class PDForwarder:
         engine = app.registry.engine_of(prefill.engine)
         assert engine is not None
         ticket = self.loads.begin(
-            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1
+            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1, ctx.request.flow
         )
         headers = self.api.upstream_headers(
             ctx.sink.headers, ctx.request_id, engine, prefill.engine, ctx.path

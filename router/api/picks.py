@@ -90,11 +90,21 @@ class PickLedger:
         decode_cached = plan.decode.cached_tokens
         if plan.prefill is not None:
             prefill = self.loads.begin(
-                plan.prefill.engine, route.prompt_tokens, plan.prefill.cached_tokens, 1
+                plan.prefill.engine,
+                route.prompt_tokens,
+                plan.prefill.cached_tokens,
+                1,
+                route.flow,
+                sees_first_token=False,  # the gateway may never say
             )
             decode_cached = max(route.prompt_tokens - 1, 0)  # the KV is pulled, not prefilled
         decode = self.loads.begin(
-            plan.decode.engine, plan.load_tokens, decode_cached, route.max_tokens
+            plan.decode.engine,
+            plan.load_tokens,
+            decode_cached,
+            route.max_tokens,
+            route.flow,
+            sees_first_token=False,
         )
         lease = Lease(
             route.request_id,

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.flow.ticket import FlowTicket
 
 
 @dataclass(slots=True)
@@ -109,6 +113,13 @@ class Ticket:
     blocks: int
     prefilled: bool = False
     released: bool = False
+    flow: FlowTicket | None = None
+    """The request's flow-control ticket (``flow.enabled``): prefill isolation reads it."""
+    started: float = 0.0
+    """When it was sent (the tracker's clock), for tickets with a ``flow``."""
+    estimated: bool = False
+    """Its first token may never be seen (a non-streamed answer, a gateway's pick): prefill
+    isolation estimates when its prefill ends."""
 
 
 @dataclass(slots=True)
@@ -122,7 +133,12 @@ class LoadTracker:
 
     block_size: int = 16
     on_end: Callable[[], None] | None = None
-    """Called after a request's load is released (requests waiting for room retry)."""
+    """Called after a request's load is released, and after the first token of one with
+    a flow ticket (requests waiting for room, or yielding to its prefill, retry)."""
+    clock: Callable[[], float] = time.monotonic
+    prefilling: dict[EngineKey, dict[int, Ticket]] = field(default_factory=dict)
+    """Engine -> tickets with a flow ticket whose first token has not arrived (prefill
+    isolation, :mod:`router.flow.isolation`); engines with none are left out."""
     _loads: dict[EngineKey, EngineLoad] = field(default_factory=dict)
     _open: dict[int, Ticket] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -138,12 +154,27 @@ class LoadTracker:
         return load
 
     def begin(
-        self, engine: EngineKey, prompt_tokens: int, cached_tokens: int, max_tokens: int
+        self,
+        engine: EngineKey,
+        prompt_tokens: int,
+        cached_tokens: int,
+        max_tokens: int,
+        flow: FlowTicket | None = None,
+        *,
+        sees_first_token: bool = True,
     ) -> Ticket:
+        """``flow``: the request's flow-control ticket, if flow control admitted it;
+        ``sees_first_token``: whether :meth:`prefilled` will be called when the first
+        token arrives (a streamed answer), rather than only at the end."""
         uncached = max(prompt_tokens - cached_tokens, 0)
         bs = self.block_size
         blocks = -(-uncached // bs) + -(-max(max_tokens, 0) // bs)
         ticket = Ticket(next(self._ids), engine, uncached, max(max_tokens, 0), blocks)
+        if flow is not None and uncached:
+            ticket.flow = flow
+            ticket.started = self.clock()
+            ticket.estimated = not sees_first_token
+            self.prefilling.setdefault(engine, {})[ticket.id] = ticket
         load = self._load(engine)
         load.requests += 1
         load.routed = ticket.id + 1
@@ -157,6 +188,8 @@ class LoadTracker:
         if ticket.prefilled or ticket.released:
             return
         ticket.prefilled = True
+        if ticket.flow is not None and self._unprefill(ticket) and self.on_end is not None:
+            self.on_end()
         load = self._loads.get(ticket.engine)
         if load is None:  # the engine was forgotten while the request ran
             return
@@ -168,6 +201,8 @@ class LoadTracker:
             return
         ticket.released = True
         self._open.pop(ticket.id, None)
+        if ticket.flow is not None:
+            self._unprefill(ticket)
         load = self._loads.get(ticket.engine)
         if load is not None:
             load.requests -= 1
@@ -178,6 +213,15 @@ class LoadTracker:
                 load.prefill_tokens -= ticket.prefill_tokens
         if self.on_end is not None:
             self.on_end()
+
+    def _unprefill(self, ticket: Ticket) -> bool:
+        """Take ``ticket`` out of :attr:`prefilling`; whether it was there."""
+        mine = self.prefilling.get(ticket.engine)
+        if mine is None or mine.pop(ticket.id, None) is None:
+            return False
+        if not mine:
+            del self.prefilling[ticket.engine]
+        return True
 
     def report(
         self,
@@ -200,6 +244,7 @@ class LoadTracker:
         """Drop an engine that left the fleet; its open tickets release into nothing
         (so that an engine added again under the same key starts from zero)."""
         self._loads.pop(engine, None)
+        self.prefilling.pop(engine, None)
         for ticket in [t for t in self._open.values() if t.engine == engine]:
             ticket.released = True
             del self._open[ticket.id]

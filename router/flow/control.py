@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.admission import Overloaded
 from router.flow.fairness import make_fairness
+from router.flow.isolation import PrefillIsolation
 from router.flow.queue import BandedQueue
 from router.flow.ratelimit import Limit, RateLimited, RateLimiter
 from router.flow.saturation import Saturation
@@ -82,6 +83,21 @@ class FlowControl:
             lambda: admission.limits.max_inflight_per_engine,
             self._queued,
         )
+        self.isolation: PrefillIsolation | None = (
+            PrefillIsolation(
+                loads,
+                admission.holding,
+                lambda: self.flow.prefill_isolation_wait_s,
+                lambda: config.disaggregation.prefill_s_per_token,
+                lambda: self.flow.prefill_reserve,
+                lambda: self.flow.prefill_reserve_window_s,
+                self.queue.counts,
+                self.queue.in_flow,
+            )
+            if flow.prefill_isolation
+            else None
+        )
+        """Prefill isolation (``flow.prefill_isolation``); the routing core applies it."""
         self.admitted: dict[str, int] = {}
         """band -> requests admitted."""
         self.refused: dict[tuple[str, str], int] = {}

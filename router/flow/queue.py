@@ -66,6 +66,12 @@ class BandedQueue:
         band = self._bands.get(priority)
         return band.size if band is not None else 0
 
+    def in_flow(self, priority: int, tenant: str) -> int:
+        """Requests of ``tenant`` waiting in band ``priority``."""
+        band = self._bands.get(priority)
+        flow = band.flows.get(tenant) if band is not None else None
+        return flow.size if flow is not None else 0
+
     def waiting_above(self, priority: int) -> int:
         """Requests waiting in bands of a higher priority than ``priority``."""
         return sum(b.size for p, b in self._bands.items() if p > priority)

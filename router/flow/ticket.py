@@ -113,6 +113,12 @@ class FlowTicket:
     charged: dict[str, int] = field(default_factory=dict)
     """Rate-limit bucket -> tokens charged to it so far (corrected at the end)."""
     finished: bool = False
+    yield_until: float | None = None
+    """Prefill isolation (:mod:`router.flow.isolation`): until when it may wait for an
+    outranking prefill to end; None: it has not had to."""
+    yield_started: float | None = None
+    yielded_s: float = 0.0
+    """Time spent waiting for outranking prefills to end (after the admission queue)."""
 
     @property
     def sheddable(self) -> bool:
@@ -120,7 +126,10 @@ class FlowTicket:
 
     def describe(self) -> str:
         """The queue's part of ``x-kvroute-reason``."""
-        return f"flow tenant={self.tenant} priority={self.priority} waited={self.waited_s:.3f}s"
+        text = f"flow tenant={self.tenant} priority={self.priority} waited={self.waited_s:.3f}s"
+        if self.yield_until is not None:
+            text += f" yielded={self.yielded_s:.3f}s"
+        return text
 
 
 class Identities:

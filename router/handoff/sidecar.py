@@ -38,7 +38,7 @@ class SidecarHandoff(Handoff):
         prefill = plan.prefill
         assert prefill is not None
         ticket = legs.loads.begin(
-            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1
+            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1, ctx.request.flow
         )
         sink = _UntilFirstByte(ctx.sink, legs.loads, ticket)
         try:

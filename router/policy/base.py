@@ -25,6 +25,7 @@ from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.config import PolicyConfig
+    from router.flow.ticket import FlowTicket
 
 
 @dataclass(slots=True)
@@ -49,6 +50,9 @@ class RouteRequest:
     the chosen decode engine costs, in prompt tokens' worth of prefill (transfer seconds
     over ``disaggregation.prefill_s_per_token``). Cost policies add it to the
     candidate's prefill; None: every link alike (no topology)."""
+    flow: FlowTicket | None = None
+    """The request's flow-control ticket (``flow.enabled``): with prefill isolation on,
+    engines prefilling requests that outrank it are left out (:mod:`router.flow.isolation`)."""
 
 
 class Score(msgspec.Struct, gc=False):
