@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,22 @@ def _echo(chunks: list[bytes], ended: bool, request: bool) -> Iterator[ep.Proces
         )
 
 
+USAGE_TAIL = 8_192
+"""Bytes of an answer's end kept to find its usage (the last SSE event, or a JSON body's
+``usage`` object, which engines put last)."""
+_USAGE_FIELD = re.compile(
+    rb'"(prompt_tokens|input_tokens|completion_tokens|output_tokens)"\s*:\s*(\d{1,12})'
+)
+
+
+def usage_in(tail: bytes) -> dict[str, int] | None:
+    """The token counts of the last usage object in an answer's ``tail`` (OpenAI's or
+    Anthropic's names); None if it has none. A quoted key cannot occur inside generated
+    text (its quotes would be escaped), so a plain scan is enough."""
+    found = {name.decode(): int(value) for name, value in _USAGE_FIELD.findall(tail)}
+    return found or None
+
+
 class ExtProcService(ep_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` bound to one router."""
 
@@ -162,6 +179,9 @@ class Exchange:
         self.finished = False
         self.lease: Lease | None = None
         self.ticket: FlowTicket | None = None
+        self.tail = b""
+        """The answer's last bytes (flow control on): its usage corrects the ticket's
+        token estimate."""
         self.summary: dict[str, str] = {}
         self.rewritten = False
         """The body lost router-owned fields: the gateway must forward the new one."""
@@ -421,6 +441,10 @@ class Exchange:
         lease = self.lease
         if lease is not None and not lease.ended and not lease.decode.prefilled:
             self.app.picks.prefilled(lease)
+        if self.ticket is not None and not self.ticket.finished:
+            self.tail = (self.tail + message.body)[-USAGE_TAIL:]
+            if message.end_of_stream:
+                self._finish(usage_in(self.tail))
         if message.end_of_stream:
             self._release()
         if self.response_mode == _Mode.FULL_DUPLEX_STREAMED:
@@ -431,6 +455,11 @@ class Exchange:
         if self.lease is not None and not self.lease.ended:
             self.app.picks.end(self.lease, "stream_end")
 
+    def _finish(self, usage: dict[str, int] | None) -> None:
+        if self.ticket is not None and self.app.flow is not None:
+            self.app.flow.finish(self.ticket, usage)
+
     def close(self) -> None:
         """The stream ended (normally, or the gateway reset it): release what is held."""
         self._release()
+        self._finish(None)  # no answer seen to its end: the estimate stands

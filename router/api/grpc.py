@@ -330,6 +330,7 @@ class RouterService(pb_grpc.RouterServicer):
             ticket.model = ticket.model or request.model or None
             if request.WhichOneof("prompt") == "text":
                 ticket.estimate += len(request.text) // 4
+                ticket.prompt_estimate += len(request.text) // 4
             await app.flow.check(ticket)
         subset = {endpoint_key(e) for e in request.subset} or None
         session = request.session or headers.get("x-session-id")
@@ -447,6 +448,14 @@ class RouterService(pb_grpc.RouterServicer):
         if request.prefilled:
             picks.prefilled(lease)
             return pb.ReleaseResponse(held_s=picks.clock() - lease.opened_at)
+        flow = lease.plan.route.flow
+        if flow is not None and self.app.flow is not None:
+            usage = {
+                name: getattr(request, name)
+                for name in ("prompt_tokens", "completion_tokens")
+                if request.HasField(name)
+            }
+            self.app.flow.finish(flow, usage)
         return pb.ReleaseResponse(held_s=picks.end(lease, "released"))
 
     # ------------------------------------------------------------------ Generate

@@ -249,8 +249,11 @@ class FlowControl:
         prompt, output = usage_tokens(usage)
         if prompt is None and output is None:
             return
-        actual = (prompt or 0) + (output or 0)
-        delta = actual - ticket.estimate
+        if prompt is None:  # what the usage leaves out stays as estimated
+            prompt = ticket.prompt_estimate
+        if output is None:
+            output = ticket.estimate - ticket.prompt_estimate
+        delta = prompt + output - ticket.estimate
         if not delta:
             return
         self.fairness.charge(ticket.tenant, delta)

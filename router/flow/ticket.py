@@ -108,6 +108,8 @@ class FlowTicket:
     ones first."""
     estimate: int = 0
     """Tokens charged at admission: prompt estimate plus the output budget."""
+    prompt_estimate: int = 0
+    """Of ``estimate``, the prompt's part."""
     waited_s: float = 0.0
     """Time spent in the admission queue."""
     charged: dict[str, int] = field(default_factory=dict)
@@ -208,6 +210,7 @@ class Identities:
             model=facts.model,
             deadline=deadline,
             estimate=estimate,
+            prompt_estimate=facts.prompt_tokens,
         )
 
 

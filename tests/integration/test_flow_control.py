@@ -645,3 +645,79 @@ async def test_pool_saturation_rises_monotonically_with_offered_load(
             resp.close()
         await asyncio.gather(*queued, return_exceptions=True)
         await app.stop()
+
+
+async def test_pick_and_extproc_correct_the_token_estimate_from_the_answers_usage(
+    slow: EmulatedEngine,
+) -> None:
+    """A gateway's request is charged ``max_tokens`` at the pick; the answer's usage (a
+    final ``Release`` with token counts, the usage ext_proc reads at the end of the
+    answer) gives back what was not used, so the next request passes; without usage the
+    estimate stands, and the one after is refused on tokens."""
+    keys = [
+        {"key": "k-pick-usage", "name": "pick-usage", "tpm": 2_000},
+        {"key": "k-ext-usage", "name": "ext-usage", "tpm": 2_000},
+    ]
+    app = await flow_router(slow, keys=keys, rate_limit={"burst": 0.5}, limits={"max_inflight": 10})
+    body = json.dumps({"prompt": "x", "max_tokens": 900}).encode()
+    try:
+        async with connect(app.grpc_port) as stubs:
+
+            async def pick() -> pb.PickResponse:
+                auth = {"authorization": "Bearer k-pick-usage"}
+                return await stubs.router.Pick(pb.PickRequest(body=body, headers=auth))
+
+            first = await pick()
+            await stubs.router.Release(
+                pb.ReleaseRequest(request_id=first.request_id, prompt_tokens=2, completion_tokens=1)
+            )
+            second = await pick()  # 900 tokens given back: the bucket holds enough
+            await stubs.router.Release(pb.ReleaseRequest(request_id=second.request_id))
+            with pytest.raises(aio.AioRpcError) as refused:
+                await pick()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "tokens" in (refused.value.details() or "")
+
+        usage = b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\n'
+        auth = {"authorization": "Bearer k-ext-usage"}
+        assert await extproc_exchange(app, body, auth, usage + b"data: [DONE]\n\n") == 200
+        assert await extproc_exchange(app, body, auth, b"data: [DONE]\n\n") == 200
+        assert await extproc_exchange(app, body, auth, b"") == 429
+    finally:
+        await app.stop()
+
+
+async def extproc_exchange(
+    app: RouterApp, body: bytes, headers: dict[str, str], answer: bytes
+) -> int:
+    """A whole request through ext_proc, its answer ``answer`` included: the status (200:
+    routed, else the immediate response's)."""
+    pairs = {":method": "POST", ":path": "/v1/completions", **headers}
+    header_map = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    status_map = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    async with aio.insecure_channel(f"127.0.0.1:{app.extproc_port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map)))
+        await call.write(
+            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+        )
+        first = await call.read()
+        if first.WhichOneof("response") == "immediate_response":
+            await call.done_writing()
+            return first.immediate_response.status.code
+        while not (
+            await call.read()
+        ).request_body.response.body_mutation.streamed_response.end_of_stream:
+            pass
+        await call.write(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=status_map)))
+        await call.read()
+        await call.write(
+            ep.ProcessingRequest(response_body=ep.HttpBody(body=answer, end_of_stream=True))
+        )
+        await call.read()
+        await call.done_writing()
+        while await call.read() is not aio.EOF:
+            pass
+    return 200

@@ -210,6 +210,22 @@ def test_usage_is_read_in_every_api_shape() -> None:
     assert usage_tokens(None) == (None, None)
 
 
+def test_extproc_finds_the_usage_at_an_answers_end() -> None:
+    from router.api.extproc import usage_in
+
+    sse = (
+        b'data: {"choices":[{"text":"say \\"prompt_tokens\\": 9"}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,'
+        b'"prompt_tokens_details":{"cached_tokens":8}}}\n\ndata: [DONE]\n\n'
+    )
+    assert usage_in(sse) == {"prompt_tokens": 12, "completion_tokens": 3}
+    body = b'{"id":"x","usage": {"prompt_tokens": 7, "completion_tokens": 1}}'
+    assert usage_in(body) == {"prompt_tokens": 7, "completion_tokens": 1}
+    anthropic = b'event: message_delta\ndata: {"usage":{"output_tokens":5}}\n\n'
+    assert usage_in(anthropic) == {"output_tokens": 5}
+    assert usage_in(b"data: [DONE]\n\n") is None
+
+
 # --------------------------------------------------------------------------- saturation
 
 
@@ -253,3 +269,24 @@ def test_vtc_forgets_idle_tenants_beyond_its_bound() -> None:
         vtc.charge(f"user-{i}", 1.0)
     vtc.activated("new", ["user-1"])
     assert set(vtc.counters) == {"user-1", "new"} and vtc.counters["new"] == 1.0
+
+
+def test_an_answers_usage_corrects_only_what_it_reports() -> None:
+    """An Anthropic stream's end reports output tokens alone: the prompt's part of the
+    estimate stands, the output's is corrected."""
+    from router.admission import Admission
+    from router.config import Config
+    from router.engines.load import LoadTracker
+    from router.engines.registry import Registry
+    from router.flow.control import FlowControl
+
+    config = Config(flow={"enabled": True})
+    flow = FlowControl(config, Admission(config.limits), Registry(config.health), LoadTracker())
+    body = b'{"prompt": "' + b"x" * 396 + b'", "max_tokens": 100}'
+    ticket = flow.ticket({}, body)
+    assert (ticket.prompt_estimate, ticket.estimate) == (len(body) // 4, len(body) // 4 + 100)
+    flow.fairness.charge(ticket.tenant, ticket.estimate)
+    flow.finish(ticket, {"output_tokens": 5})
+    assert flow.fairness.counters[ticket.tenant] == len(body) // 4 + 5  # type: ignore[attr-defined]
+    flow.finish(ticket, {"output_tokens": 50})  # once only
+    assert flow.fairness.counters[ticket.tenant] == len(body) // 4 + 5  # type: ignore[attr-defined]

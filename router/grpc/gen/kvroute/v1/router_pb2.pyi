@@ -262,14 +262,18 @@ class GenerateChunk(_message.Message):
     def __init__(self, status: _Optional[int] = ..., headers: _Optional[_Mapping[str, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "served_endpoint", "prefilled")
+    __slots__ = ("request_id", "served_endpoint", "prefilled", "prompt_tokens", "completion_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     served_endpoint: str
     prefilled: bool
-    def __init__(self, request_id: _Optional[str] = ..., served_endpoint: _Optional[str] = ..., prefilled: _Optional[bool] = ...) -> None: ...
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., served_endpoint: _Optional[str] = ..., prefilled: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("held_s",)
