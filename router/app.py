@@ -147,6 +147,7 @@ class RouterApp:
         """Flow control (``flow.enabled``): bands, fairness, rate limits, shedding."""
         if self.flow is not None:
             self.core.isolation = self.flow.isolation
+            self.loads.track_prefills = self.flow.isolation is not None
         self.event_writer = self._event_writer()
         self.ingestor = self.event_writer or EventIngestor(
             self.index, on_block_size_mismatch=self._block_size_mismatch

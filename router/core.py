@@ -130,7 +130,9 @@ class RoutingCore:
                     f"all {len(candidates)} candidate engine(s) have {cap} requests in flight"
                 )
             candidates = room
-        if request.flow is not None and self.isolation is not None:
+        if request.flow is not None and self.isolation is not None and policy is None:
+            # Not for a disaggregated pool's decode engine (``policy`` given): a split
+            # prefills elsewhere, and its prefill engine is chosen with isolation.
             candidates = self.isolation.clear(request, candidates)
         policy = policy or self.policy
         matches = await self.lookup(request.keys, candidates, policy)

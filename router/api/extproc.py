@@ -179,7 +179,7 @@ class Exchange:
         self.finished = False
         self.lease: Lease | None = None
         self.ticket: FlowTicket | None = None
-        self.tail = b""
+        self.tail = bytearray()
         """The answer's last bytes (flow control on): its usage corrects the ticket's
         token estimate."""
         self.summary: dict[str, str] = {}
@@ -442,9 +442,12 @@ class Exchange:
         if lease is not None and not lease.ended and not lease.decode.prefilled:
             self.app.picks.prefilled(lease)
         if self.ticket is not None and not self.ticket.finished:
-            self.tail = (self.tail + message.body)[-USAGE_TAIL:]
+            tail = self.tail
+            tail += message.body
+            if len(tail) > 2 * USAGE_TAIL:  # trimmed now and then, not at every chunk
+                del tail[:-USAGE_TAIL]
             if message.end_of_stream:
-                self._finish(usage_in(self.tail))
+                self._finish(usage_in(bytes(tail[-USAGE_TAIL:])))
         if message.end_of_stream:
             self._release()
         if self.response_mode == _Mode.FULL_DUPLEX_STREAMED:

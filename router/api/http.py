@@ -528,7 +528,7 @@ class HttpApi:
             sum(len(p) for p in parsed.prompts) * parsed.n,
             decision.cached_tokens if cached_tokens is None else cached_tokens,
             route_request.max_tokens,
-            route_request.flow,
+            route_request.flow if cached_tokens is None else None,  # not a decode leg
             sees_first_token=parsed.stream,
         )
         sent = self.upstream_headers(

@@ -103,7 +103,7 @@ class PickLedger:
             plan.load_tokens,
             decode_cached,
             route.max_tokens,
-            route.flow,
+            route.flow if prefill is None else None,  # a split's decode engine pulls the KV
             sees_first_token=False,
         )
         lease = Lease(
@@ -143,6 +143,8 @@ class PickLedger:
             lease.plan.load_tokens,
             0,
             lease.plan.route.max_tokens,
+            lease.plan.route.flow if lease.prefill is None else None,
+            sees_first_token=False,
         )
         if old.prefilled:
             self.loads.prefilled(lease.decode)

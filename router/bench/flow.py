@@ -7,12 +7,12 @@ of their own, with ``limits.max_inflight`` as the pool's capacity, and drives th
 * **fairness**: a quiet tenant alone, then beside a noisy tenant sending 10x its rate
   (past capacity), with flow control's ``vtc`` fairness and with the plain FIFO queue
   (``flow.enabled: false``), and with ``flow.tenant_share`` capping the slots one
-  tenant holds: the quiet tenant's TTFT p99 against its value alone;
+  tenant holds (with prefill isolation, the default, and without): the quiet tenant's
+  TTFT p99 against its value alone;
 * **priority**: a high-priority tenant alone (unloaded), then beside low-priority
-  traffic at 5x its rate that saturates the pool and sheddable traffic at 2x: the
-  high band's TTFT p99
-  against its unloaded value, and refusals per band (only the sheddable band may be
-  refused);
+  traffic at 5x its rate that saturates the pool and sheddable traffic at 2x (with
+  prefill isolation and without): the high band's TTFT p99 against its unloaded value,
+  and refusals per band (only the sheddable band may be refused);
 * **shared rate limit**: two router replicas sharing one Redis enforce one key's
   requests-per-minute limit, offered twice the limit through both for one window;
   passed requests against the limit (the bucket's burst included), then with Redis
@@ -86,11 +86,14 @@ async def _rows(url: str, tenants: list[TenantSpec], duration: float) -> list[di
     return [summarize_tenant(t, results[t.name], duration) for t in tenants]
 
 
-async def _warm(url: str) -> None:
+async def _warm(url: str, tenant: TenantSpec) -> None:
+    """A few requests as ``tenant``: another tenant or band would count as one that
+    outranks it for ``flow.prefill_reserve_window_s`` (the prefill reserve)."""
     async with aiohttp.ClientSession() as session:
         for _ in range(5):
             body = {"prompt": "warm up " * 20, "max_tokens": 4}
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
+            headers = tenant.headers()
+            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
                 await resp.read()
 
 
@@ -98,7 +101,7 @@ def _scenario(
     name: str, config: dict[str, Any], engines: int, tenants: list[TenantSpec], duration: float
 ) -> list[dict[str, Any]]:
     with Fleet(engines, config) as fleet:
-        asyncio.run(_warm(fleet.url))
+        asyncio.run(_warm(fleet.url, tenants[0]))
         rows = asyncio.run(_rows(fleet.url, tenants, duration))
     print(f"\n{name}\n{render_rows(rows)}")
     return rows
@@ -114,15 +117,24 @@ def fairness(args: argparse.Namespace) -> dict[str, Any]:
     alone = _scenario("quiet alone", flow, eng, [quiet], dur)
     both = [quiet, noisy]
     shared = _scenario(f"quiet + noisy (10x), vtc, tenant_share {share:g}", flow, eng, both, dur)
+    unisolated = _scenario(
+        f"quiet + noisy (10x), vtc, tenant_share {share:g}, prefill isolation off",
+        _config(cap, True, tenant_share=share, prefill_isolation=False),
+        eng,
+        both,
+        dur,
+    )
     vtc = _scenario("quiet + noisy (10x), vtc", _config(cap, True), eng, both, dur)
     fifo = _scenario("quiet + noisy (10x), FIFO", _config(cap, False), eng, both, dur)
     base = alone[0]["ttft_p99_s"]
     return {
         "alone": alone,
         "vtc_share": shared,
+        "vtc_share_no_isolation": unisolated,
         "vtc": vtc,
         "fifo": fifo,
         "quiet_p99_ratio_vtc_share": shared[0]["ttft_p99_s"] / base,
+        "quiet_p99_ratio_vtc_share_no_isolation": unisolated[0]["ttft_p99_s"] / base,
         "quiet_p99_ratio_vtc": vtc[0]["ttft_p99_s"] / base,
         "quiet_p99_ratio_fifo": fifo[0]["ttft_p99_s"] / base,
     }
@@ -137,10 +149,19 @@ def priority(args: argparse.Namespace) -> dict[str, Any]:
     config = _config(cap, True, tenant_share=args.tenant_share, saturation={"queue_waiting": cap})
     alone = _scenario("high alone (unloaded)", config, eng, [high], dur)
     loaded = _scenario("high + low (5x) + sheddable (2x)", config, eng, [high, low, shed], dur)
+    unisolated = _scenario(
+        "high + low (5x) + sheddable (2x), prefill isolation off",
+        {**config, "flow": {**config["flow"], "prefill_isolation": False}},
+        eng,
+        [high, low, shed],
+        dur,
+    )
     return {
         "alone": alone,
         "loaded": loaded,
+        "loaded_no_isolation": unisolated,
         "high_p99_ratio": loaded[0]["ttft_p99_s"] / alone[0]["ttft_p99_s"],
+        "high_p99_ratio_no_isolation": unisolated[0]["ttft_p99_s"] / alone[0]["ttft_p99_s"],
         "refused_by_band": {str(r["priority"]): r["refused"] for r in loaded},
     }
 
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-rate", type=float, default=4.0, help="quiet/high tenant req/s")
     parser.add_argument("--prompt", type=int, default=2000, help="prompt tokens per request")
     parser.add_argument("--output", type=int, default=8, help="output tokens per request")
-    parser.add_argument("--duration", type=float, default=12.0, help="seconds per scenario")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds per scenario")
     parser.add_argument(
         "--tenant-share",
         type=float,
@@ -256,14 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         f = results["fairness"]
         print(
             f"quiet TTFT p99 / alone: vtc with tenant_share "
-            f"{f['quiet_p99_ratio_vtc_share']:.2f}x, vtc {f['quiet_p99_ratio_vtc']:.2f}x, "
-            f"FIFO {f['quiet_p99_ratio_fifo']:.2f}x"
+            f"{f['quiet_p99_ratio_vtc_share']:.2f}x (prefill isolation off "
+            f"{f['quiet_p99_ratio_vtc_share_no_isolation']:.2f}x), vtc "
+            f"{f['quiet_p99_ratio_vtc']:.2f}x, FIFO {f['quiet_p99_ratio_fifo']:.2f}x"
         )
     if "priority" in results:
         p = results["priority"]
         print(
-            f"high TTFT p99 / unloaded: {p['high_p99_ratio']:.2f}x; refused by band "
-            f"{p['refused_by_band']}"
+            f"high TTFT p99 / unloaded: {p['high_p99_ratio']:.2f}x (prefill isolation off "
+            f"{p['high_p99_ratio_no_isolation']:.2f}x); refused by band {p['refused_by_band']}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

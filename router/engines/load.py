@@ -136,6 +136,8 @@ class LoadTracker:
     """Called after a request's load is released, and after the first token of one with
     a flow ticket (requests waiting for room, or yielding to its prefill, retry)."""
     clock: Callable[[], float] = time.monotonic
+    track_prefills: bool = False
+    """Keep :attr:`prefilling` (prefill isolation is on)."""
     prefilling: dict[EngineKey, dict[int, Ticket]] = field(default_factory=dict)
     """Engine -> tickets with a flow ticket whose first token has not arrived (prefill
     isolation, :mod:`router.flow.isolation`); engines with none are left out."""
@@ -170,7 +172,7 @@ class LoadTracker:
         bs = self.block_size
         blocks = -(-uncached // bs) + -(-max(max_tokens, 0) // bs)
         ticket = Ticket(next(self._ids), engine, uncached, max(max_tokens, 0), blocks)
-        if flow is not None and uncached:
+        if flow is not None and uncached and self.track_prefills:
             ticket.flow = flow
             ticket.started = self.clock()
             ticket.estimated = not sees_first_token
@@ -188,7 +190,7 @@ class LoadTracker:
         if ticket.prefilled or ticket.released:
             return
         ticket.prefilled = True
-        if ticket.flow is not None and self._unprefill(ticket) and self.on_end is not None:
+        if ticket.flow is not None and self.unprefill(ticket) and self.on_end is not None:
             self.on_end()
         load = self._loads.get(ticket.engine)
         if load is None:  # the engine was forgotten while the request ran
@@ -202,7 +204,7 @@ class LoadTracker:
         ticket.released = True
         self._open.pop(ticket.id, None)
         if ticket.flow is not None:
-            self._unprefill(ticket)
+            self.unprefill(ticket)
         load = self._loads.get(ticket.engine)
         if load is not None:
             load.requests -= 1
@@ -214,8 +216,9 @@ class LoadTracker:
         if self.on_end is not None:
             self.on_end()
 
-    def _unprefill(self, ticket: Ticket) -> bool:
-        """Take ``ticket`` out of :attr:`prefilling`; whether it was there."""
+    def unprefill(self, ticket: Ticket) -> bool:
+        """Take ``ticket`` out of :attr:`prefilling` (its prefill is over, or was
+        estimated to be); whether it was there."""
         mine = self.prefilling.get(ticket.engine)
         if mine is None or mine.pop(ticket.id, None) is None:
             return False

@@ -228,6 +228,7 @@ class FlowControl:
         self.admitted[band] = self.admitted.get(band, 0) + 1
         self.wait_sum[band] = self.wait_sum.get(band, 0.0) + ticket.waited_s
         self.fairness.charge(ticket.tenant, ticket.estimate)
+        ticket.admitted = True
 
     def _give_back(self, ticket: FlowTicket) -> None:
         """A request refused after its rate limits were taken: its tokens go back."""
@@ -256,7 +257,8 @@ class FlowControl:
         delta = prompt + output - ticket.estimate
         if not delta:
             return
-        self.fairness.charge(ticket.tenant, delta)
+        if ticket.admitted:  # Pick and ext_proc tickets never charged fairness
+            self.fairness.charge(ticket.tenant, delta)
         limits = [
             Limit(lim.bucket, lim.limit, delta, lim.what, lim.owner)
             for lim in self._limits(ticket, 1)

@@ -8,8 +8,9 @@ one step take twice as long as one). With ``flow.prefill_isolation`` the routing
 outranks this one is still prefilling:
 
 * a higher priority band outranks a lower one;
-* within a band, a tenant with fewer requests in flight and waiting in that band
-  outranks one with more (a quiet tenant outranks one with a backlog).
+* within a band, a tenant with a backlog (requests waiting in the admission queue) is
+  outranked by one with fewer requests in flight and waiting in that band (a quiet
+  tenant outranks a noisy one); tenants served as they ask outrank nobody's.
 
 That keeps a lower-ranked prefill from joining a higher-ranked one. The *reserve* keeps
 the converse from happening: while requests that outrank a request have been routed
@@ -106,9 +107,12 @@ class PrefillIsolation:
             return priority > b.priority
         if tenant == b.tenant:
             return False
-        holding, waiting = self.holding, self.in_flow
-        mine = holding.get(tenant, 0) + waiting(priority, tenant)
-        return mine < holding.get(b.tenant, 0) + waiting(priority, b.tenant)
+        theirs_waiting = self.in_flow(priority, b.tenant)
+        if not theirs_waiting:  # a tenant served as it asks is outranked by nobody
+            return False
+        holding = self.holding
+        mine = holding.get(tenant, 0) + self.in_flow(priority, tenant)
+        return mine < holding.get(b.tenant, 0) + theirs_waiting
 
     def _expires(self, ticket: Ticket) -> float:
         """When the ticket's prefill is over at the latest (``inf``: at a first token the
@@ -123,18 +127,22 @@ class PrefillIsolation:
         the others is, how many outrank): ``-inf`` where there are none."""
         blocked = background = -math.inf
         outranking = 0
+        over: list[Ticket] = []
         for ticket in self.loads.prefilling.get(engine, {}).values():
             other = ticket.flow
             if other is None or other is flow:
                 continue
             expires = self._expires(ticket)
             if expires <= now:
+                over.append(ticket)  # its estimate ran out: it prefills no more
                 continue
             if self.outranks(other, flow):
                 blocked = max(blocked, expires)
                 outranking += 1
             else:
                 background = expires if background == -math.inf else min(background, expires)
+        for ticket in over:
+            self.loads.unprefill(ticket)
         return blocked, background, outranking
 
     def _waiting(self, flow: FlowTicket) -> int:
@@ -185,24 +193,25 @@ class PrefillIsolation:
             return self._go(flow, candidates, now)
         state = {c: self._engine(c, flow, now) for c in candidates}
         clear = [c for c in candidates if state[c][0] == -math.inf]
-        if 0 < len(clear) < len(candidates):
-            self.counters.avoided += 1
+        avoided = 0 < len(clear) < len(candidates)
+        reserved = False
         if clear and reserving:
             # Prefills of this rank and below run one an engine, on all but `reserve`
             # engines, or all but as many as outranking requests prefill or wait. Waiting
-            # ones count only while an outranking prefill runs: its end frees a slot for
-            # them; were every slot held by requests like this one, holding those back
-            # would keep the waiting ones from a slot (a priority inversion).
+            # ones count only as many as outranking requests run (their ends free slots
+            # for them): were the slots held by requests like this one, holding those
+            # back would keep the waiting ones from a slot (a priority inversion).
             demand = sum(s[2] for s in state.values())
             if demand:
-                demand += self._waiting(flow)
+                demand += min(self._waiting(flow), demand)
             room = len(candidates) - max(reserve, demand)
             busy = sum(1 for c in candidates if state[c][1] != -math.inf)
             free = [c for c in clear if state[c][1] == -math.inf] if busy < room else []
-            if len(free) < len(clear):
-                self.counters.reserved += 1
+            reserved = len(free) < len(clear)
             clear = free
-        if clear:
+        if clear:  # counted once a request is routed, not at every try
+            self.counters.avoided += avoided
+            self.counters.reserved += reserved
             return self._go(flow, clear, now)
         if request.wait_until is None:
             self.counters.overridden += 1

@@ -115,6 +115,8 @@ class FlowTicket:
     charged: dict[str, int] = field(default_factory=dict)
     """Rate-limit bucket -> tokens charged to it so far (corrected at the end)."""
     finished: bool = False
+    admitted: bool = False
+    """It waited in the admission queue (HTTP, ``Generate``): fairness charged it."""
     yield_until: float | None = None
     """Prefill isolation (:mod:`router.flow.isolation`): until when it may wait for an
     outranking prefill to end; None: it has not had to."""

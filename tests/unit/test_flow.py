@@ -285,7 +285,11 @@ def test_an_answers_usage_corrects_only_what_it_reports() -> None:
     body = b'{"prompt": "' + b"x" * 396 + b'", "max_tokens": 100}'
     ticket = flow.ticket({}, body)
     assert (ticket.prompt_estimate, ticket.estimate) == (len(body) // 4, len(body) // 4 + 100)
-    flow.fairness.charge(ticket.tenant, ticket.estimate)
+    gateway = flow.ticket({}, body)  # checked (Pick, ext_proc), never admitted
+    flow.finish(gateway, {"output_tokens": 5})
+    assert flow.fairness.counters.get(ticket.tenant, 0.0) == 0.0  # type: ignore[attr-defined]
+    flow.fairness.charge(ticket.tenant, ticket.estimate)  # as admit does
+    ticket.admitted = True
     flow.finish(ticket, {"output_tokens": 5})
     assert flow.fairness.counters[ticket.tenant] == len(body) // 4 + 5  # type: ignore[attr-defined]
     flow.finish(ticket, {"output_tokens": 50})  # once only

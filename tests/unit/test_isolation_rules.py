@@ -29,7 +29,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def loads(clock: Clock) -> LoadTracker:
-    return LoadTracker(16, clock=clock)
+    return LoadTracker(16, clock=clock, track_prefills=True)
 
 
 def isolation(
@@ -62,14 +62,19 @@ def test_a_lower_band_is_kept_off_an_engine_prefilling_a_higher_band(
     assert iso.clear(route(FlowTicket("t2", priority=2)), [A, B]) == [A, B]
 
 
-def test_within_a_band_the_tenant_holding_fewer_slots_outranks(
+def test_within_a_band_a_tenant_with_a_backlog_is_outranked_by_a_quieter_one(
     loads: LoadTracker, clock: Clock
 ) -> None:
     holding = {"quiet": 1, "noisy": 2}
+    waiting = {(0, "noisy"): 0}
     iso = isolation(loads, clock, holding)
+    iso.in_flow = lambda priority, tenant: waiting.get((priority, tenant), 0)
     loads.begin(A, 10_000, 0, 8, FlowTicket("quiet", priority=0))
+    # Noisy holds more, but nothing of it waits: served as it asks, outranked by nobody.
+    assert iso.clear(route(FlowTicket("noisy", priority=0)), [A, B]) == [A, B]
+    waiting[(0, "noisy")] = 1  # a backlog: the quieter tenant's prefill outranks it
     assert iso.clear(route(FlowTicket("noisy", priority=0)), [A, B]) == [B]
-    holding["noisy"] = 1  # equal holdings: neither outranks
+    holding["noisy"], holding["quiet"] = 1, 3  # now quiet has as many in flight and waiting
     assert iso.clear(route(FlowTicket("noisy", priority=0)), [A, B]) == [A, B]
     # A tenant is never kept off its own prefills.
     assert iso.clear(route(FlowTicket("quiet", priority=0)), [A, B]) == [A, B]
@@ -272,3 +277,36 @@ def test_a_tenant_with_a_backlog_is_outranked_by_one_without(
     loads.prefilling.clear()
     loads.begin(A, 2_000, 0, 8, FlowTicket("noisy", priority=0))
     assert iso.clear(route(FlowTicket("quiet", priority=0)), [A, B]) == [A, B]
+
+
+def test_counters_count_decisions_not_tries(loads: LoadTracker, clock: Clock) -> None:
+    """A request woken again and again while it waits is counted once when routed."""
+    iso = isolation(loads, clock, reserve=1)
+    iso.queued = lambda: {(1, "t1"): 1}  # one more high request waits for a slot
+    iso.clear(route(FlowTicket("t1", priority=1)), [A, B, C])  # the high band is about
+    high = loads.begin(A, 2_000, 0, 8, FlowTicket("t1", priority=1))
+    low = loads.begin(B, 2_000, 0, 8, FlowTicket("t2", priority=0))
+    request = route(FlowTicket("t2", priority=0), wait_until=clock.now + 30)
+    for _ in range(3):
+        with pytest.raises(Yielding):
+            iso.clear(request, [A, B, C])
+    loads.prefilled(low)
+    assert iso.clear(request, [A, B, C]) == [B, C]
+    loads.prefilled(high)
+    assert (iso.counters.avoided, iso.counters.reserved, iso.counters.waited) == (1, 0, 1)
+
+
+def test_an_estimated_prefill_past_its_estimate_is_forgotten(
+    loads: LoadTracker, clock: Clock
+) -> None:
+    iso = isolation(loads, clock)
+    loads.begin(A, 2_000, 0, 8, FlowTicket("t1", priority=1), sees_first_token=False)
+    clock.now += 0.5  # the estimate: 0.2 s
+    assert iso.clear(route(FlowTicket("t2", priority=0)), [A, B]) == [A, B]
+    assert loads.prefilling == {}
+
+
+def test_nothing_is_tracked_unless_isolation_is_on(clock: Clock) -> None:
+    loads = LoadTracker(16, clock=clock)
+    loads.begin(A, 2_000, 0, 8, FlowTicket("t1", priority=1))
+    assert loads.prefilling == {}
