@@ -183,13 +183,13 @@ class Admission:
         if not waiter.future.done():
             waiter.future.set_exception(err)
 
-    def _cap(self) -> int:
+    def tenant_cap(self) -> int:
         """Slots one tenant may hold; 0: no cap."""
         share = self.tenant_share
         return 0 if share >= 1 else max(1, math.ceil(share * self.limits.max_inflight))
 
     def _may_hold(self, tenant: str) -> bool:
-        cap = self._cap()
+        cap = self.tenant_cap()
         return not cap or self.holding.get(tenant, 0) < cap
 
     def _hold(self, tenant: str, n: int) -> None:
@@ -206,7 +206,7 @@ class Admission:
         if ticket is not None and flows is not None:
             self._hold(ticket.tenant, -1)
         while flows:
-            waiter = flows.pop(self._may_hold if self._cap() else None)
+            waiter = flows.pop(self._may_hold if self.tenant_cap() else None)
             if waiter is None:
                 break  # every waiting tenant holds its share: the slot stays free for others
             if not waiter.future.done():

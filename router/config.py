@@ -1466,8 +1466,8 @@ class FlowConfig(_Section):
     prefill_isolation: bool = Field(
         True,
         description="Route a request away from engines where a request that outranks it "
-        "(a higher band; within a band, when its tenant has a backlog, a tenant with "
-        "fewer requests in flight and waiting) is "
+        "(a higher band; within a band, when its tenant has a backlog or holds its "
+        "whole `flow.tenant_share`, a tenant with fewer requests in flight and waiting) is "
         "still prefilling, so that it does not share that prefill's engine steps; with "
         "no other engine it waits for such a prefill to end, up to "
         "`flow.prefill_isolation_wait_s`. gRPC `Pick` and ext_proc only steer.",

@@ -93,6 +93,7 @@ class FlowControl:
                 lambda: self.flow.prefill_reserve_window_s,
                 self.queue.counts,
                 self.queue.in_flow,
+                admission.tenant_cap,
             )
             if flow.prefill_isolation
             else None

@@ -8,9 +8,10 @@ one step take twice as long as one). With ``flow.prefill_isolation`` the routing
 outranks this one is still prefilling:
 
 * a higher priority band outranks a lower one;
-* within a band, a tenant with a backlog (requests waiting in the admission queue) is
-  outranked by one with fewer requests in flight and waiting in that band (a quiet
-  tenant outranks a noisy one); tenants served as they ask outrank nobody's.
+* within a band, a tenant with a backlog (requests waiting in the admission queue, or
+  as many in flight as ``flow.tenant_share`` lets it hold) is outranked by one with
+  fewer requests in flight and waiting in that band (a quiet tenant outranks a noisy
+  one); tenants served as they ask are outranked by nobody.
 
 That keeps a lower-ranked prefill from joining a higher-ranked one. The *reserve* keeps
 the converse from happening: while requests that outrank a request have been routed
@@ -93,6 +94,9 @@ class PrefillIsolation:
     """(band, tenant) -> requests waiting in the admission queue."""
     in_flow: Callable[[int, str], int] = lambda priority, tenant: 0
     """Requests of (band, tenant) waiting in the admission queue."""
+    tenant_cap: Callable[[], int] = lambda: 0
+    """Slots one tenant may hold (``flow.tenant_share``; 0: no cap): a tenant at it counts
+    as one with a backlog."""
     clock: Callable[[], float] = time.monotonic
     counters: IsolationCounters = field(default_factory=IsolationCounters)
     seen: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -107,12 +111,14 @@ class PrefillIsolation:
             return priority > b.priority
         if tenant == b.tenant:
             return False
-        theirs_waiting = self.in_flow(priority, b.tenant)
-        if not theirs_waiting:  # a tenant served as it asks is outranked by nobody
-            return False
         holding = self.holding
+        theirs = holding.get(b.tenant, 0)
+        theirs_waiting = self.in_flow(priority, b.tenant)
+        cap = self.tenant_cap()
+        if not theirs_waiting and not (cap and theirs >= cap):
+            return False  # a tenant served as it asks is outranked by nobody
         mine = holding.get(tenant, 0) + self.in_flow(priority, tenant)
-        return mine < holding.get(b.tenant, 0) + theirs_waiting
+        return mine < theirs + theirs_waiting
 
     def _expires(self, ticket: Ticket) -> float:
         """When the ticket's prefill is over at the latest (``inf``: at a first token the

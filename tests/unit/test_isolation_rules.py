@@ -310,3 +310,13 @@ def test_nothing_is_tracked_unless_isolation_is_on(clock: Clock) -> None:
     loads = LoadTracker(16, clock=clock)
     loads.begin(A, 2_000, 0, 8, FlowTicket("t1", priority=1))
     assert loads.prefilling == {}
+
+
+def test_a_tenant_at_its_share_counts_as_one_with_a_backlog(
+    loads: LoadTracker, clock: Clock
+) -> None:
+    iso = isolation(loads, clock, {"quiet": 1, "noisy": 2})
+    loads.begin(A, 2_000, 0, 8, FlowTicket("quiet", priority=0))
+    assert iso.clear(route(FlowTicket("noisy", priority=0)), [A, B]) == [A, B]  # no cap
+    iso.tenant_cap = lambda: 2  # noisy holds all its share lets it
+    assert iso.clear(route(FlowTicket("noisy", priority=0)), [A, B]) == [B]
