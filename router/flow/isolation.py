@@ -192,9 +192,8 @@ class PrefillIsolation:
         if flow is None:
             return candidates
         now = self.clock()
-        outranked = self._outranked(flow, now)
         reserve = self.reserve()
-        reserving = outranked and reserve > 0 and len(candidates) > 1
+        reserving = reserve > 0 and len(candidates) > 1 and self._outranked(flow, now)
         if not self.loads.prefilling and not reserving:
             return self._go(flow, candidates, now)
         state = {c: self._engine(c, flow, now) for c in candidates}

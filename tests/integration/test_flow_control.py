@@ -17,13 +17,12 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import struct_pb2
 from grpc import aio
 from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll, start_test_engine
+from support.extproc import header_map, request_messages
 from support.grpc_clients import connect, generate
 from support.redis import RedisServer
 from support.routers import start_router
@@ -444,27 +443,11 @@ async def via_extproc(
     app: RouterApp, headers: dict[str, str], flow: dict[str, Any] | None = None
 ) -> tuple[int, dict[str, str], Any]:
     """One FULL_DUPLEX_STREAMED exchange: (status, immediate-response headers, error body)."""
-    pairs = {
-        ":method": "POST",
-        ":path": "/v1/completions",
-        "content-type": "application/json",
-        **headers,
-    }
-    header_map = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-    )
-    first_message = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map))
-    if flow is not None:
-        meta = struct_pb2.Struct()
-        meta.update(flow)
-        first_message.metadata_context.filter_metadata["kvroute.flow"].CopyFrom(meta)
     body = json.dumps({"prompt": "through envoy", "max_tokens": 1}).encode()
     async with aio.insecure_channel(f"127.0.0.1:{app.extproc_port}") as channel:
         call = ep_grpc.ExternalProcessorStub(channel).Process()
-        await call.write(first_message)
-        await call.write(
-            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
-        )
+        for message in request_messages(headers, body, flow):
+            await call.write(message)
         first = await call.read()
         await call.done_writing()
         while await call.read() is not aio.EOF:
@@ -692,17 +675,11 @@ async def extproc_exchange(
 ) -> int:
     """A whole request through ext_proc, its answer ``answer`` included: the status (200:
     routed, else the immediate response's)."""
-    pairs = {":method": "POST", ":path": "/v1/completions", **headers}
-    header_map = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-    )
-    status_map = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    status_map = header_map({":status": "200"})
     async with aio.insecure_channel(f"127.0.0.1:{app.extproc_port}") as channel:
         call = ep_grpc.ExternalProcessorStub(channel).Process()
-        await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map)))
-        await call.write(
-            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
-        )
+        for message in request_messages(headers, body):
+            await call.write(message)
         first = await call.read()
         if first.WhichOneof("response") == "immediate_response":
             await call.done_writing()

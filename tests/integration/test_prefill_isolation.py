@@ -14,12 +14,11 @@ from typing import Any
 
 import aiohttp
 import pytest_asyncio
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
 from support.clients import metric_sum, metrics
 from support.engines import poll, start_test_engine
+from support.extproc import request_messages
 from support.grpc_clients import Generated, connect, generate
 from support.routers import start_router
 
@@ -272,22 +271,11 @@ async def test_with_one_engine_a_lower_band_waits_for_the_higher_first_token(
 
 async def extproc_destination(app: RouterApp, prompt: str, priority: int) -> str:
     """One FULL_DUPLEX_STREAMED exchange; the endpoint ext_proc chose (first of the list)."""
-    pairs = {
-        ":method": "POST",
-        ":path": "/v1/completions",
-        "content-type": "application/json",
-        "x-kvroute-priority": str(priority),
-    }
-    header_map = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-    )
     body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
     async with aio.insecure_channel(f"127.0.0.1:{app.extproc_port}") as channel:
         call = ep_grpc.ExternalProcessorStub(channel).Process()
-        await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map)))
-        await call.write(
-            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
-        )
+        for message in request_messages({"x-kvroute-priority": str(priority)}, body):
+            await call.write(message)
         first = await call.read()
         await call.done_writing()
         call.cancel()
