@@ -75,6 +75,12 @@ def _metadata(context: aio.ServicerContext) -> dict[str, str]:
     }
 
 
+def _headers(fields: Mapping[str, str]) -> dict[str, str]:
+    """Headers with their names lower-cased (a protobuf map iterates through the
+    Mapping mixins, slowly: an empty one is not iterated)."""
+    return {k.lower(): v for k, v in fields.items()} if fields else {}
+
+
 def _caller_deadline(context: aio.ServicerContext) -> float | None:
     """When the caller's deadline passes (``time.monotonic``), if it set one."""
     remaining = context.time_remaining()
@@ -260,11 +266,11 @@ class GrpcDownstream:
 
     async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
         await self._context.write(
-            pb.GenerateChunk(status=status, headers=_lower(headers), data=body)
+            pb.GenerateChunk(status=status, headers=_headers(headers), data=body)
         )
 
     async def begin(self, status: int, headers: dict[str, str]) -> None:
-        self._head = pb.GenerateChunk(status=status, headers=_lower(headers))
+        self._head = pb.GenerateChunk(status=status, headers=_headers(headers))
 
     async def write(self, chunk: bytes) -> None:
         head, self._head = self._head, None
@@ -278,10 +284,6 @@ class GrpcDownstream:
         head, self._head = self._head, None
         if head is not None:
             await self._context.write(head)
-
-
-def _lower(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k.lower(): v for k, v in headers.items()}
 
 
 # --------------------------------------------------------------------------- services
@@ -315,7 +317,7 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def _pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
         app = self.app
-        headers = {k.lower(): v for k, v in request.headers.items()}
+        headers = _headers(request.headers)
         check_headers(headers)
         request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
         self._admit(request_id)
@@ -467,7 +469,7 @@ class RouterService(pb_grpc.RouterServicer):
         route = _ROUTES.get(request.endpoint, "")
         admitted = False
         try:
-            headers = {**_metadata(context), **{k.lower(): v for k, v in request.headers.items()}}
+            headers = {**_metadata(context), **_headers(request.headers)}
             check_headers(headers)
             request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
             self._admit(request_id, count_inflight=False)

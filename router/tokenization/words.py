@@ -10,10 +10,18 @@ the placeholder tokens a multimodal model's processor inserts.
 
 Decoding is best effort: ids of the generation vocabulary and of words this process
 has encoded map back to their words; other ids render as ``<id>``.
+
+Long texts are encoded in chunks cut at whitespace (every ``CHUNK_CHARS`` characters,
+at the first whitespace from there), and the ids of recent chunks are remembered: a
+word never spans a cut, so the ids are exactly those of the whole text, and prompts
+that share a prefix (a system prompt, a document, earlier turns) find its chunks
+already encoded, as their cuts fall at the same places.
 """
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +33,12 @@ VOCAB_SIZE = 131_072
 FIRST_WORD_ID = 1_024
 _WORD_SPAN = VOCAB_SIZE - FIRST_WORD_ID
 _MAX_REMEMBERED = 200_000
+CHUNK_CHARS = 512
+"""Texts longer than twice this are encoded in chunks of about this many characters."""
+CHUNKS_REMEMBERED = 4_096
+"""Encoded chunks kept (least recently used out): about 4 MB of text and its ids."""
+# Whitespace as str.split() sees it (re's \s is Py_UNICODE_ISSPACE for str patterns).
+_SPACE = re.compile(r"\s")
 
 # Chat markers, one token each: they are not produced by splitting ordinary text.
 ROLE_MARKERS = {
@@ -66,15 +80,18 @@ def word_id(word: str) -> int:
     return FIRST_WORD_ID + digest % _WORD_SPAN
 
 
+_xxh32 = xxhash.xxh32_intdigest
+
+
 class _Vocab(dict[str, int]):
     """word -> id with the ids of recently seen words remembered for decoding."""
 
     def __init__(self, names: Mapping[int, str]) -> None:
-        super().__init__()
+        super().__init__(_MARKER_IDS)  # so a word missing here is never a marker
         self.names: dict[int, str] = dict(names)
 
     def __missing__(self, word: str) -> int:
-        tid = word_id(word)
+        tid = FIRST_WORD_ID + _xxh32(word.encode("utf-8", "surrogatepass")) % _WORD_SPAN
         if len(self) < _MAX_REMEMBERED:
             self[word] = tid
             self.names.setdefault(tid, word)
@@ -92,10 +109,36 @@ class WordTokenizer:
         names.update({i: m for m, i in _MARKER_IDS.items()})
         self._vocab = _Vocab(names)
         self.generation_ids = [word_id(w) for w in self.generation_words]
+        self._chunks: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``: one per whitespace-separated word."""
-        return list(map(self._vocab.__getitem__, text.split()))
+        lookup = self._vocab.__getitem__
+        if len(text) <= 2 * CHUNK_CHARS:
+            return list(map(lookup, text.split()))
+        ids: list[int] = []
+        chunks = self._chunks
+        start, end = 0, len(text)
+        while True:
+            # Any whitespace is a valid cut: a space when there is one (str.find is
+            # cheaper than the pattern), else whatever whitespace comes first.
+            cut = text.find(" ", start + CHUNK_CHARS)
+            if cut < 0:
+                space = _SPACE.search(text, start + CHUNK_CHARS)
+                cut = end if space is None else space.start()
+            if end - cut < CHUNK_CHARS:
+                ids.extend(map(lookup, text[start:].split()))
+                return ids
+            piece = text[start:cut]
+            known = chunks.get(piece)
+            if known is None:
+                known = chunks[piece] = tuple(map(lookup, piece.split()))
+                if len(chunks) > CHUNKS_REMEMBERED:
+                    chunks.popitem(last=False)
+            else:
+                chunks.move_to_end(piece)
+            ids.extend(known)
+            start = cut
 
     def count(self, text: str) -> int:
         return len(text.split())
