@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-aiperf bench-aiconfigurator soak compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-aiperf bench-aiconfigurator soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -41,8 +41,9 @@ bench-redis: venv
 	$(PY) -m router.bench.redis_index
 	$(PY) -m router.bench.redis_decisions
 
-bench-grpc: venv
+bench-grpc: venv envoy
 	$(PY) -m router.bench.grpc_pick
+	$(PY) -m router.bench.extproc_envoy
 
 # Flow control past capacity (docs/benchmarks.md "Flow control"): fairness, priority bands,
 # shedding, one rpm limit shared by two replicas through Redis (about 4 minutes).
@@ -172,6 +173,14 @@ bench-vllm: vllm
 # routers already installed; docs/benchmarks.md). A router that fails is reported, the rest run.
 bench-compare: venv
 	$(PY) -m router.bench.compare
+
+# kvroute's request path beside sglang-router's and vllm-router's (installed as bench-compare
+# installs them) in front of the same two emulated engines, and straight to the engines:
+# added latency, requests/s at 16 in flight, router CPU per request, for 40-token and
+# 8,192-token prompts (about 4 minutes; docs/benchmarks.md "The request path beside the
+# Rust routers"). Writes bench-results/peers.json.
+bench-peers: venv
+	$(PY) -m router.bench.peers $(PEERS_ARGS)
 
 # The same reduced Mooncake replay driven by NVIDIA AIPerf (from PyPI, in its own
 # virtualenv under build/aiperf; skipped with the reason when it cannot be installed,

