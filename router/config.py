@@ -878,6 +878,14 @@ class TokenizerConfig(_Section):
     cache_size: int = Field(
         2048, ge=0, description="Recent prompts whose `engine` tokenization is remembered."
     )
+    recent_prompt_tokens: int = Field(
+        4_194_304,
+        ge=0,
+        le=1 << 30,
+        description="`hf` and `approximate` modes remember the token ids of recent prompts "
+        "and chats, up to this many tokens in all (4 bytes each), so a prompt sent again "
+        "is not tokenized again; 0 turns it off.",
+    )
     mm_placeholder_tokens: int = Field(
         DEFAULT_MM_PLACEHOLDER_TOKENS,
         ge=1,

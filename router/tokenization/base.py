@@ -12,9 +12,14 @@ from the block holding their first placeholder on (``router.media``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import msgspec
+import xxhash
 
 from router.media import MediaError, MediaItem, MediaSpan, message_media
 
@@ -50,6 +55,69 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class RecentPrompts:
+    """Token ids of recent inputs, for tokenizers whose answer depends on the input
+    alone (the same text, or the same chat, gives the same ids), so a prompt sent again
+    is not tokenized again. Keyed by a 128-bit hash of the input; least recently used out,
+    bounded by ``max_tokens`` held (4 bytes each) and by ``max_entries``."""
+
+    def __init__(self, max_tokens: int, max_entries: int = 16_384) -> None:
+        self.max_tokens = max_tokens
+        self.max_entries = max_entries
+        self.tokens = 0
+        self.hits = 0
+        self.misses = 0
+        self._held: OrderedDict[bytes, array[int]] = OrderedDict()
+
+    @staticmethod
+    def text_key(kind: bytes, text: str) -> bytes:
+        return kind + xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
+
+    @staticmethod
+    def chat_key(
+        kind: bytes,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> bytes | None:
+        """None for a chat that is not plain JSON (it is then not remembered)."""
+        try:
+            raw = msgspec.json.encode([messages, add_generation_prompt, template_kwargs])
+        except (TypeError, msgspec.EncodeError):
+            return None
+        return kind + xxhash.xxh3_128_digest(raw)
+
+    def get(self, key: bytes | None) -> list[int] | None:
+        if key is None or not self.max_tokens:
+            return None
+        held = self._held.get(key)
+        if held is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._held.move_to_end(key)
+        return held.tolist()  # a new list each time: callers may change theirs
+
+    def put(self, key: bytes | None, ids: Sequence[int]) -> None:
+        if key is None or not self.max_tokens or len(ids) > self.max_tokens:
+            return
+        try:
+            packed = array("I", ids)
+        except OverflowError:  # an id outside uint32: leave it to the caller's checks
+            return
+        previous = self._held.pop(key, None)
+        if previous is not None:
+            self.tokens -= len(previous)
+        self._held[key] = packed
+        self.tokens += len(packed)
+        while self.tokens > self.max_tokens or len(self._held) > self.max_entries:
+            _, gone = self._held.popitem(last=False)
+            self.tokens -= len(gone)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS, MediaItem, MediaSpan, me
 from router.tokenization.base import (
     ChatPrompt,
     PromptTokenizer,
+    RecentPrompts,
     TokenizeError,
     TokenizerUnavailable,
     common_prefix,
@@ -210,9 +211,12 @@ class HFTokenizer(PromptTokenizer):
         tokenizer_json: str | Path,
         tokenizer_config: str | Path | None = None,
         chat_template: str | None = None,
+        recent_tokens: int = 0,
     ) -> None:
         from tokenizers import Tokenizer
 
+        self.recent = RecentPrompts(recent_tokens)
+        """Recent prompts' and chats' ids (``tokenizer.recent_prompt_tokens``)."""
         self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
         config: dict[str, Any] = {}
         if tokenizer_config is not None:
@@ -250,7 +254,12 @@ class HFTokenizer(PromptTokenizer):
             raise TokenizeError(f"chat template: {exc}") from None
 
     async def prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        key = self.recent.text_key(b"p", text) if self.recent.max_tokens else None
+        ids = self.recent.get(key)
+        if ids is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+            self.recent.put(key, ids)
+        return ids
 
     async def chat(
         self,
@@ -258,8 +267,15 @@ class HFTokenizer(PromptTokenizer):
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self.render(messages, add_generation_prompt, template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        key = None
+        if self.recent.max_tokens:
+            key = self.recent.chat_key(b"c", messages, add_generation_prompt, template_kwargs)
+        ids = self.recent.get(key)
+        if ids is None:
+            text = self.render(messages, add_generation_prompt, template_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            self.recent.put(key, ids)
+        return ids
 
     chat_prompt = _placed_chat_prompt  # media at the start of the message holding it
 
@@ -317,11 +333,18 @@ class ApproximateTokenizer(PromptTokenizer):
     mode = "approximate"
     exact = False
 
-    def __init__(self, chars_per_token: int = 4) -> None:
+    def __init__(self, chars_per_token: int = 4, recent_tokens: int = 0) -> None:
         self.chars = chars_per_token
+        self.recent = RecentPrompts(recent_tokens)
+        """Recent prompts' pseudo-token ids (``tokenizer.recent_prompt_tokens``)."""
 
     async def prompt(self, text: str) -> list[int]:
-        return self._chunks(text.encode("utf-8", "surrogatepass"))
+        key = self.recent.text_key(b"p", text) if self.recent.max_tokens else None
+        ids = self.recent.get(key)
+        if ids is None:
+            ids = self._chunks(text.encode("utf-8", "surrogatepass"))
+            self.recent.put(key, ids)
+        return ids
 
     def _chunks(self, data: bytes) -> list[int]:
         step = self.chars

@@ -64,14 +64,16 @@ class Tokenizers:
             if settings.chat_template:
                 with open(settings.chat_template) as f:
                     template = f.read()
-            return HFTokenizer(settings.path, settings.config_path, template)
+            return HFTokenizer(
+                settings.path, settings.config_path, template, settings.recent_prompt_tokens
+            )
         if mode == "engine":
 
             async def post(path: str, body: bytes) -> tuple[int, bytes]:
                 return await self.post(model, path, body)
 
             return EngineTokenizer(model, post, settings.cache_size)
-        return ApproximateTokenizer(settings.chars_per_token)
+        return ApproximateTokenizer(settings.chars_per_token, settings.recent_prompt_tokens)
 
     def _pool(self, model: str) -> _Pool:
         pool = self._pools.get(model)
@@ -134,7 +136,9 @@ class Tokenizers:
             self.config.tokenizer_guard.max_mismatch_ratio
         ):
             pool.fell_back = True
-            pool.tokenizer = ApproximateTokenizer(pool.settings.chars_per_token)
+            pool.tokenizer = ApproximateTokenizer(
+                pool.settings.chars_per_token, pool.settings.recent_prompt_tokens
+            )
             log.error(
                 "model %s: the router's %s tokenizer disagrees with the engines on %d of the "
                 "last %d prompts (e.g. %d tokens here, %d at the engine); routing this pool "

@@ -1,0 +1,116 @@
+"""Recent prompts' token ids remembered by the hf and approximate modes (issue 25): a
+prompt or chat sent again is not tokenized again, the ids are those the tokenizer gives,
+and what is held stays within its bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.hf_tokenizer import FIXTURE
+from tokenizers import Tokenizer
+
+from router.config import load_config
+from router.tokenization import ApproximateTokenizer, HFTokenizer
+from router.tokenization.base import RecentPrompts
+
+CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "you are a helpful assistant"},
+    {"role": "user", "content": "what is a block"},
+]
+
+
+@pytest.fixture
+def hf(tokenizer_json: Path) -> HFTokenizer:
+    return HFTokenizer(tokenizer_json, FIXTURE, recent_tokens=10_000)
+
+
+class Counting:
+    """A tokenizers.Tokenizer that counts its encodes."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.encodes = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        self.encodes += 1
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def test_a_prompt_sent_again_is_not_tokenized_again(
+    hf: HFTokenizer, tokenizer_json: Path
+) -> None:
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    counting = Counting(hf.tokenizer)
+    hf.tokenizer = counting  # type: ignore[assignment]
+    text = "the router sends a block of the prompt"
+    first = await hf.prompt(text)
+    second = await hf.prompt(text)
+    assert first == second == reference.encode(text).ids
+    assert counting.encodes == 1
+    assert (hf.recent.hits, hf.recent.misses) == (1, 1)
+    first.append(-1)  # each caller gets its own list
+    assert await hf.prompt(text) == second
+    assert await hf.prompt(text + " again") == reference.encode(text + " again").ids
+    assert counting.encodes == 2
+
+
+async def test_chats_are_remembered_by_everything_that_changes_their_tokens(
+    hf: HFTokenizer,
+) -> None:
+    counting = Counting(hf.tokenizer)
+    hf.tokenizer = counting  # type: ignore[assignment]
+    with_prompt = await hf.chat(CHAT, add_generation_prompt=True)
+    without = await hf.chat(CHAT, add_generation_prompt=False)
+    assert with_prompt != without
+    assert await hf.chat(CHAT, add_generation_prompt=True) == with_prompt
+    assert await hf.chat([*CHAT[:1], {"role": "user", "content": "what is a blocks"}]) != (
+        with_prompt
+    )
+    assert counting.encodes == 3
+    # A completion of the chat's rendered text is not answered from the chat's entry.
+    await hf.prompt(hf.render(CHAT, add_generation_prompt=True))
+    assert counting.encodes == 4
+
+
+async def test_remembered_tokens_stay_within_their_bounds() -> None:
+    recent = RecentPrompts(max_tokens=10, max_entries=3)
+    for n in range(5):
+        recent.put(recent.text_key(b"p", f"t{n}"), [n, n, n])
+    assert len(recent) == 3 and recent.tokens == 9  # entries bound: the oldest went
+    assert recent.get(recent.text_key(b"p", "t0")) is None
+    assert recent.get(recent.text_key(b"p", "t4")) == [4, 4, 4]
+    recent.put(recent.text_key(b"p", "big"), list(range(4)))
+    assert recent.tokens <= 10 and recent.get(recent.text_key(b"p", "t2")) is None
+    recent.put(recent.text_key(b"p", "huge"), list(range(11)))  # larger than the whole
+    assert recent.get(recent.text_key(b"p", "huge")) is None
+    recent.put(recent.text_key(b"p", "wide"), [1 << 40])  # not a uint32 id: not kept
+    assert recent.get(recent.text_key(b"p", "wide")) is None
+
+
+async def test_zero_turns_it_off_and_odd_chats_are_not_remembered(
+    tokenizer_json: Path,
+) -> None:
+    off = HFTokenizer(tokenizer_json, FIXTURE, recent_tokens=0)
+    await off.prompt("a block")
+    await off.prompt("a block")
+    assert len(off.recent) == 0 and off.recent.misses == 0
+    assert RecentPrompts.chat_key(b"c", [{"role": "user", "content": object()}], True, None) is (
+        None
+    )
+
+
+async def test_approximate_mode_remembers_too() -> None:
+    approximate = ApproximateTokenizer(4, recent_tokens=1_000)
+    fresh = ApproximateTokenizer(4)
+    text = "a prompt long enough for several pseudo-tokens"
+    assert await approximate.prompt(text) == await approximate.prompt(text)
+    assert await approximate.prompt(text) == await fresh.prompt(text)
+    assert approximate.recent.hits == 2
+
+
+def test_the_bound_is_configured_per_tokenizer() -> None:
+    config = load_config(overrides={"tokenizer": {"recent_prompt_tokens": 0}}, environ={})
+    assert config.tokenizer.recent_prompt_tokens == 0
+    assert load_config(environ={}).tokenizer.recent_prompt_tokens == 4_194_304
