@@ -883,8 +883,9 @@ class TokenizerConfig(_Section):
         ge=0,
         le=1 << 30,
         description="`hf` and `approximate` modes remember the token ids of recent prompts "
-        "and chats, up to this many tokens in all (4 bytes each), so a prompt sent again "
-        "is not tokenized again; 0 turns it off.",
+        "and chats, and `hf` those of conversations up to their last special tokens, up to "
+        "this many tokens in all (4 bytes each): a prompt sent again is not tokenized "
+        "again, and a conversation's next turn tokenizes only what it adds; 0 turns it off.",
     )
     mm_placeholder_tokens: int = Field(
         DEFAULT_MM_PLACEHOLDER_TOKENS,

@@ -230,6 +230,9 @@ class HFTokenizer(PromptTokenizer):
             if key.endswith("_token") and (text := _token_text(value)) is not None
         }
         self.template = _template_environment().from_string(template) if template else None
+        self._cuts = self._cut_tokens()
+        """Special tokens after which a chat's text is tokenized as two independent parts
+        (empty: a chat is always tokenized whole)."""
 
     def render(
         self,
@@ -273,8 +276,89 @@ class HFTokenizer(PromptTokenizer):
         ids = self.recent.get(key)
         if ids is None:
             text = self.render(messages, add_generation_prompt, template_kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self._encode_chat(text)
             self.recent.put(key, ids)
+        return ids
+
+    # A chat's rendered text is the conversation so far, so the next turn's text starts
+    # with this turn's up to its last special token. A Hugging Face tokenizer splits its
+    # input at added tokens first and tokenizes the parts between them independently, so
+    # the ids of a text cut right after a special token are those of the part before the
+    # cut followed by those of the part after it: the ids of the conversation so far are
+    # remembered up to its last special tokens, and the next turn tokenizes only what is
+    # new. Only tokens that cut that way are used (special, matched on the raw text, no
+    # whitespace stripping), and only when a probe shows the tokenizer agrees (a
+    # pre-tokenizer that treats an input's first part differently, as Metaspace's
+    # ``prepend_scheme: first`` does, does not).
+
+    _PROBES = ("hello world", " hello", "\n\nhello there, 123", "1 2 3")
+    _REMEMBERED_CUTS = 4
+
+    def _cut_tokens(self) -> dict[str, int]:
+        """content -> id of the special tokens a chat may be cut after."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        contents = [token.content for token in added.values()]
+        candidates = {
+            token.content: tid
+            for tid, token in added.items()
+            if token.special
+            and not (token.normalized or token.lstrip or token.rstrip or token.single_word)
+            and token.content
+            # no other added token may match across the cut
+            and not any(token.content in other and other != token.content for other in contents)
+        }
+        encode = self.tokenizer.encode
+        for content in candidates:
+            for before in self._PROBES:
+                for after in self._PROBES:
+                    whole = encode(before + content + after, add_special_tokens=False).ids
+                    parts = encode(before + content, add_special_tokens=False).ids
+                    parts += encode(after, add_special_tokens=False).ids
+                    if whole != parts:
+                        return {}
+        return candidates
+
+    def _encode_chat(self, text: str) -> list[int]:
+        encode = self.tokenizer.encode
+        if not self._cuts or not self.recent.max_tokens:
+            return encode(text, add_special_tokens=False).ids
+        # Where the text could be cut, and the hash of the text up to each such place.
+        cuts: list[int] = []
+        for content in self._cuts:
+            at = text.find(content)
+            while at >= 0:
+                cuts.append(at + len(content))
+                at = text.find(content, at + len(content))
+        cuts.sort()
+        digests: dict[int, bytes] = {}
+        running = xxhash.xxh3_128()
+        done = 0
+        for cut in cuts:
+            running.update(text[done:cut].encode("utf-8", "surrogatepass"))
+            digests[cut] = b"x" + running.digest()
+            done = cut
+        start, ids = 0, []
+        for cut in reversed(cuts):
+            known = self.recent.get(digests[cut])
+            if known is not None:
+                start, ids = cut, known
+                break
+        rest = encode(text[start:], add_special_tokens=False)
+        rest_ids = rest.ids  # each read of an Encoding's ids or offsets builds a new list
+        offsets = None
+        # Remember the text up to its last few cuts, as the tokenizer placed them.
+        kept = 0
+        cut_ids = set(self._cuts.values())
+        for index in range(len(rest_ids) - 1, -1, -1):
+            if kept == self._REMEMBERED_CUTS:
+                break
+            if rest_ids[index] in cut_ids:
+                offsets = offsets or rest.offsets
+                digest = digests.get(start + offsets[index][1])
+                if digest is not None:
+                    self.recent.put(digest, ids + rest_ids[: index + 1])
+                    kept += 1
+        ids += rest_ids
         return ids
 
     chat_prompt = _placed_chat_prompt  # media at the start of the message holding it

@@ -1,15 +1,17 @@
 """Recent prompts' token ids remembered by the hf and approximate modes (issue 25): a
-prompt or chat sent again is not tokenized again, the ids are those the tokenizer gives,
-and what is held stays within its bounds."""
+prompt or chat sent again is not tokenized again, a conversation's next turn tokenizes
+only what follows the last special token of the turn before, the ids are always those
+the tokenizer gives for the whole text, and what is held stays within its bounds."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.hf_tokenizer import FIXTURE
-from tokenizers import Tokenizer
+from support.hf_tokenizer import FIXTURE, SPECIAL
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from router.config import load_config
 from router.tokenization import ApproximateTokenizer, HFTokenizer
@@ -114,3 +116,82 @@ def test_the_bound_is_configured_per_tokenizer() -> None:
     config = load_config(overrides={"tokenizer": {"recent_prompt_tokens": 0}}, environ={})
     assert config.tokenizer.recent_prompt_tokens == 0
     assert load_config(environ={}).tokenizer.recent_prompt_tokens == 4_194_304
+
+
+# --------------------------------------------------------------------------- chat prefixes
+
+
+def _conversation(seed: int, turns: int) -> list[list[dict[str, Any]]]:
+    """Each turn's messages: a growing conversation with awkward text at the edges."""
+    rng = random.Random(seed)
+    words = "the router sends each request where its prefix is cached block 42".split()
+    edges = ["", " ", "\n", "\n\n", "  ", "!?", " 123", "\t"]
+    chat: list[dict[str, Any]] = [{"role": "system", "content": "you are a helpful assistant"}]
+    out = []
+    for _ in range(turns):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(0, 40)))
+        chat.append({"role": "user", "content": rng.choice(edges) + text + rng.choice(edges)})
+        out.append(list(chat))
+        reply = " ".join(rng.choice(words) for _ in range(rng.randint(0, 30)))
+        chat.append({"role": "assistant", "content": reply + rng.choice(edges)})
+    return out
+
+
+class Lengths(Counting):
+    """Also records how many characters each encode was given."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        super().__init__(inner)
+        self.lengths: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        self.lengths.append(len(text))
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_conversation_tokenizes_only_its_new_turn_with_the_same_ids(
+    tokenizer_json: Path, seed: int
+) -> None:
+    resumed = HFTokenizer(tokenizer_json, FIXTURE, recent_tokens=100_000)
+    whole = HFTokenizer(tokenizer_json, FIXTURE, recent_tokens=0)
+    assert "<|eot_id|>" in resumed._cuts and "<|start_header_id|>" in resumed._cuts
+    lengths = Lengths(resumed.tokenizer)
+    resumed.tokenizer = lengths  # type: ignore[assignment]
+    for turn, messages in enumerate(_conversation(seed, 10)):
+        assert await resumed.chat(messages) == await whole.chat(messages), turn
+        rendered = len(resumed.render(messages))
+        if turn:  # only what follows the previous turn's last special token
+            assert lengths.lengths[-1] < rendered - 40
+    assert lengths.encodes == 10
+
+
+def _tokenizer_with(pre_tokenizer: Any, special: list[AddedToken]) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.train_from_iterator(
+        ["the router sends each request where its prefix is cached"] * 20,
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", *special]),
+    )
+    return tok
+
+
+async def test_tokenizers_that_do_not_cut_cleanly_tokenize_chats_whole(tmp_path: Path) -> None:
+    specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL[1:]]
+    # Metaspace with prepend_scheme "first" marks only an input's first word: a part
+    # tokenized on its own would differ, so the probe keeps chats whole.
+    first = _tokenizer_with(pre_tokenizers.Metaspace(prepend_scheme="first"), specials)
+    first.save(str(tmp_path / "first.json"))
+    hf = HFTokenizer(tmp_path / "first.json", FIXTURE, recent_tokens=100_000)
+    assert hf._cuts == {}
+    whole = Tokenizer.from_file(str(tmp_path / "first.json"))
+    for messages in _conversation(4, 3):
+        text = hf.render(messages)
+        assert await hf.chat(messages) == whole.encode(text, add_special_tokens=False).ids
+    # A special token that strips the whitespace after it never cuts.
+    stripping = [AddedToken("<|eot_id|>", special=True, normalized=False, rstrip=True)]
+    tok = _tokenizer_with(pre_tokenizers.Whitespace(), stripping)
+    tok.save(str(tmp_path / "strip.json"))
+    assert (
+        "<|eot_id|>" not in HFTokenizer(tmp_path / "strip.json", FIXTURE, recent_tokens=1_000)._cuts
+    )
