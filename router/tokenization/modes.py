@@ -29,10 +29,14 @@ characters.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import functools
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +204,21 @@ def _template_environment() -> Any:
     return env
 
 
+THREAD_MIN_CHARS = 2_048
+"""hf mode tokenizes texts at least this long on a worker thread (shorter ones cost less
+than the hand-over)."""
+_ENCODERS: ThreadPoolExecutor | None = None
+
+
+def _encoders() -> ThreadPoolExecutor:
+    """The threads hf mode tokenizes long texts on (one per core, at most four)."""
+    global _ENCODERS
+    if _ENCODERS is None:
+        workers = min(4, os.cpu_count() or 1)
+        _ENCODERS = ThreadPoolExecutor(workers, thread_name_prefix="kvroute-tokenize")
+    return _ENCODERS
+
+
 class HFTokenizer(PromptTokenizer):
     """A Hugging Face tokenizer and chat template, from local files only."""
 
@@ -260,7 +279,7 @@ class HFTokenizer(PromptTokenizer):
         key = self.recent.text_key(b"p", text) if self.recent.max_tokens else None
         ids = self.recent.get(key)
         if ids is None:
-            ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+            ids = (await self._encode(text, add_special_tokens=True)).ids
             self.recent.put(key, ids)
         return ids
 
@@ -276,7 +295,7 @@ class HFTokenizer(PromptTokenizer):
         ids = self.recent.get(key)
         if ids is None:
             text = self.render(messages, add_generation_prompt, template_kwargs)
-            ids = self._encode_chat(text)
+            ids = await self._encode_chat(text)
             self.recent.put(key, ids)
         return ids
 
@@ -318,10 +337,21 @@ class HFTokenizer(PromptTokenizer):
                         return {}
         return candidates
 
-    def _encode_chat(self, text: str) -> list[int]:
-        encode = self.tokenizer.encode
+    async def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        """The tokenizer's Encoding of ``text``. A long text is tokenized on a worker
+        thread through ``encode_batch``, which releases the GIL (``encode`` does not), so
+        the event loop goes on routing other requests meanwhile, on another core."""
+        if len(text) < THREAD_MIN_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        loop = asyncio.get_running_loop()
+        work = functools.partial(
+            self.tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens
+        )
+        return (await loop.run_in_executor(_encoders(), work))[0]
+
+    async def _encode_chat(self, text: str) -> list[int]:
         if not self._cuts or not self.recent.max_tokens:
-            return encode(text, add_special_tokens=False).ids
+            return (await self._encode(text, add_special_tokens=False)).ids
         # Where the text could be cut, and the hash of the text up to each such place.
         cuts: list[int] = []
         for content in self._cuts:
@@ -343,7 +373,7 @@ class HFTokenizer(PromptTokenizer):
             if known is not None:
                 start, ids = cut, known
                 break
-        rest = encode(text[start:], add_special_tokens=False)
+        rest = await self._encode(text[start:], add_special_tokens=False)
         rest_ids = rest.ids  # each read of an Encoding's ids or offsets builds a new list
         offsets = None
         # Remember the text up to its last few cuts, as the tokenizer placed them.
@@ -381,7 +411,7 @@ class HFTokenizer(PromptTokenizer):
         # special tokens (unlike chat completions): a template that writes its own BOS
         # gets a second one.
         text = self.render(messages, True, template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return (await self._encode(text, add_special_tokens=True)).ids
 
 
 def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -5,6 +5,7 @@ the tokenizer gives for the whole text, and what is held stays within its bounds
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from router.config import load_config
 from router.tokenization import ApproximateTokenizer, HFTokenizer
 from router.tokenization.base import RecentPrompts
+from router.tokenization.modes import THREAD_MIN_CHARS
 
 CHAT: list[dict[str, Any]] = [
     {"role": "system", "content": "you are a helpful assistant"},
@@ -38,6 +40,9 @@ class Counting:
     def encode(self, text: str, add_special_tokens: bool = True) -> Any:
         self.encodes += 1
         return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> Any:
+        return [self.encode(text, add_special_tokens) for text in texts]
 
 
 async def test_a_prompt_sent_again_is_not_tokenized_again(
@@ -195,3 +200,30 @@ async def test_tokenizers_that_do_not_cut_cleanly_tokenize_chats_whole(tmp_path:
     assert (
         "<|eot_id|>" not in HFTokenizer(tmp_path / "strip.json", FIXTURE, recent_tokens=1_000)._cuts
     )
+
+
+async def test_long_texts_tokenize_off_the_event_loop(tokenizer_json: Path) -> None:
+    hf = HFTokenizer(tokenizer_json, FIXTURE, recent_tokens=0)
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    text = "the router sends a block of the prompt, and prefill is compute bound. " * 3_000
+    assert len(text) >= THREAD_MIN_CHARS
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    ids = await hf.prompt(text)
+    done = True
+    await task
+    assert ids == reference.encode(text).ids  # special tokens as encode adds them
+    assert ids[0] == reference.token_to_id("<s>")
+    assert ticks > before + 1  # the loop ran other work while the text was tokenized
+    chat = [{"role": "user", "content": text}]
+    assert await hf.chat(chat) == reference.encode(hf.render(chat), add_special_tokens=False).ids
