@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-aiperf bench-aiconfigurator soak compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -26,13 +26,19 @@ fuzz: venv
 demo: venv
 	$(PY) -m router.demo
 
-bench: venv bench-core bench-router bench-redis bench-disagg bench-grpc bench-flow bench-sim
+bench: venv bench-core bench-router bench-tokenize bench-redis bench-disagg bench-grpc bench-flow bench-sim
 
 bench-core: venv
 	$(PY) -m router.bench.core
 
 bench-router: venv
 	$(PY) -m router.bench.overhead
+
+# hf-mode tokenization with a 32k byte-level BPE trained on this repository (build/
+# bench-tokenizer; no download): new and repeated prompts, a 16-turn conversation whole
+# and resumed, the event loop while a long prompt is tokenized (docs/benchmarks.md).
+bench-tokenize: venv
+	$(PY) -m router.bench.tokenize
 
 bench-disagg: venv
 	$(PY) -m router.bench.disagg
