@@ -204,6 +204,17 @@ def _template_environment() -> Any:
     return env
 
 
+def _uses_clock(environment: Any, template: str) -> bool:
+    """Whether a chat template reads the clock (its text then changes with the day)."""
+    from jinja2 import TemplateSyntaxError, nodes
+
+    try:
+        names = environment.parse(template).find_all(nodes.Name)
+        return any(name.name == "strftime_now" for name in names)
+    except TemplateSyntaxError:
+        return True
+
+
 THREAD_MIN_CHARS = 2_048
 """hf mode tokenizes texts at least this long on a worker thread (shorter ones cost less
 than the hand-over)."""
@@ -214,7 +225,8 @@ def _encoders() -> ThreadPoolExecutor:
     """The threads hf mode tokenizes long texts on (one per core, at most four)."""
     global _ENCODERS
     if _ENCODERS is None:
-        workers = min(4, os.cpu_count() or 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        workers = min(4, cores or os.cpu_count() or 1)
         _ENCODERS = ThreadPoolExecutor(workers, thread_name_prefix="kvroute-tokenize")
     return _ENCODERS
 
@@ -237,6 +249,10 @@ class HFTokenizer(PromptTokenizer):
         self.recent = RecentPrompts(recent_tokens)
         """Recent prompts' and chats' ids (``tokenizer.recent_prompt_tokens``)."""
         self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
+        # The engine's tokenizer (transformers' fast tokenizer) neither truncates nor
+        # pads a prompt whatever tokenizer.json says: nor does the router.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         config: dict[str, Any] = {}
         if tokenizer_config is not None:
             config = json.loads(Path(tokenizer_config).read_text())
@@ -248,7 +264,13 @@ class HFTokenizer(PromptTokenizer):
             for key, value in config.items()
             if key.endswith("_token") and (text := _token_text(value)) is not None
         }
-        self.template = _template_environment().from_string(template) if template else None
+        environment = _template_environment()
+        self.template = environment.from_string(template) if template else None
+        self.remembers_chats = bool(template) and not _uses_clock(environment, template)
+        """Whether a chat's ids may be remembered by its messages: not when the template
+        reads the clock (``strftime_now``: Llama 3.2's date line), whose text changes
+        with the day. Conversation prefixes are remembered by their rendered text, so
+        they stay exact either way."""
         self._cuts = self._cut_tokens()
         """Special tokens after which a chat's text is tokenized as two independent parts
         (empty: a chat is always tokenized whole)."""
@@ -290,7 +312,7 @@ class HFTokenizer(PromptTokenizer):
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         key = None
-        if self.recent.max_tokens:
+        if self.recent.max_tokens and self.remembers_chats:
             key = self.recent.chat_key(b"c", messages, add_generation_prompt, template_kwargs)
         ids = self.recent.get(key)
         if ids is None:
@@ -311,11 +333,15 @@ class HFTokenizer(PromptTokenizer):
     # ``prepend_scheme: first`` does, does not).
 
     _PROBES = ("hello world", " hello", "\n\nhello there, 123", "1 2 3")
+    _FULLY_PROBED = 4
     _REMEMBERED_CUTS = 4
 
     def _cut_tokens(self) -> dict[str, int]:
         """content -> id of the special tokens a chat may be cut after."""
         added = self.tokenizer.get_added_tokens_decoder()
+        if any(token.single_word for token in added.values()):
+            # A single-word token after a cut would see the start of a word there.
+            return {}
         contents = [token.content for token in added.values()]
         candidates = {
             token.content: tid
@@ -327,14 +353,19 @@ class HFTokenizer(PromptTokenizer):
             and not any(token.content in other and other != token.content for other in contents)
         }
         encode = self.tokenizer.encode
-        for content in candidates:
-            for before in self._PROBES:
-                for after in self._PROBES:
+        pairs = [(before, after) for before in self._PROBES for after in self._PROBES]
+        try:
+            # Every pair for a few tokens (how the tokenizer treats a part is the same
+            # for all of them), one for each of the others (Llama 3 has 256).
+            for n, content in enumerate(candidates):
+                for before, after in pairs if n < self._FULLY_PROBED else pairs[1:2]:
                     whole = encode(before + content + after, add_special_tokens=False).ids
                     parts = encode(before + content, add_special_tokens=False).ids
                     parts += encode(after, add_special_tokens=False).ids
                     if whole != parts:
                         return {}
+        except Exception:  # a tokenizer that cannot encode the probe: chats stay whole
+            return {}
         return candidates
 
     async def _encode(self, text: str, add_special_tokens: bool) -> Any:

@@ -36,7 +36,10 @@ _MAX_REMEMBERED = 200_000
 CHUNK_CHARS = 512
 """Texts longer than twice this are encoded in chunks of about this many characters."""
 CHUNKS_REMEMBERED = 4_096
-"""Encoded chunks kept (least recently used out): about 4 MB of text and its ids."""
+"""Encoded chunks kept (least recently used out)..."""
+CHUNK_CHARS_HELD = 4 * 1024 * 1024
+"""...and at most this many characters of them (a chunk runs past ``CHUNK_CHARS`` only to
+the end of a long word)."""
 # Whitespace as str.split() sees it (re's \s is Py_UNICODE_ISSPACE for str patterns).
 _SPACE = re.compile(r"\s")
 
@@ -110,6 +113,7 @@ class WordTokenizer:
         self._vocab = _Vocab(names)
         self.generation_ids = [word_id(w) for w in self.generation_words]
         self._chunks: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chunk_chars = 0
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``: one per whitespace-separated word."""
@@ -120,11 +124,13 @@ class WordTokenizer:
         chunks = self._chunks
         start, end = 0, len(text)
         while True:
-            # Any whitespace is a valid cut: a space when there is one (str.find is
-            # cheaper than the pattern), else whatever whitespace comes first.
-            cut = text.find(" ", start + CHUNK_CHARS)
+            # Any whitespace is a valid cut: a space within the next chunk's length when
+            # there is one (str.find is cheaper than the pattern), else the first
+            # whitespace there, else (one long word) the first whitespace after it.
+            lo = start + CHUNK_CHARS
+            cut = text.find(" ", lo, lo + CHUNK_CHARS)
             if cut < 0:
-                space = _SPACE.search(text, start + CHUNK_CHARS)
+                space = _SPACE.search(text, lo, lo + CHUNK_CHARS) or _SPACE.search(text, lo)
                 cut = end if space is None else space.start()
             if end - cut < CHUNK_CHARS:
                 ids.extend(map(lookup, text[start:].split()))
@@ -133,8 +139,10 @@ class WordTokenizer:
             known = chunks.get(piece)
             if known is None:
                 known = chunks[piece] = tuple(map(lookup, piece.split()))
-                if len(chunks) > CHUNKS_REMEMBERED:
-                    chunks.popitem(last=False)
+                self._chunk_chars += len(piece)
+                while len(chunks) > CHUNKS_REMEMBERED or self._chunk_chars > CHUNK_CHARS_HELD:
+                    gone, _ = chunks.popitem(last=False)
+                    self._chunk_chars -= len(gone)
             else:
                 chunks.move_to_end(piece)
             ids.extend(known)

@@ -6,6 +6,7 @@ the tokenizer gives for the whole text, and what is held stays within its bounds
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,51 @@ async def test_long_texts_tokenize_off_the_event_loop(tokenizer_json: Path) -> N
     assert ticks > before + 1  # the loop ran other work while the text was tokenized
     chat = [{"role": "user", "content": text}]
     assert await hf.chat(chat) == reference.encode(hf.render(chat), add_special_tokens=False).ids
+
+
+async def test_a_template_that_reads_the_clock_is_never_answered_from_memory(
+    tokenizer_json: Path, tmp_path: Path
+) -> None:
+    dated = tmp_path / "tokenizer_config.json"
+    template = "{{ bos_token }}today {{ strftime_now('%d %B %Y') }}{% for m in messages %}"
+    template += "<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
+    template += "<|eot_id|>{% endfor %}"
+    dated.write_text(json.dumps({"bos_token": "<s>", "chat_template": template}))
+    hf = HFTokenizer(tokenizer_json, dated, recent_tokens=100_000)
+    assert not hf.remembers_chats
+    counting = Counting(hf.tokenizer)
+    hf.tokenizer = counting  # type: ignore[assignment]
+    await hf.chat(CHAT)
+    await hf.chat(CHAT)
+    assert counting.encodes == 2  # rendered (and dated) afresh each time
+    assert HFTokenizer(tokenizer_json, FIXTURE, recent_tokens=1).remembers_chats
+
+
+async def test_single_word_tokens_and_unencodable_probes_keep_chats_whole(
+    tmp_path: Path,
+) -> None:
+    # A single-word token right after a cut would see a word start there.
+    specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL[1:]]
+    tok = _tokenizer_with(pre_tokenizers.Whitespace(), specials)
+    tok.add_tokens([AddedToken("foo", single_word=True)])
+    tok.save(str(tmp_path / "single.json"))
+    assert HFTokenizer(tmp_path / "single.json", FIXTURE, recent_tokens=1_000)._cuts == {}
+    # A tokenizer that cannot encode the probe's words still loads (chats stay whole).
+    level = Tokenizer(models.WordLevel({"<|eot_id|>": 0, "a": 1}))
+    level.pre_tokenizer = pre_tokenizers.Whitespace()
+    level.add_special_tokens([AddedToken("<|eot_id|>", special=True, normalized=False)])
+    level.save(str(tmp_path / "level.json"))
+    assert HFTokenizer(tmp_path / "level.json", FIXTURE, recent_tokens=1_000)._cuts == {}
+
+
+async def test_tokenizer_json_truncation_and_padding_are_not_applied(
+    tokenizer_json: Path, tmp_path: Path
+) -> None:
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    truncating = Tokenizer.from_file(str(tokenizer_json))
+    truncating.enable_truncation(4)
+    truncating.enable_padding(length=64)
+    truncating.save(str(tmp_path / "truncating.json"))
+    hf = HFTokenizer(tmp_path / "truncating.json", FIXTURE, recent_tokens=0)
+    text = "the router sends a block of the prompt where its prefix is cached"
+    assert await hf.prompt(text) == reference.encode(text).ids

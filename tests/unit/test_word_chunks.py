@@ -68,3 +68,24 @@ def test_remembered_chunks_are_bounded(monkeypatch: object) -> None:
         text = " ".join(f"t{n}w{i}" for i in range(1_000))
         assert tokenizer.encode(text) == reference(text)
     assert len(tokenizer._chunks) == 8
+
+
+def test_a_chunk_runs_long_only_to_the_end_of_a_long_word() -> None:
+    tokenizer = WordTokenizer()
+    # Newlines close by, the next space far away: the cut is at a newline.
+    text = "\n".join(f"w{i}" for i in range(20_000)) + " tail"
+    assert tokenizer.encode(text) == reference(text)
+    assert max(len(piece) for piece in tokenizer._chunks) < 2 * CHUNK_CHARS
+    # One word longer than a chunk: that chunk ends where the word does.
+    long_word = "x" * (5 * CHUNK_CHARS)
+    text = " ".join(["a"] * 300 + [long_word] + ["b"] * 300)
+    assert tokenizer.encode(text) == reference(text)
+    assert tokenizer._chunk_chars == sum(len(piece) for piece in tokenizer._chunks)
+
+
+def test_remembered_chunks_are_bounded_by_characters(monkeypatch: object) -> None:
+    monkeypatch.setattr(words, "CHUNK_CHARS_HELD", 3 * CHUNK_CHARS)  # type: ignore[attr-defined]
+    tokenizer = WordTokenizer()
+    text = " ".join(f"c{i}" for i in range(5_000))
+    assert tokenizer.encode(text) == reference(text)
+    assert 0 < tokenizer._chunk_chars <= 3 * CHUNK_CHARS
