@@ -112,40 +112,37 @@ async def _call(app: Services, method: str, context: aio.ServicerContext, work: 
 # --------------------------------------------------------------------------- messages
 
 
-def _decision(decision: Decision) -> pb.Decision:
-    return pb.Decision(
-        policy=decision.policy,
-        reason=decision.reason,
-        summary=decision.summary(),
-        matched_blocks=decision.matched_blocks,
-        cached_tokens=decision.cached_tokens,
-        scores=[
-            pb.Score(
-                endpoint=s.engine.endpoint,
-                dp_rank=s.engine.rank,
-                matched_blocks=s.matched_blocks,
-                cached_tokens=s.cached_tokens,
-                queue=s.queue,
-                prefill=s.prefill,
-                decode=s.decode,
-                reported=s.reported,
-                total=s.total,
-            )
-            for s in decision.scores
-        ],
-    )
+def _decision(decision: Decision, out: pb.Decision) -> None:
+    """Write ``decision`` into ``out`` (filling a message in place costs about half of
+    building nested messages and copying them in)."""
+    out.policy = decision.policy
+    out.reason = decision.reason
+    out.summary = decision.summary()
+    out.matched_blocks = decision.matched_blocks
+    out.cached_tokens = decision.cached_tokens
+    add = out.scores.add
+    for s in decision.scores:
+        add(
+            endpoint=s.engine.endpoint,
+            dp_rank=s.engine.rank,
+            matched_blocks=s.matched_blocks,
+            cached_tokens=s.cached_tokens,
+            queue=s.queue,
+            prefill=s.prefill,
+            decode=s.decode,
+            reported=s.reported,
+            total=s.total,
+        )
 
 
-def _target(app: Services, decision: Decision) -> pb.Target:
+def _target(app: Services, decision: Decision, out: pb.Target) -> None:
     engine = app.registry.engine_of(decision.engine)
-    return pb.Target(
-        endpoint=decision.engine.endpoint,
-        url=engine.url if engine else "",
-        dp_rank=decision.engine.rank,
-        dp_size=engine.dp_size if engine else 1,
-        role=engine.role if engine else "",
-        decision=_decision(decision),
-    )
+    out.endpoint = decision.engine.endpoint
+    out.url = engine.url if engine else ""
+    out.dp_rank = decision.engine.rank
+    out.dp_size = engine.dp_size if engine else 1
+    out.role = engine.role if engine else ""
+    _decision(decision, out.decision)
 
 
 def _directions(app: Services, plan: Plan) -> Directions | None:
@@ -173,15 +170,15 @@ def pick_response(app: Services, plan: Plan, fallbacks: list[str]) -> pb.PickRes
         request_id=plan.route.request_id,
         model=plan.model,
         mode=_MODES[plan.mode],
-        decode=_target(app, plan.decode),
         headers=routing_headers(app, plan),
         fallbacks=fallbacks,
         prompt_tokens=plan.load_tokens,
         approximate=plan.route.approximate,
         expires_in_s=app.picks.ttl_s,
     )
+    _target(app, plan.decode, response.decode)
     if plan.prefill is not None:
-        response.prefill.CopyFrom(_target(app, plan.prefill))
+        _target(app, plan.prefill, response.prefill)
     if plan.split is not None:
         s = plan.split
         response.split.CopyFrom(
