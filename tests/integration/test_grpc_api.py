@@ -103,6 +103,27 @@ async def synced(*apps: RouterApp, engines: int) -> None:
         await poll(lambda app=app: app.subscriber and app.subscriber.stats.replays["ok"] >= engines)
 
 
+async def same_events(*apps: RouterApp) -> None:
+    """Wait until the routers have applied the same KV events (the previous request's
+    reached them at their own pace): the same counts at two looks in a row."""
+    previous: list[tuple[object, ...]] = []
+
+    async def agreed() -> bool:
+        counts = [
+            (
+                app.ingestor.counters.blocks_stored,
+                app.ingestor.counters.blocks_removed,
+                *sorted(app.ingestor.counters.events.items()),
+            )
+            for app in apps
+        ]
+        steady = counts == previous
+        previous[:] = counts
+        return steady and len(set(counts)) == 1
+
+    await poll(agreed, interval=0.05)
+
+
 # --------------------------------------------------------------------------- Pick
 
 
@@ -136,6 +157,7 @@ async def test_pick_agrees_with_the_http_path_for_the_same_prompt_request_id_and
         async with connect(via_grpc.grpc_port) as stubs:
             for i, body in enumerate(bodies):
                 rid = f"agree-{i}"
+                await same_events(via_grpc, via_http)
                 pick = await stubs.router.Pick(
                     pb.PickRequest(request_id=rid, body=json.dumps(body).encode())
                 )
@@ -174,6 +196,7 @@ async def test_pick_agrees_with_the_http_path_on_disaggregated_pools(
         async with connect(via_grpc.grpc_port) as stubs:
             for i, body in enumerate(bodies):
                 rid = f"pd-agree-{i}"
+                await same_events(via_grpc, via_http)
                 pick = await stubs.router.Pick(
                     pb.PickRequest(request_id=rid, body=json.dumps(body).encode())
                 )
