@@ -23,18 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from router.bench.gateway import Envoy, find_envoy
 from router.bench.loadgen import percentile
-from router.bench.peers import WORKLOADS, group_cpu_seconds
-from router.process import EngineProcess, ServerProcess
+from router.bench.peers import WORKLOADS, fast_engines, group_cpu_seconds, use_uvloop
+from router.bench.report import save_results
+from router.process import ServerProcess
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -108,15 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         print("bench extproc_envoy: no Envoy binary (make envoy): skipped", file=sys.stderr)
         return 0
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    engine_args = ["--port", "0", "--time-scale", "0.0001", "--max-model-len", "16384"]
-    engine_args += ["--cache-blocks", "16384"]
-    engines = [EngineProcess([*engine_args, "--engine-id", f"gw{i}"]) for i in range(2)]
+    use_uvloop()
+    engines = fast_engines("gw")
     addresses = [e.url.removeprefix("http://") for e in engines]
     router: ServerProcess | None = None
     gateways: list[Envoy] = []
@@ -164,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{res['kvroute_http_added_p50_ms']:.2f} ms); "
             f"{res['router_cpu_us_per_pick']:.0f} us of kvroute CPU per request"
         )
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_results(args.output, results)
     return 0
 
 

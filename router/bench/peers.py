@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 
 from router.bench.loadgen import percentile
+from router.bench.report import save_results
 from router.emulator.compat import RouterProcess, _common_args, _ready, install
 from router.process import EngineProcess, ServerProcess
 
@@ -64,6 +65,23 @@ def group_cpu_seconds(pgid: int) -> float:
         if int(fields[2]) == pgid:  # field 5 of stat: the process group
             total += (int(fields[11]) + int(fields[12])) / tick
     return total
+
+
+def use_uvloop() -> None:
+    """Run this process's event loops on uvloop when it is installed."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
+def fast_engines(prefix: str, n: int = 2) -> list[EngineProcess]:
+    """``n`` emulated engines with no artificial delay, room for 8,192-token prompts."""
+    args = ["--port", "0", "--time-scale", "0.0001", "--max-model-len", "16384"]
+    args += ["--cache-blocks", "16384"]
+    return [EngineProcess([*args, "--engine-id", f"{prefix}{i}"]) for i in range(n)]
 
 
 def small_bodies() -> Iterator[bytes]:
@@ -226,15 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workloads = args.workload or ["small", "long"]
     peers = args.peer or ["sglang-router", "vllm-router"]
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    engine_args = ["--port", "0", "--time-scale", "0.0001", "--max-model-len", "16384"]
-    engine_args += ["--cache-blocks", "16384"]
-    engines = [EngineProcess([*engine_args, "--engine-id", f"peers{i}"]) for i in range(2)]
+    use_uvloop()
+    engines = fast_engines("peers")
     urls = [e.url for e in engines]
     kvroute: ServerProcess | None = None
     peer_procs: list[tuple[str, RouterProcess]] = []
@@ -274,11 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines:
             e.stop()
     _print(results)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "output"}
-    out.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_results(args.output, {"settings": settings, "results": results})
     return 0
 
 

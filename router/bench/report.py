@@ -292,6 +292,14 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
 
 
+def save_results(path: str | Path, document: dict[str, Any]) -> None:
+    """Write a benchmark's results (creating the directory) and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def windowed_hit_rate(
     t: Sequence[float], hits: Sequence[float], queries: Sequence[float]
 ) -> list[float | None]:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.bench.report import save_results
 from router.config import TokenizerConfig
 from router.tokenization import HFTokenizer
 
@@ -211,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             f"an 8,000-token prompt tokenized {name}: {row['ms']:.1f} ms, "
             f"the loop turned {row['loop_turns']} times"
         )
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_results(args.output, results)
     return 0
 
 

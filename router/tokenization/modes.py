@@ -274,6 +274,7 @@ class HFTokenizer(PromptTokenizer):
         self._cuts = self._cut_tokens()
         """Special tokens after which a chat's text is tokenized as two independent parts
         (empty: a chat is always tokenized whole)."""
+        self._cut_ids = frozenset(self._cuts.values())
 
     def render(
         self,
@@ -409,7 +410,7 @@ class HFTokenizer(PromptTokenizer):
         offsets = None
         # Remember the text up to its last few cuts, as the tokenizer placed them.
         kept = 0
-        cut_ids = set(self._cuts.values())
+        cut_ids = self._cut_ids
         for index in range(len(rest_ids) - 1, -1, -1):
             if kept == self._REMEMBERED_CUTS:
                 break
