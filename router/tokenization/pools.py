@@ -52,7 +52,7 @@ class Tokenizers:
     def __init__(self, config: Config, post: PoolPost) -> None:
         self.config = config
         self.post = post
-        self.words = WordTokenizer()
+        self.words = WordTokenizer(decodes=False)
         self._pools: dict[str, _Pool] = {}
 
     def _build(self, model: str, settings: TokenizerConfig, mode: str) -> PromptTokenizer:

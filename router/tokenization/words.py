@@ -16,10 +16,17 @@ at the first whitespace from there), and the ids of recent chunks are remembered
 word never spans a cut, so the ids are exactly those of the whole text, and prompts
 that share a prefix (a system prompt, a document, earlier turns) find its chunks
 already encoded, as their cuts fall at the same places.
+
+A tokenizer made with ``decodes=False`` (the router's: it never turns ids back into
+words) encodes ASCII text in one call of the compiled helper ``router._native`` when the
+install built it (router/native/native.c, the same ids: tests/unit/test_word_chunks.py),
+and so does not remember the words it met.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -65,6 +72,19 @@ _SYLLABLES = (
 # fmt: on
 
 
+def _native_word_ids() -> Any:
+    """The compiled helper's ``word_ids``, or None (not built, or ``KVROUTE_PURE_PYTHON=1``)."""
+    if os.environ.get("KVROUTE_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        return importlib.import_module("router._native").word_ids
+    except (ImportError, AttributeError):
+        return None
+
+
+_NATIVE_WORD_IDS = _native_word_ids()
+
+
 def _generation_words(count: int = 1_000) -> list[str]:
     words: list[str] = []
     n = len(_SYLLABLES)
@@ -106,7 +126,10 @@ class WordTokenizer:
 
     vocab_size = VOCAB_SIZE
 
-    def __init__(self) -> None:
+    def __init__(self, decodes: bool = True) -> None:
+        """``decodes``: whether :meth:`decode` must know the words this tokenizer encoded
+        (the emulator's); without it, ASCII text takes the compiled helper when built."""
+        self._native = None if decodes else _NATIVE_WORD_IDS
         self.generation_words = _generation_words()
         names = {word_id(w): w for w in self.generation_words}
         names.update({i: m for m, i in _MARKER_IDS.items()})
@@ -117,6 +140,11 @@ class WordTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``: one per whitespace-separated word."""
+        native = self._native
+        if native is not None:
+            ids = native(text, _MARKER_IDS, FIRST_WORD_ID, _WORD_SPAN)
+            if ids is not None:
+                return ids  # type: ignore[no-any-return]
         lookup = self._vocab.__getitem__
         if len(text) <= 2 * CHUNK_CHARS:
             return list(map(lookup, text.split()))

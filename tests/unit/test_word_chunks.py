@@ -3,6 +3,7 @@ chunks whose ids are remembered; the ids must be exactly those of encoding word 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -89,3 +90,43 @@ def test_remembered_chunks_are_bounded_by_characters(monkeypatch: object) -> Non
     text = " ".join(f"c{i}" for i in range(5_000))
     assert tokenizer.encode(text) == reference(text)
     assert 0 < tokenizer._chunk_chars <= 3 * CHUNK_CHARS
+
+
+# ------------------------------------------------------------- the compiled helper
+
+_ASCII_PIECES = st.one_of(
+    st.text(alphabet="abcxyz0123<|>", min_size=1, max_size=12),
+    st.sampled_from([" ", "\n", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f"]),
+    st.sampled_from(["<|user|>", "<|end|>", "<|image|>", "<|nope|>", "<|", "|>"]),
+)
+
+
+@given(st.lists(_ASCII_PIECES, min_size=0, max_size=800))
+def test_the_helper_gives_the_word_by_word_ids(pieces: list[str]) -> None:
+    """The router's tokenizer (``decodes=False``) takes ASCII text through the compiled
+    helper when it is built; the ids are the Python path's, markers and str.split()'s
+    ASCII whitespace (\\x1c-\\x1f included) alike."""
+    text = "".join(pieces)
+    assert WordTokenizer(decodes=False).encode(text) == reference(text)
+
+
+@given(st.lists(_PIECES, min_size=0, max_size=400))
+def test_the_router_tokenizer_gives_the_same_ids_for_any_text(pieces: list[str]) -> None:
+    text = "".join(pieces) * 3
+    assert WordTokenizer(decodes=False).encode(text) == reference(text)
+
+
+def test_the_router_tokenizer_takes_the_helper_when_built() -> None:
+    if words._NATIVE_WORD_IDS is None:
+        pytest.skip("the compiled helper is not built here")
+    tokenizer = WordTokenizer(decodes=False)
+    text = " ".join(f"w{i}" for i in range(5_000))
+    assert tokenizer.encode(text) == reference(text)
+    assert not tokenizer._chunks  # ASCII text never took the chunked Python path
+    assert tokenizer.encode("naïve words") == reference("naïve words")  # non-ASCII: Python
+
+
+def test_the_emulator_tokenizer_still_decodes_what_it_encoded() -> None:
+    tokenizer = WordTokenizer()
+    ids = tokenizer.encode("alpha beta gamma")
+    assert tokenizer.decode(ids) == "alpha beta gamma"
