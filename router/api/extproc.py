@@ -381,7 +381,8 @@ class Exchange:
         limit = app.config.extproc.fallbacks
         if plan is not None and limit:
             roles = ("decode", "both") if plan.split is not None else ("both",)
-            pool = app.decider.planner.candidates(plan.model, roles, subset=subset)
+            planner, model = app.decider.planner, plan.model
+            pool = lambda: planner.candidates(model, roles, subset=subset)  # noqa: E731
             destination = ",".join([destination, *fallbacks(plan, pool, limit)])
         set_headers = [_header(DESTINATION, destination)]
         remove = []

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -153,24 +153,25 @@ def _directions(app: Services, plan: Plan) -> Directions | None:
     return dialects.get(plan.dialect).directions(plan, prefill)
 
 
-def routing_headers(app: Services, plan: Plan) -> dict[str, str]:
-    """Headers a request sent to the plan's serving engine carries."""
+def routing_headers(app: Services, plan: Plan, directions: Directions | None) -> dict[str, str]:
+    """Headers a request sent to the plan's serving engine carries (``directions``: the
+    plan's :func:`_directions`)."""
     headers = {"x-request-id": plan.route.request_id}
     engine = app.registry.engine_of(plan.decode.engine)
     if engine is not None and engine.dp_size > 1:
         headers["X-data-parallel-rank"] = str(plan.decode.engine.rank)
-    directions = _directions(app, plan)
     if directions is not None:
         headers.update(directions.headers)
     return headers
 
 
 def pick_response(app: Services, plan: Plan, fallbacks: list[str]) -> pb.PickResponse:
+    directions = _directions(app, plan)
     response = pb.PickResponse(
         request_id=plan.route.request_id,
         model=plan.model,
         mode=_MODES[plan.mode],
-        headers=routing_headers(app, plan),
+        headers=routing_headers(app, plan, directions),
         fallbacks=fallbacks,
         prompt_tokens=plan.load_tokens,
         approximate=plan.route.approximate,
@@ -190,19 +191,19 @@ def pick_response(app: Services, plan: Plan, fallbacks: list[str]) -> pb.PickRes
                 saved_s=s.saved_s,
             )
         )
-    directions = _directions(app, plan)
     if directions is not None:
         response.handoff.CopyFrom(pb.Handoff(**directions.pick))
     return response
 
 
-def fallbacks(plan: Plan, candidates: list[EngineKey], limit: int) -> list[str]:
-    """Other engines the request could go to (``host:port``), cheapest first."""
+def fallbacks(plan: Plan, candidates: Callable[[], list[EngineKey]], limit: int) -> list[str]:
+    """Other engines the request could go to (``host:port``), cheapest first: by the
+    decision's scores, or (a decision without scores) in ``candidates()``' order."""
     chosen = plan.decode.engine.endpoint
     order = (
         [s.engine for s in sorted(plan.decode.scores, key=lambda s: s.total)]
         if plan.decode.scores
-        else candidates
+        else candidates()
     )
     out: list[str] = []
     for key in order:
@@ -365,7 +366,8 @@ class RouterService(pb_grpc.RouterServicer):
             ) from None
         app.metrics.picks.labels("grpc", plan.mode).inc()
         roles = ("decode", "both") if plan.split is not None else ("both",)
-        others = fallbacks(plan, app.decider.planner.candidates(model, roles, subset=subset), 16)
+        planner = app.decider.planner
+        others = fallbacks(plan, lambda: planner.candidates(model, roles, subset=subset), 16)
         return pick_response(app, plan, others)
 
     def _payload(self, request: pb.PickRequest, kind: str) -> dict[str, Any]:
