@@ -36,6 +36,10 @@ from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
 from router.redaction import redacted
 
 ENV_PREFIX = "KVROUTE_"
+PROCESS_SWITCHES = frozenset({"KVROUTE_PURE_PYTHON"})
+"""Environment variables with the prefix that are not configuration keys: switches read
+by the process itself (``KVROUTE_PURE_PYTHON=1``: the pure-Python paths instead of the
+compiled helper, router/hashing.py)."""
 
 
 _DIALECTS = " or ".join(f"`{name}`" for name in handoff_registry.names())
@@ -1728,7 +1732,7 @@ def env_names(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
     """Key path -> the ``KVROUTE_A__B`` variable that sets it."""
     names = {}
     for name in environ:
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX:
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX or name in PROCESS_SWITCHES:
             continue
         path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p)
         if path:

@@ -137,3 +137,10 @@ def test_an_unimportable_helper_falls_back(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.undo()
         importlib.reload(hashing)
     assert hashing.NATIVE
+
+
+def test_the_switch_is_not_read_as_a_configuration_key() -> None:
+    from router.config import load_config
+
+    config = load_config(environ={"KVROUTE_PURE_PYTHON": "1", "KVROUTE_POLICY__NAME": "random"})
+    assert config.policy.name == "random"
