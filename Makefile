@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
+.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-scale bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -188,6 +188,12 @@ bench-compare: venv
 # Rust routers"). Writes bench-results/peers.json.
 bench-peers: venv
 	$(PY) -m router.bench.peers $(PEERS_ARGS)
+
+# The index at 16, 256 and 1,000 engines beside Dynamo's radix tree (ai-dynamo-runtime from
+# PyPI, installed into build/dynamo/venv on first use, ~75 MB; skipped with the reason when
+# it cannot be): memory per entry, ingest rate, lookup + decision, clearing an engine.
+bench-scale: venv
+	$(PY) -m router.bench.scale $(SCALE_ARGS)
 
 # The same reduced Mooncake replay driven by NVIDIA AIPerf (from PyPI, in its own
 # virtualenv under build/aiperf; skipped with the reason when it cannot be installed,
