@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 from urllib.parse import urlsplit
 
 from router.config import EngineConfig, EventEndpoints, HealthConfig
@@ -138,6 +139,9 @@ class Engine:
         )
 
 
+_FACTS_KEPT = 4_096
+
+
 class Registry:
     """All engines, by endpoint, with candidate selection and health bookkeeping."""
 
@@ -146,6 +150,10 @@ class Registry:
         self.clock = clock
         self._engines: dict[str, Engine] = {}
         self._candidates: dict[tuple[str, tuple[str, ...]], list[EngineKey]] = {}
+        self._models: list[str] | None = None
+        self._facts: dict[tuple[str, str], Any] = {}
+        """(fact, model) -> ``base_of``'s and ``is_disaggregated``'s answers, asked per
+        request and O(engines) each, until :meth:`changed`."""
         self.listeners: list[Callable[[Engine, EngineState], None]] = []
         """Called with (engine, previous state) whenever an engine changes state."""
 
@@ -153,6 +161,8 @@ class Registry:
         """Forget cached candidate lists (call after changing an engine's models, role
         or DP size; state changes and additions call it themselves)."""
         self._candidates.clear()
+        self._models = None
+        self._facts.clear()
 
     def __iter__(self) -> Iterable[Engine]:  # type: ignore[override]
         return iter(list(self._engines.values()))
@@ -181,20 +191,40 @@ class Registry:
         return engine.topology if engine is not None else None
 
     def models(self) -> list[str]:
-        """Every model some engine serves, sorted."""
-        return sorted({m for e in self._engines.values() for m in e.models})
+        """Every model some engine serves, sorted (a new list: the caller may keep it)."""
+        if self._models is None:
+            self._models = sorted({m for e in self._engines.values() for m in e.models})
+        return list(self._models)
+
+    def _fact(self, fact: str, model: str, work: Callable[[str], Any]) -> Any:
+        key = (fact, model)
+        try:
+            return self._facts[key]
+        except KeyError:
+            pass
+        value = work(model)
+        if len(self._facts) >= _FACTS_KEPT:  # models named by requests: bounded
+            self._facts.clear()
+        self._facts[key] = value
+        return value
 
     def serves(self, model: str) -> bool:
         return any(model in e.models for e in self._engines.values())
 
     def is_disaggregated(self, model: str) -> bool:
         """Whether the model's engines are split into prefill and decode pools."""
+        return bool(self._fact("split", model, self._is_disaggregated))
+
+    def _is_disaggregated(self, model: str) -> bool:
         return any(
             e.role in ("prefill", "decode") and model in e.models for e in self._engines.values()
         )
 
     def base_of(self, model: str) -> str:
         """The base model of a LoRA adapter (the model itself when it is no adapter)."""
+        return str(self._fact("base", model, self._base_of))
+
+    def _base_of(self, model: str) -> str:
         for engine in self._engines.values():
             parent = engine.parents.get(model)
             if parent:

@@ -109,3 +109,27 @@ def test_an_ejection_is_logged_whoever_counted_the_failures(
         eject(registry, engine)
     assert "engine http://127.0.0.1:9 ejected after 3 failures" in caplog.text
     assert "after 1.0 s" in caplog.text
+
+
+def test_model_facts_are_remembered_until_the_fleet_changes() -> None:
+    """models(), base_of() and is_disaggregated() are asked per request and cost
+    O(engines): they are kept until an engine is added, removed or changed."""
+    registry = Registry(HealthConfig())
+    registry.add(Engine("http://127.0.0.1:9", models={"m", "lora"}, parents={"lora": "m"}))
+    first = registry.models()
+    assert first == ["lora", "m"]
+    first.append("mine")  # the caller's copy
+    assert registry.models() == ["lora", "m"]
+    assert registry.base_of("lora") == "m" and registry.base_of("other") == "other"
+    assert not registry.is_disaggregated("m")
+    registry.add(Engine("http://127.0.0.1:10", models={"m2"}, role="prefill"))
+    assert registry.models() == ["lora", "m", "m2"]
+    assert registry.is_disaggregated("m2")
+    engine = registry.get("127.0.0.1:9")
+    assert engine is not None
+    engine.models, engine.parents = {"m", "lora2"}, {"lora2": "m"}  # as the monitor does
+    registry.changed()
+    assert registry.models() == ["lora2", "m", "m2"]
+    assert registry.base_of("lora") == "lora" and registry.base_of("lora2") == "m"
+    registry.remove("127.0.0.1:10")
+    assert registry.models() == ["lora2", "m"] and not registry.is_disaggregated("m2")
