@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router import __version__
+from router import __version__, hashing
 
 if TYPE_CHECKING:
     from router.admission import Admission
@@ -114,6 +114,11 @@ class StateCollector(Collector):
         info = GaugeMetricFamily("kvroute_build_info", "kvroute version", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
+        yield GaugeMetricFamily(
+            "kvroute_native_helper",
+            "1 when block keys are computed by the compiled helper, 0 on the pure-Python path",
+            value=1 if hashing.NATIVE else 0,
+        )
         if src.core is not None:
             decisions = CounterMetricFamily(
                 "kvroute_decisions",

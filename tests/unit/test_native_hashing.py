@@ -144,3 +144,10 @@ def test_the_switch_is_not_read_as_a_configuration_key() -> None:
 
     config = load_config(environ={"KVROUTE_PURE_PYTHON": "1", "KVROUTE_POLICY__NAME": "random"})
     assert config.policy.name == "random"
+
+
+def test_the_metrics_say_which_path_computes_keys() -> None:
+    from router.metrics import StateCollector, StateSources
+
+    families = {f.name: f for f in StateCollector(StateSources()).collect()}
+    assert families["kvroute_native_helper"].samples[0].value == (1 if hashing.NATIVE else 0)
