@@ -25,8 +25,6 @@ and so does not remember the words it met.
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,6 +32,7 @@ from typing import Any
 
 import xxhash
 
+from router.hashing import native_helper
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS, MediaSpan, media_item
 
 VOCAB_SIZE = 131_072
@@ -72,17 +71,8 @@ _SYLLABLES = (
 # fmt: on
 
 
-def _native_word_ids() -> Any:
-    """The compiled helper's ``word_ids``, or None (not built, or ``KVROUTE_PURE_PYTHON=1``)."""
-    if os.environ.get("KVROUTE_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        return importlib.import_module("router._native").word_ids
-    except (ImportError, AttributeError):
-        return None
-
-
-_NATIVE_WORD_IDS = _native_word_ids()
+_NATIVE_WORD_IDS: Any = getattr(native_helper(), "word_ids", None)
+"""The compiled helper's ``word_ids``, or None (not built, or ``KVROUTE_PURE_PYTHON=1``)."""
 
 
 def _generation_words(count: int = 1_000) -> list[str]:
