@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.bench.scale_data import BLOCK, Fleet, rss_bytes
+from router.bench.scale_data import BLOCK, Fleet, percentiles_us, row, rss_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 DYNAMO_VENV = ROOT / "build" / "dynamo" / "venv"
@@ -41,11 +41,6 @@ DYNAMO_PACKAGES = ("ai-dynamo-runtime==1.6.1", "xxhash>=3.4,<5")
 #: blocks of 16 tokens, the issue's example) would need ~18 GB here for 256 or 1,000
 #: engines, so the larger fleets cache fewer blocks; bytes per entry is what compares.
 FLEETS = ((16, 16_384), (256, 4_096), (1_000, 2_048))
-
-
-def _percentiles(samples: list[float]) -> tuple[float, float]:
-    samples = sorted(samples)
-    return samples[len(samples) // 2] * 1e6, samples[max(int(len(samples) * 0.99) - 1, 0)] * 1e6
 
 
 def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
@@ -87,7 +82,6 @@ def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     query = fleet.query.keys
     position = {key: i for i, key in enumerate(keys_of)}
     found = {position[k]: m.blocks for k, m in index.lookup_now(query, keys_of).items()}
-    expected = {e: fleet.query_depth(e) for e in range(engines) if fleet.query_depth(e)}
     cfg = PolicyConfig()
     policy = make_policy(cfg)
     loads = LoadTracker(BLOCK)
@@ -104,26 +98,14 @@ def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
         t2 = time.perf_counter()
         lookups.append(t1 - t0)
         decisions.append(t2 - t0)
-    lookup = _percentiles(lookups)
-    decision = _percentiles(decisions)
     t0 = time.perf_counter()
     loop.run_until_complete(ingestor.clear(states[0]))
     cleared = time.perf_counter() - t0
     loop.close()
-    return {
-        "index": "kvroute memory",
-        "engines": engines,
-        "entries": applied,
-        "bytes_per_entry": grown / applied,
-        "ingest_blocks_per_s": applied / spent,
-        "replay_s": spent,
-        "lookup_p50_us": lookup[0],
-        "lookup_p99_us": lookup[1],
-        "decision_p50_us": decision[0],
-        "decision_p99_us": decision[1],
-        "clear_engine_ms": cleared * 1e3,
-        "matches_agree": found == expected,
-    }
+    result = row("kvroute memory", fleet, applied, grown, spent, lookups, cleared, found)
+    decision = percentiles_us(decisions)
+    result.update(decision_p50_us=decision[0], decision_p99_us=decision[1])
+    return result
 
 
 def dynamo_python() -> tuple[Path | None, str]:

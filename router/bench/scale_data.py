@@ -119,3 +119,36 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def percentiles_us(samples: list[float]) -> tuple[float, float]:
+    """p50 and p99 of ``samples`` (seconds), in microseconds."""
+    samples = sorted(samples)
+    return samples[len(samples) // 2] * 1e6, samples[max(int(len(samples) * 0.99) - 1, 0)] * 1e6
+
+
+def row(
+    index: str,
+    fleet: Fleet,
+    applied: int,
+    grown: int,
+    spent: float,
+    lookups: list[float],
+    cleared: float,
+    found: dict[int, int],
+) -> dict[str, object]:
+    """One line of the benchmark's table: what both indexes report alike."""
+    lookup = percentiles_us(lookups)
+    expected = {e: fleet.query_depth(e) for e in range(fleet.engines) if fleet.query_depth(e)}
+    return {
+        "index": index,
+        "engines": fleet.engines,
+        "entries": applied,
+        "bytes_per_entry": grown / applied,
+        "ingest_blocks_per_s": applied / spent,
+        "replay_s": spent,
+        "lookup_p50_us": lookup[0],
+        "lookup_p99_us": lookup[1],
+        "clear_engine_ms": cleared * 1e3,
+        "matches_agree": found == expected,
+    }

@@ -38,11 +38,6 @@ def _scale_data():  # type: ignore[no-untyped-def]
     return module
 
 
-def _percentiles(samples: list[float]) -> tuple[float, float]:
-    samples = sorted(samples)
-    return samples[len(samples) // 2] * 1e6, samples[max(int(len(samples) * 0.99) - 1, 0)] * 1e6
-
-
 def main(engines: int, blocks: int, repeat: int) -> dict[str, object]:
     data = _scale_data()
     from dynamo.llm import RadixTree
@@ -74,7 +69,6 @@ def main(engines: int, blocks: int, repeat: int) -> dict[str, object]:
     time.sleep(0.5)  # the tree's thread applies what it was sent
     grown = data.rss_bytes() - before
     query = fleet.query.keys
-    expected = {e: fleet.query_depth(e) for e in range(engines) if fleet.query_depth(e)}
     scores = tree.find_matches(query).scores
     found = {worker: depth for (worker, _rank), depth in scores.items()}
     samples = []
@@ -82,22 +76,10 @@ def main(engines: int, blocks: int, repeat: int) -> dict[str, object]:
         t0 = time.perf_counter()
         tree.find_matches(query).scores  # noqa: B018 - the scores, as a router reads them
         samples.append(time.perf_counter() - t0)
-    lookup = _percentiles(samples)
     t0 = time.perf_counter()
     tree.clear_all_blocks(0)
     cleared = time.perf_counter() - t0
-    return {
-        "index": "dynamo RadixTree",
-        "engines": engines,
-        "entries": applied,
-        "bytes_per_entry": grown / applied,
-        "ingest_blocks_per_s": applied / spent,
-        "replay_s": spent,
-        "lookup_p50_us": lookup[0],
-        "lookup_p99_us": lookup[1],
-        "clear_engine_ms": cleared * 1e3,
-        "matches_agree": found == expected,
-    }
+    return data.row("dynamo RadixTree", fleet, applied, grown, spent, samples, cleared, found)  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":

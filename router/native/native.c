@@ -43,6 +43,16 @@ little_endian(void)
     return *(const uint8_t *)&one == 1;
 }
 
+/* out[i] = src[i] with its bytes reversed (native big-endian -> the keys' little-endian) */
+static void
+swap_u32(uint32_t *out, const uint32_t *src, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint32_t v = src[i];
+        out[i] = (v >> 24) | ((v >> 8) & 0xFF00u) | ((v << 8) & 0xFF0000u) | (v << 24);
+    }
+}
+
 /* ids of a list or tuple, checked and stored as native uint32; -1 with an exception set */
 static int
 fill_from_sequence(PyObject *seq, uint32_t *out, Py_ssize_t n)
@@ -120,10 +130,7 @@ block_keys(PyObject *module, PyObject *args)
         PyObject *keys = NULL;
         if (fill_from_sequence(tokens, buf, n) == 0) {
             if (!little_endian()) {
-                for (Py_ssize_t i = 0; i < n; i++) {
-                    uint32_t v = buf[i];
-                    buf[i] = (v >> 24) | ((v >> 8) & 0xFF00u) | ((v << 8) & 0xFF0000u) | (v << 24);
-                }
+                swap_u32(buf, buf, n);
             }
             Py_ssize_t nblocks = n / block_size;
             if (max_blocks >= 0 && nblocks > max_blocks) {
@@ -166,11 +173,7 @@ block_keys(PyObject *module, PyObject *args)
             PyBuffer_Release(&view);
             return PyErr_NoMemory();
         }
-        const uint32_t *src = view.buf;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            uint32_t v = src[i];
-            swapped[i] = (v >> 24) | ((v >> 8) & 0xFF00u) | ((v << 8) & 0xFF0000u) | (v << 24);
-        }
+        swap_u32(swapped, view.buf, count);
         keys = hash_chain((const uint8_t *)swapped, nblocks, step, (uint64_t)seed);
         PyMem_Free(swapped);
     }
@@ -179,6 +182,23 @@ block_keys(PyObject *module, PyObject *args)
 }
 
 #define IS_SPACE(c) Py_UNICODE_ISSPACE((Py_UCS4)(unsigned char)(c))
+
+/* The next word of data[*pos..n) as str.split() cuts it (its ASCII whitespace includes
+ * \x1c-\x1f): its start in *start, *pos past it; its length, 0 when none is left. */
+static inline Py_ssize_t
+next_word(const char *data, Py_ssize_t n, Py_ssize_t *pos, Py_ssize_t *start)
+{
+    Py_ssize_t i = *pos;
+    while (i < n && IS_SPACE(data[i])) {
+        i++;
+    }
+    *start = i;
+    while (i < n && !IS_SPACE(data[i])) {
+        i++;
+    }
+    *pos = i;
+    return i - *start;
+}
 
 static PyObject *
 word_ids(PyObject *module, PyObject *args)
@@ -198,37 +218,16 @@ word_ids(PyObject *module, PyObject *args)
     const char *data = (const char *)PyUnicode_DATA(text);
     const Py_ssize_t n = PyUnicode_GET_LENGTH(text);
     /* count the words first, so the list is made at its size */
-    Py_ssize_t count = 0;
-    for (Py_ssize_t i = 0; i < n;) {
-        while (i < n && IS_SPACE(data[i])) {
-            i++;
-        }
-        if (i >= n) {
-            break;
-        }
+    Py_ssize_t count = 0, start, len;
+    for (Py_ssize_t i = 0; (len = next_word(data, n, &i, &start)) > 0;) {
         count++;
-        while (i < n && !IS_SPACE(data[i])) {
-            i++;
-        }
     }
     PyObject *ids = PyList_New(count);
     if (ids == NULL) {
         return NULL;
     }
     Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < n;) {
-        /* str.split()'s whitespace, which for ASCII includes \x1c-\x1f */
-        while (i < n && IS_SPACE(data[i])) {
-            i++;
-        }
-        if (i >= n) {
-            break;
-        }
-        const Py_ssize_t start = i;
-        while (i < n && !IS_SPACE(data[i])) {
-            i++;
-        }
-        const Py_ssize_t len = i - start;
+    for (Py_ssize_t i = 0; (len = next_word(data, n, &i, &start)) > 0;) {
         PyObject *value = NULL;
         if (len >= 4 && data[start] == '<' && data[start + 1] == '|') {
             PyObject *word = PyUnicode_FromStringAndSize(data + start, len);
