@@ -8,7 +8,7 @@ and are not used per request.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,7 +49,7 @@ class ParsedRequest:
     tools...; never the conversation state); ``messages`` holds the equivalent chat."""
     previous_response_id: str | None = None
     """The stored response a Responses request continues."""
-    prompts: list[list[int]] = field(default_factory=list)
+    prompts: list[Sequence[int]] = field(default_factory=list)
     """Token ids of every prompt, once tokenized."""
     media: list[MediaSpan] = field(default_factory=list)
     """Where a chat's media items (images, audio, video) sit in its tokens, once
@@ -69,7 +69,7 @@ class ParsedRequest:
         return self.max_tokens
 
     @property
-    def routing_prompt(self) -> list[int]:
+    def routing_prompt(self) -> Sequence[int]:
         """The prompt routing follows: the longest one in a batch."""
         return max(self.prompts, key=len)
 
@@ -79,7 +79,7 @@ class ParsedRequest:
         return sum(len(p) for p in self.prompts)
 
 
-async def tokenize(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[list[int]]:
+async def tokenize(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[Sequence[int]]:
     """Token ids of the request's prompts (TokenizeError becomes a 400); a chat's media
     spans go to ``parsed.media``."""
     try:

@@ -18,10 +18,13 @@
  * 2. The emulator's word tokenizer (router/tokenization/words.py) for ASCII text:
  *
  * word_ids(text, markers, first, span) -> list[int] | None
+ * word_ids_packed(text, markers, first, span) -> bytes | None
  *
  * One id per word of ``text.split()``: ``markers[word]`` for a chat marker, else
  * ``first + XXH32(word, 0) % span``. None when ``text`` is not ASCII (the caller encodes
  * it in Python, where UTF-8 with surrogates and Unicode whitespace are str's own).
+ * word_ids_packed gives the same ids as the bytes of native uint32s (for array('I')),
+ * without making an int object per word.
  *
  * xxhash.h is xxHash 0.8.4 (BSD 2-Clause, LICENSE.xxhash), the version python-xxhash
  * 4.1.0 bundles; it is compiled in here, inlined.
@@ -200,16 +203,53 @@ next_word(const char *data, Py_ssize_t n, Py_ssize_t *pos, Py_ssize_t *start)
     return i - *start;
 }
 
+/* The id of the word data[start..start+len): a chat marker's from ``markers``, else the
+ * hashed id. -1 with an exception set. */
+static inline int64_t
+word_id(const char *data, Py_ssize_t start, Py_ssize_t len, PyObject *markers,
+        unsigned long first, unsigned long span)
+{
+    if (len >= 4 && data[start] == '<' && data[start + 1] == '|') {
+        PyObject *word = PyUnicode_FromStringAndSize(data + start, len);
+        if (word == NULL) {
+            return -1;
+        }
+        PyObject *value = PyDict_GetItemWithError(markers, word);
+        Py_DECREF(word);
+        if (value != NULL) {
+            unsigned long id = PyLong_AsUnsignedLong(value);
+            if (id == (unsigned long)-1 && PyErr_Occurred()) {
+                return -1;
+            }
+            if (id > 0xFFFFFFFFUL) {
+                PyErr_SetString(PyExc_OverflowError, "marker id out of range for uint32");
+                return -1;
+            }
+            return (int64_t)id;
+        }
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    return (int64_t)(first + XXH32(data + start, (size_t)len, 0) % span);
+}
+
+/* word_ids and word_ids_packed: the ids as a list of ints, or (packed) as the bytes of
+ * native uint32s, which array('I').frombytes takes without making an int per word. */
 static PyObject *
-word_ids(PyObject *module, PyObject *args)
+word_ids_impl(PyObject *args, const char *format, int packed)
 {
     PyObject *text, *markers;
     unsigned long first, span;
-    if (!PyArg_ParseTuple(args, "UO!kk:word_ids", &text, &PyDict_Type, &markers, &first, &span)) {
+    if (!PyArg_ParseTuple(args, format, &text, &PyDict_Type, &markers, &first, &span)) {
         return NULL;
     }
     if (span == 0) {
         PyErr_SetString(PyExc_ValueError, "span must be positive");
+        return NULL;
+    }
+    if (first + span - 1 > 0xFFFFFFFFUL || first + span < first) {
+        PyErr_SetString(PyExc_OverflowError, "first + span - 1 out of range for uint32");
         return NULL;
     }
     if (!PyUnicode_IS_ASCII(text)) {
@@ -217,44 +257,48 @@ word_ids(PyObject *module, PyObject *args)
     }
     const char *data = (const char *)PyUnicode_DATA(text);
     const Py_ssize_t n = PyUnicode_GET_LENGTH(text);
-    /* count the words first, so the list is made at its size */
+    /* count the words first, so the result is made at its size */
     Py_ssize_t count = 0, start, len;
     for (Py_ssize_t i = 0; (len = next_word(data, n, &i, &start)) > 0;) {
         count++;
     }
-    PyObject *ids = PyList_New(count);
-    if (ids == NULL) {
+    PyObject *out = packed ? PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t))
+                           : PyList_New(count);
+    if (out == NULL) {
         return NULL;
     }
+    uint32_t *buf = packed ? (uint32_t *)PyBytes_AS_STRING(out) : NULL;
     Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; (len = next_word(data, n, &i, &start)) > 0;) {
-        PyObject *value = NULL;
-        if (len >= 4 && data[start] == '<' && data[start + 1] == '|') {
-            PyObject *word = PyUnicode_FromStringAndSize(data + start, len);
-            if (word == NULL) {
-                Py_DECREF(ids);
-                return NULL;
-            }
-            value = PyDict_GetItemWithError(markers, word);
-            Py_DECREF(word);
-            if (value == NULL && PyErr_Occurred()) {
-                Py_DECREF(ids);
-                return NULL;
-            }
+    for (Py_ssize_t i = 0; (len = next_word(data, n, &i, &start)) > 0; k++) {
+        const int64_t id = word_id(data, start, len, markers, first, span);
+        if (id < 0) {
+            Py_DECREF(out);
+            return NULL;
         }
+        if (packed) {
+            buf[k] = (uint32_t)id;
+            continue;
+        }
+        PyObject *value = PyLong_FromLongLong(id);
         if (value == NULL) {
-            value = PyLong_FromUnsignedLong(first + XXH32(data + start, (size_t)len, 0) % span);
-            if (value == NULL) {
-                Py_DECREF(ids);
-                return NULL;
-            }
-        } else {
-            Py_INCREF(value);
+            Py_DECREF(out);
+            return NULL;
         }
-        PyList_SET_ITEM(ids, k, value);
-        k++;
+        PyList_SET_ITEM(out, k, value);
     }
-    return ids;
+    return out;
+}
+
+static PyObject *
+word_ids(PyObject *module, PyObject *args)
+{
+    return word_ids_impl(args, "UO!kk:word_ids", 0);
+}
+
+static PyObject *
+word_ids_packed(PyObject *module, PyObject *args)
+{
+    return word_ids_impl(args, "UO!kk:word_ids_packed", 1);
 }
 
 static PyMethodDef methods[] = {
@@ -262,6 +306,8 @@ static PyMethodDef methods[] = {
      "block_keys(tokens, block_size, seed, max_blocks) -> chained XXH3 keys of the full blocks"},
     {"word_ids", word_ids, METH_VARARGS,
      "word_ids(text, markers, first, span) -> the word tokenizer's ids of ASCII text, or None"},
+    {"word_ids_packed", word_ids_packed, METH_VARARGS,
+     "word_ids_packed(text, markers, first, span) -> word_ids' ids as native uint32 bytes, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -139,8 +139,9 @@ class PromptTokenizer(ABC):
     mismatch guard may compare them)."""
 
     @abstractmethod
-    async def prompt(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, special tokens included as the engine adds them."""
+    async def prompt(self, text: str) -> Sequence[int]:
+        """Token ids of a completion prompt, special tokens included as the engine adds them
+        (for reading: a list, or an ``array('I')`` where that is cheaper to make)."""
 
     @abstractmethod
     async def chat(

@@ -123,8 +123,8 @@ class WordsTokenizer(PromptTokenizer):
         self.words = words or WordTokenizer()
         self.placeholder_tokens = placeholder_tokens
 
-    async def prompt(self, text: str) -> list[int]:
-        return self.words.encode(text)
+    async def prompt(self, text: str) -> Sequence[int]:
+        return self.words.ids(text)
 
     async def chat(
         self,

@@ -26,6 +26,7 @@ and so does not remember the words it met.
 from __future__ import annotations
 
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -73,6 +74,8 @@ _SYLLABLES = (
 
 _NATIVE_WORD_IDS: Any = getattr(native_helper(), "word_ids", None)
 """The compiled helper's ``word_ids``, or None (not built, or ``KVROUTE_PURE_PYTHON=1``)."""
+_NATIVE_PACKED: Any = getattr(native_helper(), "word_ids_packed", None)
+"""Its ``word_ids_packed`` (the same ids as native uint32 bytes), or None."""
 
 
 def _generation_words(count: int = 1_000) -> list[str]:
@@ -120,6 +123,7 @@ class WordTokenizer:
         """``decodes``: whether :meth:`decode` must know the words this tokenizer encoded
         (the emulator's); without it, ASCII text takes the compiled helper when built."""
         self._native = None if decodes else _NATIVE_WORD_IDS
+        self._packed = None if decodes else _NATIVE_PACKED
         self.generation_words = _generation_words()
         names = {word_id(w): w for w in self.generation_words}
         names.update({i: m for m, i in _MARKER_IDS.items()})
@@ -165,6 +169,19 @@ class WordTokenizer:
                 chunks.move_to_end(piece)
             ids.extend(known)
             start = cut
+
+    def ids(self, text: str) -> Sequence[int]:
+        """:meth:`encode`'s ids for reading only: packed in an ``array('I')`` when the
+        compiled helper encodes ``text`` (no int object per word, and block hashing
+        reads the array's buffer as it is), else :meth:`encode`'s list."""
+        packed = self._packed
+        if packed is not None:
+            raw = packed(text, _MARKER_IDS, FIRST_WORD_ID, _WORD_SPAN)
+            if raw is not None:
+                ids = array("I")
+                ids.frombytes(raw)
+                return ids
+        return self.encode(text)
 
     def count(self, text: str) -> int:
         return len(text.split())

@@ -3,11 +3,14 @@ chunks whose ids are remembered; the ids must be exactly those of encoding word 
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import router.tokenization.words as words
+from router.hashing import block_keys, native_helper
 from router.tokenization.words import CHUNK_CHARS, WordTokenizer, word_id
 
 # Every kind of whitespace str.split() cuts at, besides letters and the chat markers.
@@ -124,6 +127,40 @@ def test_the_router_tokenizer_takes_the_helper_when_built() -> None:
     assert tokenizer.encode(text) == reference(text)
     assert not tokenizer._chunks  # ASCII text never took the chunked Python path
     assert tokenizer.encode("naïve words") == reference("naïve words")  # non-ASCII: Python
+
+
+@given(st.lists(_PIECES, min_size=0, max_size=400))
+def test_packed_ids_are_the_word_by_word_ids(pieces: list[str]) -> None:
+    """``ids()`` (what routing reads: packed when the helper encodes the text) gives
+    ``encode()``'s ids for any text, ASCII or not, on the router's and the emulator's
+    tokenizer alike."""
+    text = "".join(pieces)
+    for tokenizer in (WordTokenizer(decodes=False), WordTokenizer()):
+        assert list(tokenizer.ids(text)) == reference(text)
+
+
+def test_packed_ids_are_an_array_that_block_hashing_reads_as_the_list() -> None:
+    if words._NATIVE_PACKED is None:
+        pytest.skip("the compiled helper is not built here")
+    text = " ".join(f"w{i}" for i in range(1_000)) + " <|user|> <|nope|>"
+    ids = WordTokenizer(decodes=False).ids(text)
+    assert isinstance(ids, array) and ids.typecode == "I"
+    assert ids.tolist() == reference(text)
+    assert block_keys(ids, 16, 7) == block_keys(reference(text), 16, 7)
+    assert isinstance(WordTokenizer(decodes=False).ids("naïve words"), list)  # Python path
+    assert isinstance(WordTokenizer().ids(text), list)  # the emulator's: no helper
+
+
+def test_the_helper_refuses_a_span_outside_uint32() -> None:
+    helper = native_helper()
+    if helper is None:
+        pytest.skip("the compiled helper is not built here")
+    for fn in (helper.word_ids, helper.word_ids_packed):
+        with pytest.raises(ValueError, match="span"):
+            fn("a b", {}, 1, 0)
+        with pytest.raises(OverflowError):
+            fn("a b", {}, 2**32 - 1, 2)
+        assert fn("a b", {}, 0, 2**32) is not None  # ids up to 2**32 - 1 fit
 
 
 def test_the_emulator_tokenizer_still_decodes_what_it_encoded() -> None:
