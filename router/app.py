@@ -38,7 +38,7 @@ from router.api.listener import BoundSite, ConnectionGuard, bind, check_free
 from router.api.observe import RequestObserver
 from router.api.picks import PickLedger
 from router.api.services import RunState, Services
-from router.config import Config, EngineConfig
+from router.config import Config, EngineConfig, IndexConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
@@ -46,7 +46,7 @@ from router.engines.registry import Engine, EngineState, Registry, endpoint_of
 from router.events.ingest import EventIngestor
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.flow.control import FlowControl
-from router.index import KVIndex, index_from_config
+from router.index import KVIndex, MemoryIndex, index_from_config
 from router.index.base import IndexStats, IndexUnavailable
 from router.index.remote import RemoteIndex
 from router.index.shadow import DecisionShadow, ShadowedIndex
@@ -82,6 +82,16 @@ def build_index(config: Config) -> KVIndex:
         return index
     shadow = DecisionShadow(config.index.shadow_window_s, config.index.shadow_max_keys)
     return ShadowedIndex(index, shadow)
+
+
+def _map_bound(config: IndexConfig, index: KVIndex) -> int:
+    """Engine hashes an event stream's map keeps per tier: no more than the in-memory
+    index can hold of one engine (0: no limit; a shared index keeps every hash, which its
+    removals need)."""
+    if not isinstance(index, MemoryIndex):
+        return 0
+    caps = [c for c in (config.max_entries, config.max_entries_per_engine) if c]
+    return min(caps, default=0)
 
 
 def _redis_of(remote: RemoteIndex | None) -> RedisIndex | None:
@@ -150,7 +160,9 @@ class RouterApp:
             self.loads.track_prefills = self.flow.isolation is not None
         self.event_writer = self._event_writer()
         self.ingestor = self.event_writer or EventIngestor(
-            self.index, on_block_size_mismatch=self._block_size_mismatch
+            self.index,
+            on_block_size_mismatch=self._block_size_mismatch,
+            max_blocks_per_engine=_map_bound(config.index, self.index),
         )
         self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
         """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""

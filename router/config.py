@@ -234,6 +234,23 @@ class IndexConfig(_Section):
     backend: Literal["memory", "redis"] = Field(
         "memory", description="`memory` (embedded, default) or `redis` (shared by replicas)."
     )
+    max_entries: int = Field(
+        0,
+        ge=0,
+        description="In-memory index: at most this many (block, engine, tier) records in "
+        "all; when full, the engine holding the most loses its least recently stored blocks "
+        "(`kvroute_index_evictions_total`), down to seven eighths of this. 0: no limit. A "
+        "record costs about 300 bytes of the router's memory with its event stream's "
+        "engine-hash map (docs/operations.md sizes it).",
+    )
+    max_entries_per_engine: int = Field(
+        1_048_576,
+        ge=0,
+        description="In-memory index: at most this many records of one engine (one DP "
+        "rank) in one tier, in the index and in the engine-hash map of its event stream; "
+        "past it the engine's least recently stored blocks go, down to seven eighths. 0: no "
+        "limit. The default is above any GPU's block count and bounds a runaway engine.",
+    )
     shadow_window_s: float = Field(
         60.0,
         gt=0,

@@ -216,6 +216,15 @@ class StateCollector(Collector):
                     "(block, engine, tier) records in the index",
                     value=stats.entries,
                 )
+                evictions = CounterMetricFamily(
+                    "kvroute_index_evictions",
+                    "Index records evicted for room (index.max_entries_per_engine, "
+                    "index.max_entries), by cause",
+                    labels=["reason"],
+                )
+                for reason in ("engine_cap", "index_cap"):
+                    evictions.add_metric([reason], stats.evicted.get(reason, 0))
+                yield evictions
         if src.picks is not None:
             ended = CounterMetricFamily(
                 "kvroute_picks_ended",
@@ -238,6 +247,12 @@ class StateCollector(Collector):
             for reason, n in sorted(src.ingest.skipped.items()):
                 skipped.add_metric([reason], n)
             yield skipped
+            yield CounterMetricFamily(
+                "kvroute_kv_event_hashes_forgotten",
+                "Engine block hashes dropped from full per-stream maps "
+                "(index.max_entries_per_engine)",
+                value=src.ingest.forgotten_hashes,
+            )
             yield CounterMetricFamily(
                 "kvroute_kv_event_unknown_fields",
                 "Fields of applied KV events this version does not read (ignored)",

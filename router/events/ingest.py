@@ -15,6 +15,11 @@ leaves the others. A *tokenless* ``BlockStored`` (no ``token_ids``: what vLLM's
 offloading connectors send when they copy a block GPU -> CPU) carries only engine
 hashes: each resolves through the map (any tier) to the key its tokens gave it, and
 hashes the map does not know are skipped and counted (``tokenless_unresolved``).
+
+The map is bounded like the in-memory index (``max_blocks_per_engine``, per tier): past
+it the oldest eighth of the hashes is forgotten (``IngestCounters.forgotten_hashes``),
+the same blocks the index evicts first from an engine over its cap; a later removal of
+a forgotten hash is counted as ``unknown_hash``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -130,6 +136,8 @@ class IngestCounters:
     blocks_removed: int = 0
     tokenless_blocks: int = 0
     """Blocks of tokenless stores resolved by engine hash and applied."""
+    forgotten_hashes: int = 0
+    """Engine hashes dropped from full per-stream maps (``max_blocks_per_engine``)."""
     block_size_mismatches: Counter[EngineKey] = field(default_factory=Counter)
     """BlockStored events dropped per engine stream because their block size is not the
     engine's."""
@@ -148,10 +156,29 @@ class EventIngestor:
         index: KVIndex,
         counters: IngestCounters | None = None,
         on_block_size_mismatch: BlockSizeListener | None = None,
+        max_blocks_per_engine: int = 0,
     ) -> None:
+        """``max_blocks_per_engine``: engine hashes a stream's map keeps per tier (0: no
+        limit); the oldest eighth goes when it is full."""
         self.index = index
         self.counters = counters or IngestCounters()
         self._on_mismatch = on_block_size_mismatch
+        self.max_blocks_per_engine = max_blocks_per_engine
+
+    def _remember(self, table: dict[int, int], hashes: list[int], keys: list[int]) -> None:
+        """Map ``hashes`` to ``keys`` in a stream's table of one tier, newest last; past
+        the cap, forget the oldest eighth."""
+        cap = self.max_blocks_per_engine
+        if cap and table:  # a hash stored again is the most recent
+            pop = table.pop
+            for engine_hash in hashes:
+                pop(engine_hash, None)
+        table.update(zip(hashes, keys, strict=True))
+        if cap and len(table) > cap:
+            excess = len(table) - min(cap - cap // 8, cap - 1)
+            for engine_hash in list(islice(table, excess)):
+                del table[engine_hash]
+            self.counters.forgotten_hashes += excess
 
     async def apply(self, state: StreamState, batch: EventBatch) -> None:
         """Apply every event of ``batch`` in order."""
@@ -204,7 +231,7 @@ class EventIngestor:
             root = parent
         keys = block_keys(event.token_ids, event.block_size, root, extra=block_extras_of(event))
         tier = Tier.from_medium(event.medium, event.locality, event.ownership)
-        state.hashes[tier].update(zip(event.block_hashes, keys, strict=True))
+        self._remember(state.hashes[tier], event.block_hashes, keys)
         await self._store(state, event.block_hashes, keys, tier)
         self.counters.events["BlockStored"] += 1
         self.counters.blocks_stored += nblocks
@@ -231,7 +258,7 @@ class EventIngestor:
             self.counters.skipped["tokenless_unresolved"] += unresolved
         if not keys:
             return
-        state.hashes[tier].update(zip(hashes, keys, strict=True))
+        self._remember(state.hashes[tier], hashes, keys)
         await self._store(state, hashes, keys, tier)
         self.counters.events["BlockStored"] += 1
         self.counters.blocks_stored += len(keys)

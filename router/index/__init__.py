@@ -23,7 +23,9 @@ def index_from_config(config: IndexConfig) -> KVIndex:
         from router.index.redis import RedisIndex
 
         return RedisIndex.from_config(config.redis)
-    return MemoryIndex()
+    return MemoryIndex(
+        max_entries=config.max_entries, max_entries_per_engine=config.max_entries_per_engine
+    )
 
 
 __all__ = ["IndexStats", "KVIndex", "Match", "MemoryIndex", "index_from_config"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -52,6 +52,9 @@ class IndexStats:
     """(block, engine, tier) records, firm and expiring."""
     engines: int
     """Engines with at least one firm record."""
+    evicted: dict[str, int] = field(default_factory=dict)
+    """Firm records evicted for room, by cause (``engine_cap``, ``index_cap``; a
+    backend that does not bound itself: none)."""
 
 
 class IndexUnavailable(RuntimeError):

@@ -12,13 +12,24 @@ has expired (a heap check when nothing has), so lookups never test deadlines per
 Whether a GPU bit is firm is known from the engine's per-tier sets of firmly held keys.
 There is one mask dict per tier (GPU, CPU, disk); a block held in several tiers has a
 bit in each, and a match counts it at the fastest.
+
+Memory is bounded by ``max_entries`` (firm records in all) and ``max_entries_per_engine``
+(firm records of one engine in one tier); 0 is no limit. Each engine's firmly held keys
+per tier are an insertion-ordered dict, oldest stored first (a key stored again moves to
+the end), so the least recently stored go first: past an engine's cap its oldest eighth
+goes; past the index's cap the largest (engine, tier) loses its oldest eighth, until the
+index is back to seven eighths of its cap. Evicting an eighth at once keeps eviction
+amortized O(1) per stored key (a dict emptied from the front is compacted only when it
+grows). ``evicted`` counts records evicted, by cause.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import islice, repeat
 
 from router.index.base import IndexStats, KVIndex, Match
 from router.types import EngineKey, Tier
@@ -42,17 +53,42 @@ def _clear_bit(table: dict[int, int], key: int, bit: int) -> None:
             del table[key]
 
 
+def _trimmed(cap: int) -> int:
+    """What a full table is trimmed to: seven eighths of its cap (at least one less)."""
+    return min(cap - cap // 8, cap - 1)
+
+
+_NONE = repeat(None)
+
+
 class MemoryIndex(KVIndex):
     """Bitmask index held in this process."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_entries: int = 0,
+        max_entries_per_engine: int = 0,
+    ) -> None:
+        """``max_entries``: at most this many firm records in all; ``max_entries_per_engine``:
+        of one engine in one tier (0: no limit; the module docstring says what goes)."""
+        if max_entries < 0 or max_entries_per_engine < 0:
+            raise ValueError("max_entries and max_entries_per_engine must be >= 0")
         self._clock = clock
+        self.max_entries = max_entries
+        self.max_entries_per_engine = max_entries_per_engine
+        self._capped = bool(max_entries or max_entries_per_engine)
+        self._entries = 0
+        """Firm records held (the sum of every engine's per-tier key dicts)."""
+        self.evicted: Counter[str] = Counter()
+        """Firm records evicted for room: ``engine_cap`` and ``index_cap``."""
         self._ids: dict[EngineKey, int] = {}
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
         self._tiers: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
-        self._held: list[tuple[set[int], ...]] = []
-        """Per engine id: keys it holds firmly, per tier (GPU, CPU, disk)."""
+        self._held: list[tuple[dict[int, None], ...]] = []
+        """Per engine id: keys it holds firmly, per tier (GPU, CPU, disk), oldest stored
+        first."""
         self._exp: dict[int, dict[int, float]] = {}
         """key -> engine id -> deadline of an expiring GPU record."""
         self._exp_heap: list[tuple[float, int, int, Sequence[int]]] = []
@@ -70,7 +106,7 @@ class MemoryIndex(KVIndex):
             else:
                 idx = len(self._names)
                 self._names.append(engine)
-                self._held.append(tuple(set() for _ in Tier))
+                self._held.append(tuple({} for _ in Tier))
             self._ids[engine] = idx
         return idx
 
@@ -160,7 +196,16 @@ class MemoryIndex(KVIndex):
             get = table.get
             for key in keys:
                 table[key] = get(key, 0) | bit
-            self._held[idx][tier].update(keys)
+            held = self._held[idx][tier]
+            before = len(held)
+            if self._capped and before:  # a key stored again is the most recent
+                pop = held.pop
+                for key in keys:
+                    pop(key, None)
+            held.update(zip(keys, _NONE, strict=False))  # _NONE never ends
+            self._entries += len(held) - before
+            if self._capped:
+                self._make_room(idx, tier)
             return
         held = self._held[idx][Tier.GPU]
         now = self._clock()
@@ -207,10 +252,12 @@ class MemoryIndex(KVIndex):
             for t in Tier
             if t is not Tier.GPU and (tier is None or tier is t)
         ]
+        gone = 0
         for key in keys:
             if tier is None or tier is Tier.GPU:
                 _clear_bit(gpu, key, bit)
-                held_gpu.discard(key)
+                if held_gpu.pop(key, 0) is None:
+                    gone += 1
                 if exp:
                     pending = exp.get(key)
                     if pending and pending.pop(idx, None) is not None:
@@ -219,7 +266,9 @@ class MemoryIndex(KVIndex):
                             del exp[key]
             for table, held in slower:
                 _clear_bit(table, key, bit)
-                held.discard(key)
+                if held.pop(key, 0) is None:
+                    gone += 1
+        self._entries -= gone
 
     async def clear(self, engine: EngineKey) -> None:
         self.clear_now(engine)
@@ -233,7 +282,8 @@ class MemoryIndex(KVIndex):
         for table, held in zip(self._tiers, self._held[idx], strict=True):
             for key in held:
                 _clear_bit(table, key, bit)
-        self._held[idx] = tuple(set() for _ in Tier)
+            self._entries -= len(held)
+        self._held[idx] = tuple({} for _ in Tier)
         exp = self._exp
         gpu = self._tiers[Tier.GPU]
         kept = []
@@ -252,6 +302,38 @@ class MemoryIndex(KVIndex):
         self._exp_heap = kept
         self._names[idx] = None
         self._free.append(idx)
+
+    # ------------------------------------------------------------------ room
+
+    def _make_room(self, idx: int, tier: Tier) -> None:
+        """After a store by engine ``idx`` in ``tier``: evict what is over the caps."""
+        cap = self.max_entries_per_engine
+        held = self._held[idx][tier]
+        if cap and len(held) > cap:
+            self._evict(idx, tier, len(held) - _trimmed(cap), "engine_cap")
+        cap = self.max_entries
+        if not cap or self._entries <= cap:
+            return
+        target = _trimmed(cap)
+        while self._entries > target:
+            biggest, tier_of, most = idx, tier, -1
+            for i, tiers in enumerate(self._held):
+                for t, keys in zip(Tier, tiers, strict=True):
+                    if len(keys) > most:
+                        biggest, tier_of, most = i, t, len(keys)
+            if most <= 0:
+                return
+            share = min(self._entries - target, max(most // 8, 1))
+            self._evict(biggest, tier_of, share, "index_cap")
+
+    def _evict(self, idx: int, tier: Tier, count: int, why: str) -> None:
+        """Remove engine ``idx``'s ``count`` least recently stored keys of ``tier``."""
+        victims = list(islice(self._held[idx][tier], count))
+        engine = self._names[idx]
+        if engine is None or not victims:
+            return
+        self.remove_now(engine, victims, tier)
+        self.evicted[why] += len(victims)
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -284,7 +366,7 @@ class MemoryIndex(KVIndex):
         held: dict[EngineKey, int] = {}
         for engine, idx in self._ids.items():
             gpu, cpu, disk = self._held[idx]
-            held[engine] = len(gpu | cpu | disk)
+            held[engine] = len(gpu.keys() | cpu.keys() | disk.keys())
         return held
 
     def stats_now(self) -> IndexStats:
@@ -296,4 +378,5 @@ class MemoryIndex(KVIndex):
             blocks=blocks,
             entries=sum(sum(len(t) for t in held) for held in self._held) + self._exp_count,
             engines=sum(1 for held in self._held if any(held)),
+            evicted=dict(self.evicted),
         )

@@ -50,6 +50,8 @@ def test_old_keys_still_work_and_each_is_reported_with_where_it_was_set(tmp_path
     # What the configuration shows (config check, reloads) has the new names only.
     assert set(config.model_dump()["index"]) == {
         "backend",
+        "max_entries",
+        "max_entries_per_engine",
         "shadow_window_s",
         "shadow_max_keys",
         "redis",
