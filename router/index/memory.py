@@ -83,6 +83,8 @@ class MemoryIndex(KVIndex):
         self.evicted: Counter[str] = Counter()
         """Firm records evicted for room: ``engine_cap`` and ``index_cap``."""
         self._ids: dict[EngineKey, int] = {}
+        self._bit_of: dict[EngineKey, int] = {}
+        """Engine -> ``1 << id``, so a lookup's candidate mask needs no shifts."""
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
         self._tiers: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
@@ -108,15 +110,16 @@ class MemoryIndex(KVIndex):
                 self._names.append(engine)
                 self._held.append(tuple({} for _ in Tier))
             self._ids[engine] = idx
+            self._bit_of[engine] = 1 << idx
         return idx
 
     def _candidate_mask(self, candidates: Sequence[EngineKey]) -> int:
-        ids = self._ids
+        bit_of = self._bit_of.get
         mask = 0
         for engine in candidates:
-            idx = ids.get(engine)
-            if idx is not None:
-                mask |= 1 << idx
+            bit = bit_of(engine)
+            if bit:
+                mask |= bit
         return mask
 
     # ------------------------------------------------------------------ lookups
@@ -145,8 +148,9 @@ class MemoryIndex(KVIndex):
                 gpu_get(key, 0) | cpu_get(key, 0) | disk_get(key, 0) if off else gpu_get(key, 0)
             ) & alive
             if held != alive:
-                for idx in _bits(alive & ~held):
-                    depth[idx] = pos
+                if pos:  # engines without the first block match nothing: no entry
+                    for idx in _bits(alive & ~held):
+                        depth[idx] = pos
                 alive = held
                 if not alive:
                     break
@@ -276,6 +280,7 @@ class MemoryIndex(KVIndex):
     def clear_now(self, engine: EngineKey) -> None:
         """Synchronous :meth:`clear`; the engine's id is freed for reuse."""
         idx = self._ids.pop(engine, None)
+        self._bit_of.pop(engine, None)
         if idx is None:
             return
         bit = 1 << idx
