@@ -261,7 +261,7 @@ class Planner:
         prefill engine's cost with its transfer term (in blocks, as the policy's)."""
         text = f"link={split.link} transfer={split.transfer_s * 1e3:.2f}ms"
         if prefill is not None:
-            chosen = next((s for s in prefill.scores if s.engine == prefill.engine), None)
+            chosen = prefill.chosen_terms()
             text += f" prefill={prefill.engine.label}"
             if chosen is not None:
                 text += f" prefill_cost={chosen.total:.1f} prefill_transfer={chosen.transfer:.1f}"

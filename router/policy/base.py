@@ -89,13 +89,23 @@ class Decision:
     ``unreachable``, ``refused`` or ``unavailable``. Empty when the index answered."""
     note: str = ""
     """What the plan adds to the reason (the prefill/decode link with topology known)."""
+    chosen_score: Score | None = None
+    """The chosen engine's entry of ``scores``, when the policy kept it (else
+    :meth:`chosen_terms` looks for it)."""
+
+    def chosen_terms(self) -> Score | None:
+        """The chosen engine's cost terms, if the policy scored it."""
+        score = self.chosen_score
+        if score is not None and score.engine == self.engine:
+            return score
+        return next((s for s in self.scores if s.engine == self.engine), None)
 
     def summary(self) -> str:
         """One line for the ``x-kvroute-reason`` header (and the access log)."""
         text = f"{self.policy}:{self.reason} match={self.matched_blocks}"
         if self.index:
             text += f" index={self.index}"
-        chosen = next((s for s in self.scores if s.engine == self.engine), None)
+        chosen = self.chosen_terms()
         if chosen is not None:
             text += (
                 f" cost={chosen.total:.1f} queue={chosen.queue:.1f}"

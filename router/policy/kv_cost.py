@@ -173,6 +173,7 @@ class KVCostPolicy(Policy):
             matched_blocks=chosen.matched_blocks,
             cached_tokens=chosen.cached_tokens,
             scores=scores,
+            chosen_score=chosen,
         )
 
     @staticmethod
