@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 
 from router.config import PolicyConfig
 from router.engines.load import LoadView
@@ -51,6 +52,9 @@ from router.hashing import cacheable_blocks
 from router.index.base import Match
 from router.policy.base import Decision, Policy, RouteRequest, Score, request_seed, tiebreak
 from router.types import EngineKey
+
+_TOTAL = attrgetter("total")
+_MATCHED = attrgetter("matched_blocks")
 
 
 class KVCostPolicy(Policy):
@@ -152,14 +156,14 @@ class KVCostPolicy(Policy):
         if self.config.temperature > 0 and len(scores) > 1:
             chosen = self._sample(request, scores)
         else:
-            best = min(s.total for s in scores)
+            best = min(map(_TOTAL, scores))
             tied = [s for s in scores if s.total - best <= 1e-9]
             chosen = (
                 tied[0]
                 if len(tied) == 1
                 else min(tied, key=lambda s: self._tie_rank(request, s, loads))
             )
-        deepest = max(s.matched_blocks for s in scores)
+        deepest = max(map(_MATCHED, scores))
         if deepest == 0:
             reason = "no_prefix"
         elif chosen.matched_blocks == deepest:
