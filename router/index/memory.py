@@ -26,10 +26,12 @@ grows). ``evicted`` counts records evicted, by cause.
 from __future__ import annotations
 
 import heapq
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice, repeat
+from typing import Any
 
 from router.index.base import IndexStats, KVIndex, Match
 from router.types import EngineKey, Tier
@@ -41,6 +43,31 @@ def _bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+def footprint(tables: Iterable[dict[Any, Any]], seen: set[int] | None = None) -> int:
+    """Bytes of ``tables`` and the objects they hold (one level of dicts inside
+    included), each counted once across calls that share ``seen``."""
+    seen = set() if seen is None else seen
+    total = 0
+
+    def count(obj: object) -> None:
+        nonlocal total
+        if (type(obj) is int and -5 <= obj <= 256) or id(obj) in seen:  # type: ignore[operator]
+            return
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+
+    for table in tables:
+        count(table)
+        for key, value in table.items():
+            count(key)
+            count(value)
+            if type(value) is dict:
+                for inner_key, inner in value.items():
+                    count(inner_key)
+                    count(inner)
+    return total
 
 
 def _clear_bit(table: dict[int, int], key: int, bit: int) -> None:
@@ -339,6 +366,18 @@ class MemoryIndex(KVIndex):
             return
         self.remove_now(engine, victims, tier)
         self.evicted[why] += len(victims)
+
+    # ------------------------------------------------------------------ footprint
+
+    def footprint(self, seen: set[int] | None = None) -> int:
+        """Bytes of the index's Python objects by ``sys.getsizeof``: its dicts and the
+        ints they hold, each object once (``seen``: ids already counted, shared with
+        other structures such as the event streams' maps). Small ints are the
+        interpreter's own and cost nothing. Walks every entry: for reports, not the
+        request path."""
+        return footprint(
+            [*self._tiers, *(t for tiers in self._held for t in tiers), self._exp], seen
+        )
 
     # ------------------------------------------------------------------ housekeeping
 

@@ -236,7 +236,7 @@ def simulate(settings: SimSettings, specs: Sequence[RequestSpec], name: str) -> 
     """Run one simulation to the end; the specs are not consumed."""
     started = time.perf_counter()
     run = asyncio.run(ClusterSim(settings, name).run(list(specs)))
-    run.wall_s = time.perf_counter() - started
+    run.wall_s = time.perf_counter() - started - run.measure_s
     return run
 
 
@@ -275,9 +275,13 @@ def run(args: argparse.Namespace) -> int:
         summary = result.summary()
         summaries.append(summary)
         if not args.quiet:
+            memory = summary["router_index"]
+            per_entry = memory["bytes_per_entry"]
             print(
                 f"  {name}: {summary['ok']:,} requests, {summary['duration_s']:,.0f} s simulated "
-                f"in {result.wall_s:.1f} s",
+                f"in {result.wall_s:.1f} s; router index at the end {memory['entries']:,} "
+                f"entries, {memory['bytes'] / 2**20:,.1f} MiB"
+                + (f" ({per_entry:.0f} B/entry)" if per_entry else ""),
                 flush=True,
             )
     oracle = workload.info.get("oracle_block_hit_rate")

@@ -39,6 +39,7 @@ import heapq
 import itertools
 import math
 import statistics
+import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -55,7 +56,7 @@ from router.engines.load import LoadTracker, Ticket
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
 from router.hashing import block_keys, seed_for
-from router.index.memory import MemoryIndex
+from router.index.memory import MemoryIndex, footprint
 from router.plan import Planner
 from router.policy import make_decode_policy, make_policy
 from router.policy.base import Decision, RouteRequest
@@ -245,6 +246,13 @@ class SimRun:
     errors: dict[str, int] = field(default_factory=dict)
     """Requests the engines refused, by reason (answered with an error, not served)."""
     wall_s: float = 0.0
+    router_entries: int = 0
+    """(block, engine, tier) records in the router's index at the end of the run."""
+    router_bytes: int = 0
+    """What the router's index and its event streams' engine-hash maps take then, by
+    ``sys.getsizeof`` of their Python objects (:meth:`MemoryIndex.footprint`)."""
+    measure_s: float = 0.0
+    """Wall time spent measuring ``router_bytes`` (not part of the simulation)."""
 
     def summary(self) -> dict[str, Any]:
         """Every number of the run (seconds and ratios), shaped like ``kvroute bench``'s
@@ -288,6 +296,13 @@ class SimRun:
             "preemptions": self.preemptions,
             "decisions": self.decisions,
             "index_events_skipped": self.index_events_skipped,
+            "router_index": {
+                "entries": self.router_entries,
+                "bytes": self.router_bytes,
+                "bytes_per_entry": (
+                    self.router_bytes / self.router_entries if self.router_entries else None
+                ),
+            },
             "engines": self.engines,
         }
 
@@ -714,4 +729,17 @@ class ClusterSim:
             preemptions,
             sum(self.ingestor.counters.skipped.values()),
             dict(self._errors),
+            **self._router_memory(),
         )
+
+    def _router_memory(self) -> dict[str, Any]:
+        """The router's index and engine-hash maps as the run leaves them."""
+        started = time.perf_counter()
+        seen: set[int] = set()
+        used = self.index.footprint(seen)
+        used += footprint([t for e in self.engines for t in e.stream.hashes], seen)
+        return {
+            "router_entries": self.index.stats_now().entries,
+            "router_bytes": used,
+            "measure_s": time.perf_counter() - started,
+        }

@@ -213,3 +213,17 @@ async def test_without_a_bound_the_map_keeps_every_hash() -> None:
     state = StreamState(ENGINES[0], "m", 4)
     await ingestor.apply(state, EventBatch(0.0, [_stored(list(range(1, 2_001)), None)]))
     assert len(state.hashes[Tier.GPU]) == 2_000 and ingestor.counters.forgotten_hashes == 0
+
+
+def test_the_footprint_counts_each_object_once_and_grows_with_the_entries() -> None:
+    index = MemoryIndex()
+    empty = index.footprint()
+    keys = list(range(10**12, 10**12 + 5_000))  # ints too large to be the interpreter's
+    index.add_now(ENGINES[0], keys)
+    one = index.footprint()
+    index.add_now(ENGINES[1], keys)  # the same key objects, one more engine
+    two = index.footprint()
+    assert one - empty > 5_000 * (28 + 24)  # each key's int and its two dict slots
+    assert two - one < one - empty  # shared keys are not counted again
+    seen: set[int] = set()
+    assert index.footprint(seen) == two and index.footprint(seen) < 1_000  # all seen

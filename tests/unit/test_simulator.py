@@ -57,6 +57,18 @@ def test_kv_cost_keeps_groups_together_and_beats_round_robin() -> None:
     assert all(e["requests"] > 0 for e in kv["engines"])
 
 
+def test_a_run_reports_the_routers_index_memory() -> None:
+    """Issue 24: the simulator says what the router's index holds at the end of a run
+    and what it takes (the index and the event streams' maps, by sys.getsizeof)."""
+    summary = simulate(groups(), Fleet(engines=4), concurrency=4).summary()
+    memory = summary["router_index"]
+    cached_blocks = 8 * 1_000 // PARAMS.block_size  # each group's prefix, at least once
+    assert memory["entries"] >= cached_blocks
+    # Every entry costs its key, a slot in two dicts and an engine-hash map entry.
+    assert 80 <= memory["bytes_per_entry"] <= 1_000
+    assert memory["bytes"] == round(memory["entries"] * memory["bytes_per_entry"])
+
+
 def test_a_burst_follows_the_first_decision_before_any_kv_event() -> None:
     # All six requests of one group arrive together: the provisional holder recorded by
     # the first decision draws the others to the same engine.
