@@ -33,7 +33,7 @@ from typing import Any
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.events.vllm import SGLANG_SALT_PREFIX
 from router.hashing import ExtraKey, block_keys, seed_for
-from router.index.base import KVIndex
+from router.index.base import KVIndex, trimmed_size
 from router.types import EngineKey, Tier
 
 
@@ -175,7 +175,7 @@ class EventIngestor:
                 pop(engine_hash, None)
         table.update(zip(hashes, keys, strict=True))
         if cap and len(table) > cap:
-            excess = len(table) - min(cap - cap // 8, cap - 1)
+            excess = len(table) - trimmed_size(cap)
             for engine_hash in list(islice(table, excess)):
                 del table[engine_hash]
             self.counters.forgotten_hashes += excess

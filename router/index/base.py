@@ -57,6 +57,12 @@ class IndexStats:
     backend that does not bound itself: none)."""
 
 
+def trimmed_size(cap: int) -> int:
+    """What a bounded table over its cap is cut back to: seven eighths of the cap (at
+    least one less), so eviction runs once per eighth of it stored, not per store."""
+    return min(cap - cap // 8, cap - 1)
+
+
 class IndexUnavailable(RuntimeError):
     """The backend cannot answer now (for example Redis is down); route on load alone.
 

@@ -9,7 +9,7 @@ small integer ids; cleared engines' ids are reused.
 Expiring holders (provisional and approximate-mode records) are set in the GPU mask
 like firm ones and remembered with their deadline; every read first sweeps out what
 has expired (a heap check when nothing has), so lookups never test deadlines per key.
-Whether a GPU bit is firm is known from the engine's per-tier sets of firmly held keys.
+Whether a GPU bit is firm is known from the engine's per-tier dicts of firmly held keys.
 There is one mask dict per tier (GPU, CPU, disk); a block held in several tiers has a
 bit in each, and a match counts it at the fastest.
 
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice, repeat
 from typing import Any
 
-from router.index.base import IndexStats, KVIndex, Match
+from router.index.base import IndexStats, KVIndex, Match, trimmed_size
 from router.types import EngineKey, Tier
 
 
@@ -78,11 +78,6 @@ def _clear_bit(table: dict[int, int], key: int, bit: int) -> None:
             table[key] = mask
         else:
             del table[key]
-
-
-def _trimmed(cap: int) -> int:
-    """What a full table is trimmed to: seven eighths of its cap (at least one less)."""
-    return min(cap - cap // 8, cap - 1)
 
 
 _NONE = repeat(None)
@@ -342,11 +337,11 @@ class MemoryIndex(KVIndex):
         cap = self.max_entries_per_engine
         held = self._held[idx][tier]
         if cap and len(held) > cap:
-            self._evict(idx, tier, len(held) - _trimmed(cap), "engine_cap")
+            self._evict(idx, tier, len(held) - trimmed_size(cap), "engine_cap")
         cap = self.max_entries
         if not cap or self._entries <= cap:
             return
-        target = _trimmed(cap)
+        target = trimmed_size(cap)
         while self._entries > target:
             biggest, tier_of, most = idx, tier, -1
             for i, tiers in enumerate(self._held):
