@@ -85,13 +85,13 @@ def build_index(config: Config) -> KVIndex:
 
 
 def _map_bound(config: IndexConfig, index: KVIndex) -> int:
-    """Engine hashes an event stream's map keeps per tier: no more than the in-memory
-    index can hold of one engine (0: no limit; a shared index keeps every hash, which its
-    removals need)."""
-    if not isinstance(index, MemoryIndex):
-        return 0
-    caps = [c for c in (config.max_entries, config.max_entries_per_engine) if c]
-    return min(caps, default=0)
+    """Engine hashes an event stream's map keeps per tier (0: no limit): at most
+    ``index.max_entries_per_engine``, and with the in-memory index no more than it holds
+    in all. The blocks of forgotten hashes leave the index with them."""
+    caps = [config.max_entries_per_engine]
+    if isinstance(index, MemoryIndex):
+        caps.append(config.max_entries)
+    return min((c for c in caps if c), default=0)
 
 
 def _redis_of(remote: RemoteIndex | None) -> RedisIndex | None:
@@ -327,6 +327,7 @@ class RouterApp:
             on_block_size_mismatch=self._block_size_mismatch,
             on_lost=self._event_writes_lost,
             write_timeout=EVENT_WRITE_TIMEOUT_S,
+            max_blocks_per_engine=_map_bound(self.config.index, self.index),
         )
 
     def _has_events(self, key: EngineKey) -> bool:

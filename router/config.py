@@ -246,10 +246,12 @@ class IndexConfig(_Section):
     max_entries_per_engine: int = Field(
         1_048_576,
         ge=0,
-        description="In-memory index: at most this many records of one engine (one DP "
-        "rank) in one tier, in the index and in the engine-hash map of its event stream; "
-        "past it the engine's least recently stored blocks go, down to seven eighths. 0: no "
-        "limit. The default is above any GPU's block count and bounds a runaway engine.",
+        description="At most this many records of one engine (one DP rank) in one tier: "
+        "the in-memory index holds no more, and each event stream's engine-hash map (of "
+        "routers and `kvroute indexer`, whatever the backend) keeps no more hashes, the "
+        "blocks of those it forgets leaving the index (memory or Redis) with them; past it "
+        "the engine's least recently stored blocks go, down to seven eighths. 0: no limit. "
+        "The default is above any GPU's block count and bounds a runaway engine.",
     )
     shadow_window_s: float = Field(
         60.0,

@@ -92,7 +92,9 @@ class Indexer:
         token: str | None = None,
         ctx: zmq.asyncio.Context | None = None,
         max_message_bytes: int = MAX_EVENT_MESSAGE_BYTES,
+        max_blocks_per_engine: int = 0,
     ) -> None:
+        """``max_blocks_per_engine``: ``index.max_entries_per_engine`` (0: no limit)."""
         self.index = index
         self.sources = {s.engine: s for s in sources}
         self.lease_ms = lease_ms
@@ -101,7 +103,11 @@ class Indexer:
         self.token = token or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.writer = RemoteEventWriter(
-            index, token=self.token, on_lost=self._on_lost, write_timeout=write_timeout
+            index,
+            token=self.token,
+            on_lost=self._on_lost,
+            write_timeout=write_timeout,
+            max_blocks_per_engine=max_blocks_per_engine,
         )
         self.subscriber = KVEventSubscriber(
             self.writer,
@@ -325,6 +331,7 @@ async def _serve(config: Config) -> None:
         replay_timeout=settings.replay_timeout_s,
         write_timeout=settings.write_timeout_s,
         max_message_bytes=config.events.max_message_bytes,
+        max_blocks_per_engine=config.index.max_entries_per_engine,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,10 +16,10 @@ offloading connectors send when they copy a block GPU -> CPU) carries only engin
 hashes: each resolves through the map (any tier) to the key its tokens gave it, and
 hashes the map does not know are skipped and counted (``tokenless_unresolved``).
 
-The map is bounded like the in-memory index (``max_blocks_per_engine``, per tier): past
-it the oldest eighth of the hashes is forgotten (``IngestCounters.forgotten_hashes``),
-the same blocks the index evicts first from an engine over its cap; a later removal of
-a forgotten hash is counted as ``unknown_hash``.
+The map is bounded (``max_blocks_per_engine``, per tier): past it the oldest eighth of
+the hashes is forgotten (``IngestCounters.forgotten_hashes``) and their blocks leave the
+index with them, so the index never holds a block whose removal the router could no
+longer apply; a later removal of a forgotten hash is counted as ``unknown_hash``.
 """
 
 from __future__ import annotations
@@ -165,20 +165,21 @@ class EventIngestor:
         self._on_mismatch = on_block_size_mismatch
         self.max_blocks_per_engine = max_blocks_per_engine
 
-    def _remember(self, table: dict[int, int], hashes: list[int], keys: list[int]) -> None:
+    def _remember(self, table: dict[int, int], hashes: list[int], keys: list[int]) -> list[int]:
         """Map ``hashes`` to ``keys`` in a stream's table of one tier, newest last; past
-        the cap, forget the oldest eighth."""
+        the cap, forget the oldest eighth. Returns the forgotten hashes' keys."""
         cap = self.max_blocks_per_engine
         if cap and table:  # a hash stored again is the most recent
             pop = table.pop
             for engine_hash in hashes:
                 pop(engine_hash, None)
         table.update(zip(hashes, keys, strict=True))
-        if cap and len(table) > cap:
-            excess = len(table) - trimmed_size(cap)
-            for engine_hash in list(islice(table, excess)):
-                del table[engine_hash]
-            self.counters.forgotten_hashes += excess
+        if not cap or len(table) <= cap:
+            return []
+        excess = len(table) - trimmed_size(cap)
+        forgotten = [table.pop(h) for h in list(islice(table, excess))]
+        self.counters.forgotten_hashes += excess
+        return forgotten
 
     async def apply(self, state: StreamState, batch: EventBatch) -> None:
         """Apply every event of ``batch`` in order."""
@@ -231,8 +232,10 @@ class EventIngestor:
             root = parent
         keys = block_keys(event.token_ids, event.block_size, root, extra=block_extras_of(event))
         tier = Tier.from_medium(event.medium, event.locality, event.ownership)
-        self._remember(state.hashes[tier], event.block_hashes, keys)
+        forgotten = self._remember(state.hashes[tier], event.block_hashes, keys)
         await self._store(state, event.block_hashes, keys, tier)
+        if forgotten:
+            await self.index.remove(state.engine, forgotten, tier)
         self.counters.events["BlockStored"] += 1
         self.counters.blocks_stored += nblocks
 
@@ -258,8 +261,10 @@ class EventIngestor:
             self.counters.skipped["tokenless_unresolved"] += unresolved
         if not keys:
             return
-        self._remember(state.hashes[tier], hashes, keys)
+        forgotten = self._remember(state.hashes[tier], hashes, keys)
         await self._store(state, hashes, keys, tier)
+        if forgotten:
+            await self.index.remove(state.engine, forgotten, tier)
         self.counters.events["BlockStored"] += 1
         self.counters.blocks_stored += len(keys)
         self.counters.tokenless_blocks += len(keys)

@@ -137,10 +137,15 @@ class RemoteEventWriter(EventIngestor):
         max_flush: int = 256,
         max_flush_keys: int = 8192,
         write_timeout: float = 5.0,
+        max_blocks_per_engine: int = 0,
     ) -> None:
+        """``max_blocks_per_engine``: engine hashes a stream's map keeps per tier (0: no
+        limit); the blocks of those it forgets are removed from the index too."""
         if token is not None and not isinstance(index, FencedIndex):
             raise TypeError(f"fenced writes need a FencedIndex, not {type(index).__name__}")
-        super().__init__(index, counters, on_block_size_mismatch)
+        super().__init__(
+            index, counters, on_block_size_mismatch, max_blocks_per_engine=max_blocks_per_engine
+        )
         self.remote = index
         self.token = token
         self.on_lost = on_lost
@@ -161,7 +166,9 @@ class RemoteEventWriter(EventIngestor):
     async def apply(self, state: StreamState, batch: EventBatch) -> None:
         """Queue ``batch`` as one write (fenced with ``state.last_seq`` and its timestamp)."""
         recorder = _Recorder()
-        await _RecordingIngestor(recorder, self.counters, self._on_mismatch).apply(state, batch)
+        await _RecordingIngestor(
+            recorder, self.counters, self._on_mismatch, self.max_blocks_per_engine
+        ).apply(state, batch)
         fence = None if self.token is None else Fence(self.token, state.last_seq, batch.ts)
         # A fenced batch is written even without index changes: it advances the position.
         if recorder.ops or fence is not None:

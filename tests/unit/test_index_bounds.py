@@ -208,6 +208,21 @@ async def test_a_streams_hash_map_is_bounded_and_forgets_its_oldest() -> None:
     assert ingestor.counters.skipped["unknown_hash"] == 1
 
 
+async def test_blocks_whose_hashes_are_forgotten_leave_the_index() -> None:
+    """The map's bound holds even over an index without caps: what the router could no
+    longer remove is removed now, so the index holds nothing stale."""
+    index = MemoryIndex()
+    ingestor = EventIngestor(index, max_blocks_per_engine=32)
+    state = StreamState(ENGINES[0], "m", 4)
+    for start in range(0, 320, 8):
+        hashes = list(range(start + 1, start + 9))
+        await ingestor.apply(state, EventBatch(0.0, [_stored(hashes, None)]))
+        assert index.stats_now().entries == len(state.hashes[Tier.GPU]) <= 32
+    assert not index.evicted  # removed with their hashes, not evicted
+    newest = [k for k in state.hashes[Tier.GPU].values()]
+    assert index.lookup_now(newest[-1:], [ENGINES[0]]) == {ENGINES[0]: Match(1)}
+
+
 async def test_without_a_bound_the_map_keeps_every_hash() -> None:
     ingestor = EventIngestor(MemoryIndex())
     state = StreamState(ENGINES[0], "m", 4)

@@ -263,6 +263,31 @@ async def test_the_event_writer_writes_kv_event_batches_to_any_remote_backend(
     assert writer.stats.batches == 1 and len(remote.writes) == 1
 
 
+async def test_the_event_writer_bounds_its_map_and_removes_what_it_forgets(
+    remote: SwitchedRemote,
+) -> None:
+    """``index.max_entries_per_engine`` with a shared index: the writer's engine-hash map
+    keeps at most that many hashes per tier, and the blocks of those it forgets are
+    removed from the shared index in the same write, so a runaway engine grows neither
+    the router nor the backend past the cap."""
+    writer = RemoteEventWriter(remote, max_blocks_per_engine=40)
+    state = StreamState(A, "m", 4)
+    for start in range(0, 400, 10):
+        tokens = list(range(start * 4, (start + 10) * 4))
+        await writer.apply(
+            state,
+            EventBatch(1.0, [BlockStored(list(range(start + 1, start + 11)), None, tokens, 4)]),
+        )
+    await writer.drain()
+    await writer.close()
+    assert len(state.hashes[Tier.GPU]) <= 40
+    assert writer.counters.forgotten_hashes == 400 - len(state.hashes[Tier.GPU])
+    held = (await remote.data.held_blocks())[A]
+    assert held == len(state.hashes[Tier.GPU])
+    newest = block_keys(list(range(390 * 4, 400 * 4)), 4, seed_for("m"))
+    assert await remote.data.lookup(newest, FLEET) == {A: Match(10)}
+
+
 def test_fenced_event_writes_need_a_backend_with_leases(remote: SwitchedRemote) -> None:
     with pytest.raises(TypeError, match="FencedIndex"):
         RemoteEventWriter(remote, token="indexer-1")
