@@ -27,13 +27,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.events.vllm import SGLANG_SALT_PREFIX
 from router.hashing import ExtraKey, block_keys, seed_for
-from router.index.base import KVIndex, trimmed_size
+from router.index.base import KVIndex, oldest, store_newest, trimmed_size
 from router.types import EngineKey, Tier
 
 
@@ -169,15 +168,11 @@ class EventIngestor:
         """Map ``hashes`` to ``keys`` in a stream's table of one tier, newest last; past
         the cap, forget the oldest eighth. Returns the forgotten hashes' keys."""
         cap = self.max_blocks_per_engine
-        if cap and table:  # a hash stored again is the most recent
-            pop = table.pop
-            for engine_hash in hashes:
-                pop(engine_hash, None)
-        table.update(zip(hashes, keys, strict=True))
+        store_newest(table, hashes, keys, reorder=bool(cap))
         if not cap or len(table) <= cap:
             return []
         excess = len(table) - trimmed_size(cap)
-        forgotten = [table.pop(h) for h in list(islice(table, excess))]
+        forgotten = [table.pop(h) for h in oldest(table, excess)]
         self.counters.forgotten_hashes += excess
         return forgotten
 

@@ -10,12 +10,17 @@ A firm record for the same (key, engine, tier) replaces an expiring one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import TypeVar
 
 import msgspec
 
 from router.types import EngineKey, Tier
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class Match(msgspec.Struct, gc=False):
@@ -61,6 +66,22 @@ def trimmed_size(cap: int) -> int:
     """What a bounded table over its cap is cut back to: seven eighths of the cap (at
     least one less), so eviction runs once per eighth of it stored, not per store."""
     return min(cap - cap // 8, cap - 1)
+
+
+def store_newest(table: dict[K, V], keys: Sequence[K], values: Iterable[V], reorder: bool) -> None:
+    """Store ``keys`` -> ``values`` in an insertion-ordered ``table`` (oldest first) as
+    its newest entries; ``reorder``: keys already there move to the end too (what a
+    bounded table needs to evict the least recently stored)."""
+    if reorder and table:
+        pop = table.pop
+        for key in keys:
+            pop(key, None)
+    table.update(zip(keys, values, strict=False))  # values may be endless (repeat)
+
+
+def oldest(table: dict[K, V], count: int) -> list[K]:
+    """The ``count`` least recently stored keys of an insertion-ordered ``table``."""
+    return list(islice(table, count))
 
 
 class IndexUnavailable(RuntimeError):

@@ -30,10 +30,10 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import islice, repeat
+from itertools import repeat
 from typing import Any
 
-from router.index.base import IndexStats, KVIndex, Match, trimmed_size
+from router.index.base import IndexStats, KVIndex, Match, oldest, store_newest, trimmed_size
 from router.types import EngineKey, Tier
 
 
@@ -224,11 +224,7 @@ class MemoryIndex(KVIndex):
                 table[key] = get(key, 0) | bit
             held = self._held[idx][tier]
             before = len(held)
-            if self._capped and before:  # a key stored again is the most recent
-                pop = held.pop
-                for key in keys:
-                    pop(key, None)
-            held.update(zip(keys, _NONE, strict=False))  # _NONE never ends
+            store_newest(held, keys, _NONE, reorder=self._capped)
             self._entries += len(held) - before
             if self._capped:
                 self._make_room(idx, tier)
@@ -355,7 +351,7 @@ class MemoryIndex(KVIndex):
 
     def _evict(self, idx: int, tier: Tier, count: int, why: str) -> None:
         """Remove engine ``idx``'s ``count`` least recently stored keys of ``tier``."""
-        victims = list(islice(self._held[idx][tier], count))
+        victims = oldest(self._held[idx][tier], count)
         engine = self._names[idx]
         if engine is None or not victims:
             return
