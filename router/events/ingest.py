@@ -16,7 +16,10 @@ offloading connectors send when they copy a block GPU -> CPU) carries only engin
 hashes: each resolves through the map (any tier) to the key its tokens gave it, and
 hashes the map does not know are skipped and counted (``tokenless_unresolved``).
 
-The map is bounded (``max_blocks_per_engine``, per tier): past it the oldest eighth of
+The map is a compiled ``router._native.BlockMap`` (an insertion-ordered table of 64-bit
+ints, about 26 bytes an entry) where the helper is built, else a dict; both are
+insertion-ordered and answer the same calls. It is bounded (``max_blocks_per_engine``,
+per tier): past it the oldest eighth of
 the hashes is forgotten (``IngestCounters.forgotten_hashes``) and their blocks leave the
 index with them, so the index never holds a block whose removal the router could no
 longer apply; a later removal of a forgotten hash is counted as ``unknown_hash``.
@@ -31,7 +34,7 @@ from typing import Any
 
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.events.vllm import SGLANG_SALT_PREFIX
-from router.hashing import ExtraKey, block_keys, seed_for
+from router.hashing import ExtraKey, block_keys, native_helper, seed_for
 from router.index.base import KVIndex, oldest, store_newest, trimmed_size
 from router.types import EngineKey, Tier
 
@@ -92,6 +95,20 @@ def block_extras_of(event: BlockStored) -> dict[int, list[ExtraKey]]:
     return extras
 
 
+_BLOCK_MAP: Any = getattr(native_helper(), "BlockMap", None)
+
+HashMap = dict[int, int]
+"""Engine hash -> block key, oldest stored first (a dict, or the compiled ``BlockMap``
+that answers the same calls)."""
+
+
+def hash_maps() -> tuple[HashMap, HashMap, HashMap]:
+    """One empty engine-hash map per tier: compiled where the helper is built."""
+    if _BLOCK_MAP is None:
+        return ({}, {}, {})
+    return (_BLOCK_MAP(), _BLOCK_MAP(), _BLOCK_MAP())
+
+
 @dataclass(slots=True)
 class StreamState:
     """What the router knows about one engine's event stream (one DP rank)."""
@@ -101,7 +118,7 @@ class StreamState:
     """Model name the engine serves; seeds root keys of blocks without a LoRA adapter."""
     block_size: int | None = None
     """Expected block size; learned from the first event when None."""
-    hashes: tuple[dict[int, int], ...] = field(default_factory=lambda: ({}, {}, {}))
+    hashes: tuple[HashMap, ...] = field(default_factory=hash_maps)
     """Engine hash -> block key, per tier (GPU, CPU, disk: indexed by ``Tier``)."""
     ignored_groups: set[int] = field(default_factory=set)
     last_seq: int | None = None
@@ -164,15 +181,22 @@ class EventIngestor:
         self._on_mismatch = on_block_size_mismatch
         self.max_blocks_per_engine = max_blocks_per_engine
 
-    def _remember(self, table: dict[int, int], hashes: list[int], keys: list[int]) -> list[int]:
+    def _remember(self, table: HashMap, hashes: list[int], keys: list[int]) -> list[int]:
         """Map ``hashes`` to ``keys`` in a stream's table of one tier, newest last; past
         the cap, forget the oldest eighth. Returns the forgotten hashes' keys."""
         cap = self.max_blocks_per_engine
-        store_newest(table, hashes, keys, reorder=bool(cap))
+        compiled = type(table) is _BLOCK_MAP
+        if compiled:
+            table.store(hashes, keys, bool(cap))  # type: ignore[attr-defined]
+        else:
+            store_newest(table, hashes, keys, reorder=bool(cap))
         if not cap or len(table) <= cap:
             return []
         excess = len(table) - trimmed_size(cap)
-        forgotten = [table.pop(h) for h in oldest(table, excess)]
+        if compiled:
+            forgotten: list[int] = table.pop_oldest(excess)  # type: ignore[attr-defined]
+        else:
+            forgotten = [table.pop(h) for h in oldest(table, excess)]
         self.counters.forgotten_hashes += excess
         return forgotten
 

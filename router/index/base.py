@@ -9,11 +9,12 @@ A firm record for the same (key, engine, tier) replaces an expiring one.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -82,6 +83,34 @@ def store_newest(table: dict[K, V], keys: Sequence[K], values: Iterable[V], reor
 def oldest(table: dict[K, V], count: int) -> list[K]:
     """The ``count`` least recently stored keys of an insertion-ordered ``table``."""
     return list(islice(table, count))
+
+
+def footprint(tables: Iterable[Any], seen: set[int] | None = None) -> int:
+    """Bytes of ``tables`` and the objects they hold (one level of dicts inside
+    included), each counted once across calls that share ``seen``. A table that is not a
+    dict (a compiled ``BlockMap``) holds no objects: its ``sys.getsizeof`` is all of it."""
+    seen = set() if seen is None else seen
+    total = 0
+
+    def count(obj: object) -> None:
+        nonlocal total
+        if (type(obj) is int and -5 <= obj <= 256) or id(obj) in seen:  # type: ignore[operator]
+            return
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+
+    for table in tables:
+        count(table)
+        if type(table) is not dict:
+            continue
+        for key, value in table.items():
+            count(key)
+            count(value)
+            if type(value) is dict:
+                for inner_key, inner in value.items():
+                    count(inner_key)
+                    count(inner)
+    return total
 
 
 class IndexUnavailable(RuntimeError):

@@ -26,6 +26,9 @@
  * word_ids_packed gives the same ids as the bytes of native uint32s (for array('I')),
  * without making an int object per word.
  *
+ * 3. The compact in-memory index and the event streams' engine-hash maps: BlockIndex and
+ * BlockMap, in blocktable.c (which says what they are).
+ *
  * xxhash.h is xxHash 0.8.4 (BSD 2-Clause, LICENSE.xxhash), the version python-xxhash
  * 4.1.0 bundles; it is compiled in here, inlined.
  */
@@ -313,8 +316,10 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "router._native",
-    "kvroute's compiled helpers: block keys and word ids (router/native/native.c).", -1, methods,
+    "kvroute's compiled helpers: block keys, word ids, the compact index (router/native/).", -1, methods,
 };
+
+int kvroute_add_block_types(PyObject *module); /* blocktable.c */
 
 PyMODINIT_FUNC
 PyInit__native(void)
@@ -323,7 +328,8 @@ PyInit__native(void)
     if (m == NULL) {
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "XXH_VERSION", XXH_versionNumber()) != 0) {
+    if (PyModule_AddIntConstant(m, "XXH_VERSION", XXH_versionNumber()) != 0 ||
+        kvroute_add_block_types(m) != 0) {
         Py_DECREF(m);
         return NULL;
     }

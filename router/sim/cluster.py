@@ -56,7 +56,8 @@ from router.engines.load import LoadTracker, Ticket
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
 from router.hashing import block_keys, seed_for
-from router.index.memory import MemoryIndex, footprint
+from router.index.base import footprint
+from router.index.memory import MemoryIndex
 from router.plan import Planner
 from router.policy import make_decode_policy, make_policy
 from router.policy.base import Decision, RouteRequest

@@ -16,10 +16,13 @@ from router.events.ingest import EventIngestor, StreamState
 from router.events.types import BlockRemoved, BlockStored, EventBatch
 from router.index import index_from_config
 from router.index.base import Match
-from router.index.memory import MemoryIndex
+from router.index.memory import COMPACT, MemoryIndex
 from router.types import EngineKey, Tier
 
 ENGINES = [EngineKey(f"10.0.0.{i}:8000") for i in range(4)]
+TABLES = [False, True] if COMPACT else [False]
+"""Holder tables every test runs on: the pure-Python one, and the compiled one where it
+is built (``make venv`` builds it)."""
 TIERS = [Tier.GPU, Tier.CPU, Tier.DISK]
 
 
@@ -88,11 +91,11 @@ _OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(_OPS, st.sampled_from([0, 1, 3, 8, 16]))
+@given(_OPS, st.sampled_from([0, 1, 3, 8, 16]), st.sampled_from(TABLES))
 def test_the_index_matches_a_reference_model_under_a_per_engine_cap(
-    ops: list[tuple], cap: int
+    ops: list[tuple], cap: int, compact: bool
 ) -> None:
-    index = MemoryIndex(max_entries_per_engine=cap)
+    index = MemoryIndex(max_entries_per_engine=cap, compact=compact)
     ref = Reference(cap)
     for op in ops:
         if op[0] == "add":
@@ -110,20 +113,21 @@ def test_the_index_matches_a_reference_model_under_a_per_engine_cap(
             _, keys, candidates = op
             engines = [ENGINES[c] for c in candidates]
             assert index.lookup_now(keys, engines) == ref.lookup(keys, engines)
-        assert index._entries == ref.entries() == index.stats_now().entries
+        assert index._table.entries == ref.entries() == index.stats_now().entries
     assert index.evicted["engine_cap"] == ref.evicted
     for e in ENGINES:
         assert index.lookup_now(list(range(41)), [e]) == ref.lookup(list(range(41)), [e])
 
 
-def test_an_engine_over_its_cap_loses_its_least_recently_stored_blocks() -> None:
-    index = MemoryIndex(max_entries_per_engine=64)
+@pytest.mark.parametrize("compact", TABLES)
+def test_an_engine_over_its_cap_loses_its_least_recently_stored_blocks(compact: bool) -> None:
+    index = MemoryIndex(max_entries_per_engine=64, compact=compact)
     a, b = ENGINES[:2]
     index.add_now(b, list(range(10)))
     index.add_now(a, list(range(64)))
     index.add_now(a, [0])  # stored again: now the most recent
     index.add_now(a, [1000])  # 65 > 64: the oldest eighth (9 records) goes
-    held = index._held[index._ids[a]][Tier.GPU]
+    held = index.held_keys(a)
     assert len(held) == 56 == trimmed(64)
     assert list(held)[:2] == [10, 11] and list(held)[-2:] == [0, 1000]
     assert index.evicted == {"engine_cap": 9}
@@ -132,45 +136,48 @@ def test_an_engine_over_its_cap_loses_its_least_recently_stored_blocks() -> None
     assert index.stats_now().evicted == {"engine_cap": 9}
 
 
-def test_a_flooding_engine_is_evicted_first_when_the_index_is_full() -> None:
-    index = MemoryIndex(max_entries=1_000)
+@pytest.mark.parametrize("compact", TABLES)
+def test_a_flooding_engine_is_evicted_first_when_the_index_is_full(compact: bool) -> None:
+    index = MemoryIndex(max_entries=1_000, compact=compact)
     quiet = ENGINES[:3]
     for n, engine in enumerate(quiet):
         index.add_now(engine, list(range(n * 100, n * 100 + 100)))
     rogue = ENGINES[3]
     for start in range(10_000, 20_000, 50):  # 10x the index's cap, in batches
         index.add_now(rogue, list(range(start, start + 50)))
-        assert index._entries <= 1_000
+        assert index.stats_now().entries <= 1_000
     for n, engine in enumerate(quiet):  # the quiet engines keep all they hold
         keys = list(range(n * 100, n * 100 + 100))
         assert index.lookup_now(keys, [engine]) == {engine: Match(100)}
-    rogue_held = list(index._held[index._ids[rogue]][Tier.GPU])
+    rogue_held = index.held_keys(rogue)
     assert rogue_held[-1] == 19_999 and rogue_held == sorted(rogue_held)  # the newest stay
     assert 500 < len(rogue_held) <= 700
     assert index.evicted["index_cap"] == 10_000 - len(rogue_held)
     assert "engine_cap" not in index.evicted
 
 
-def test_the_largest_engine_and_tier_gives_way_and_every_cap_holds() -> None:
-    index = MemoryIndex(max_entries=300, max_entries_per_engine=200)
+@pytest.mark.parametrize("compact", TABLES)
+def test_the_largest_engine_and_tier_gives_way_and_every_cap_holds(compact: bool) -> None:
+    index = MemoryIndex(max_entries=300, max_entries_per_engine=200, compact=compact)
     for round_ in range(40):
         for n, engine in enumerate(ENGINES):
             tier = TIERS[(n + round_) % 3]
             base = 1_000_000 * n + 1_000 * round_
             index.add_now(engine, list(range(base, base + 10 * (n + 1))), tier)
-            assert index._entries <= 300
-            for tiers in index._held:
-                assert all(len(held) <= 200 for held in tiers)
+            assert index.stats_now().entries <= 300
+            for e in ENGINES:
+                assert all(len(index.held_keys(e, t)) <= 200 for t in TIERS)
     assert index.evicted["index_cap"] > 0
-    assert index._entries == index.stats_now().entries
+    assert index._table.entries == index.stats_now().entries
 
 
-def test_unbounded_by_default_and_caps_must_not_be_negative() -> None:
-    index = MemoryIndex()
+@pytest.mark.parametrize("compact", TABLES)
+def test_unbounded_by_default_and_caps_must_not_be_negative(compact: bool) -> None:
+    index = MemoryIndex(compact=compact)
     index.add_now(ENGINES[0], list(range(50_000)))
     assert index.stats_now().entries == 50_000 and not index.evicted
     with pytest.raises(ValueError):
-        MemoryIndex(max_entries=-1)
+        MemoryIndex(max_entries=-1, compact=compact)
     built = index_from_config(IndexConfig(max_entries=10, max_entries_per_engine=4))
     assert isinstance(built, MemoryIndex)
     assert (built.max_entries, built.max_entries_per_engine) == (10, 4)
@@ -185,8 +192,9 @@ def _stored(hashes: list[int], parent: int | None, block_size: int = 4) -> Block
     return BlockStored(hashes, parent, tokens, block_size, medium="GPU")
 
 
-async def test_a_streams_hash_map_is_bounded_and_forgets_its_oldest() -> None:
-    index = MemoryIndex(max_entries_per_engine=32)
+@pytest.mark.parametrize("compact", TABLES)
+async def test_a_streams_hash_map_is_bounded_and_forgets_its_oldest(compact: bool) -> None:
+    index = MemoryIndex(max_entries_per_engine=32, compact=compact)
     ingestor = EventIngestor(index, max_blocks_per_engine=32)
     state = StreamState(ENGINES[0], "m", 4)
     parent = None
@@ -195,7 +203,7 @@ async def test_a_streams_hash_map_is_bounded_and_forgets_its_oldest() -> None:
         await ingestor.apply(state, EventBatch(0.0, [_stored(hashes, parent)]))
         parent = hashes[-1]
         assert len(state.hashes[Tier.GPU]) <= 32
-        assert index._entries <= 32
+        assert index.stats_now().entries <= 32
     assert ingestor.counters.blocks_stored == 320
     assert ingestor.counters.forgotten_hashes == 320 - len(state.hashes[Tier.GPU])
     assert list(state.hashes[Tier.GPU])[-1] == 320  # the newest stay
@@ -231,7 +239,7 @@ async def test_without_a_bound_the_map_keeps_every_hash() -> None:
 
 
 def test_the_footprint_counts_each_object_once_and_grows_with_the_entries() -> None:
-    index = MemoryIndex()
+    index = MemoryIndex(compact=False)
     empty = index.footprint()
     keys = list(range(10**12, 10**12 + 5_000))  # ints too large to be the interpreter's
     index.add_now(ENGINES[0], keys)

@@ -31,7 +31,11 @@ IndexFactory = Callable[[FakeClock, pytest.FixtureRequest], Awaitable[KVIndex]]
 
 
 async def _memory(clock: FakeClock, request: pytest.FixtureRequest) -> KVIndex:
-    return MemoryIndex(clock=clock)
+    return MemoryIndex(clock=clock)  # the compiled holder table where it is built
+
+
+async def _memory_pure(clock: FakeClock, request: pytest.FixtureRequest) -> KVIndex:
+    return MemoryIndex(clock=clock, compact=False)
 
 
 async def _redis(clock: FakeClock, request: pytest.FixtureRequest) -> KVIndex:
@@ -40,7 +44,11 @@ async def _redis(clock: FakeClock, request: pytest.FixtureRequest) -> KVIndex:
     return RedisIndex(url, request.getfixturevalue("redis_namespace"), clock=clock, budget_ms=5000)
 
 
-INDEX_FACTORIES: dict[str, IndexFactory] = {"memory": _memory, "redis": _redis}
+INDEX_FACTORIES: dict[str, IndexFactory] = {
+    "memory": _memory,
+    "memory-pure": _memory_pure,
+    "redis": _redis,
+}
 
 
 @pytest.fixture
