@@ -240,8 +240,9 @@ class IndexConfig(_Section):
         description="In-memory index: at most this many (block, engine, tier) records in "
         "all; when full, the engine holding the most loses its least recently stored blocks "
         "(`kvroute_index_evictions_total`), down to seven eighths of this. 0: no limit. A "
-        "record costs about 300 bytes of the router's memory with its event stream's "
-        "engine-hash map (docs/operations.md sizes it).",
+        "record costs about 60 bytes of the router's memory with its event stream's "
+        "engine-hash map (about 300 without the compiled helper; docs/operations.md sizes "
+        "it).",
     )
     max_entries_per_engine: int = Field(
         1_048_576,

@@ -216,6 +216,12 @@ class StateCollector(Collector):
                     "(block, engine, tier) records in the index",
                     value=stats.entries,
                 )
+                if stats.bytes is not None:
+                    yield GaugeMetricFamily(
+                        "kvroute_index_bytes",
+                        "Bytes the in-memory index's compiled tables hold",
+                        value=stats.bytes,
+                    )
                 evictions = CounterMetricFamily(
                     "kvroute_index_evictions",
                     "Index records evicted for room (index.max_entries_per_engine, "

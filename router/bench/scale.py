@@ -5,7 +5,9 @@ engines, the fleet of :mod:`router.bench.scale_data` (a quarter of each engine's
 shared by up to 32 engines, the rest its own; every fourth engine holds a prefix of an
 8,192-token query) in a fresh process per index and fleet size, and measures:
 
-* memory: the process's RSS growth over the ingest, per (block, engine) entry;
+* memory: the process's RSS growth over the ingest, per (block, engine) entry, and
+  (``own B``) the bytes kvroute's structures count in themselves (the compiled tables'
+  arrays, or the pure ones' Python objects by ``sys.getsizeof``);
 * ingest: block events applied per second (kvroute: through the event ingestor, so
   hashing the blocks' tokens into keys and the engine-hash map that ``BlockRemoved``
   needs are included; Dynamo: pre-serialised events given to ``apply_event``), and the
@@ -16,7 +18,9 @@ shared by up to 32 engines, the rest its own; every fourth engine holds a prefix
 
 Dynamo's side runs ``router/bench/scale_dynamo.py`` in ``build/dynamo/venv`` with
 ``ai-dynamo-runtime`` from PyPI (installed on first use; skipped, with the reason, when
-it cannot be). Prints a table and writes ``bench-results/scale.json``.
+it cannot be). kvroute runs twice per fleet: with the compiled index
+(``router._native.BlockIndex``) and with the pure-Python one (``KVROUTE_PURE_PYTHON=1``;
+``--skip-pure`` leaves it out). Prints a table and writes ``bench-results/scale.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -138,8 +143,9 @@ def dynamo_python() -> tuple[Path | None, str]:
     return DYNAMO_PYTHON, ""
 
 
-def _run(command: list[str]) -> dict[str, Any]:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+def _run(command: list[str], pure: bool = False) -> dict[str, Any]:
+    env = {**os.environ, "KVROUTE_PURE_PYTHON": "1"} if pure else None
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -155,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         help="fleet sizes (repeatable; default 16:16384, 256:4096, 1000:2048)",
     )
     parser.add_argument("--skip-dynamo", action="store_true")
+    parser.add_argument(
+        "--skip-pure",
+        action="store_true",
+        help="leave out kvroute's pure-Python index (KVROUTE_PURE_PYTHON=1), measured by default",
+    )
     parser.add_argument("--output", default="bench-results/scale.json")
     parser.add_argument("--one", nargs=3, type=int, metavar=("ENGINES", "BLOCKS", "REPEAT"),
                         help=argparse.SUPPRESS)  # fmt: skip
@@ -170,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     for engines, blocks in fleets:
         one = [str(engines), str(blocks), str(args.repeat)]
         rows.append(_run([sys.executable, "-m", "router.bench.scale", "--one", *one]))
+        if not args.skip_pure:
+            rows.append(_run([sys.executable, "-m", "router.bench.scale", "--one", *one], True))
         if dynamo is not None:
             script = str(Path(__file__).with_name("scale_dynamo.py"))
             rows.append(_run([str(dynamo), script, *one]))
     header = (
-        f"{'index':<18}{'engines':>8}{'entries':>11}{'B/entry':>9}{'ingest blk/s':>14}"
+        f"{'index':<18}{'engines':>8}{'entries':>11}{'B/entry':>9}{'own B':>7}{'ingest blk/s':>14}"
         f"{'replay s':>10}{'lookup p50':>12}{'p99':>8}{'+decision p50':>15}{'p99':>8}"
         f"{'clear ms':>10}{'agree':>7}"
     )
@@ -187,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{r['index']:<18}{r['engines']:>8}{r['entries']:>11,}{r['bytes_per_entry']:>9.0f}"
+            f"{r.get('own_bytes_per_entry', float('nan')):>7.0f}"
             f"{r['ingest_blocks_per_s']:>14,.0f}{r['replay_s']:>10.2f}"
             f"{r['lookup_p50_us']:>10.0f}us{r['lookup_p99_us']:>6.0f}us{decision}"
             f"{r['clear_engine_ms']:>10.2f}{'yes' if r['matches_agree'] else 'NO':>7}"

@@ -61,6 +61,9 @@ class IndexStats:
     evicted: dict[str, int] = field(default_factory=dict)
     """Firm records evicted for room, by cause (``engine_cap``, ``index_cap``; a
     backend that does not bound itself: none)."""
+    bytes: int | None = None
+    """Bytes the index's own structures hold, where the backend counts them cheaply
+    (the compiled in-memory table; None otherwise)."""
 
 
 def trimmed_size(cap: int) -> int:

@@ -301,11 +301,12 @@ class MemoryIndex(KVIndex):
     def stats_now(self) -> IndexStats:
         """Synchronous :meth:`stats`."""
         self._sweep(self._clock())
-        blocks, entries, _, _ = self._table.stats()
+        blocks, entries, _, size = self._table.stats()
         table = self._table
         return IndexStats(
             blocks=blocks,
             entries=entries + self._exp_count,
             engines=sum(1 for idx in self._ids.values() if any(table.held(idx, t) for t in Tier)),
             evicted=dict(self.evicted),
+            bytes=size if self.compact else None,
         )

@@ -990,33 +990,32 @@ BlockIndex_add_expiring(BlockIndex *ix, PyObject *args)
     if (fast == NULL) {
         return NULL;
     }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
+    uint64_t *keys;
+    Py_ssize_t n = u64_array(fast, &keys); /* every key checked before any is applied */
+    if (n < 0) {
         Py_DECREF(fast);
         return NULL;
     }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        goto done;
+    }
     OrdTable *gpu = held_of(ix, (size_t)eid, 0);
     const uint32_t expiring = elem_of((size_t)eid, CODE_EXPIRING);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t key;
-        if (as_u64(items[k], &key) != 0) {
-            goto fail;
-        }
-        if (ord_find(gpu, key) >= 0) {
+        if (ord_find(gpu, keys[k]) >= 0) {
             continue;
         }
-        if (key_edit(ix, key, expiring, 1) < 0 || PyList_Append(out, items[k]) != 0) {
-            goto fail;
+        if (key_edit(ix, keys[k], expiring, 1) < 0 || PyList_Append(out, items[k]) != 0) {
+            Py_CLEAR(out);
+            break;
         }
     }
+done:
+    PyMem_Free(keys);
     Py_DECREF(fast);
     return out;
-fail:
-    Py_DECREF(fast);
-    Py_DECREF(out);
-    return NULL;
 }
 
 /* drop_expiring(engine_id, keys): take out the engine's expiring records of ``keys`` */

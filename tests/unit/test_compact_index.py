@@ -149,7 +149,10 @@ def test_bad_keys_tiers_and_engine_ids_are_refused() -> None:
         table.add(-1, 0, [1])
     with pytest.raises(ValueError):
         native_helper().BlockIndex(-1, 0)  # type: ignore[union-attr]
+    with pytest.raises(OverflowError):
+        table.add_expiring(0, [5, -1])
     assert table.stats()[:2] == (0, 0)  # nothing half-applied before the bad key
+    assert table.holders(5) == []
     table.add(0, 0, [1, 2])
     assert table.lookup([1, 2], ["a"], {"a": 0}, ["a"], Match) == {"a": Match(2)}
     with pytest.raises(OverflowError):
