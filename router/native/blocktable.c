@@ -6,7 +6,8 @@
  * BlockIndex keeps three structures, every number in them a plain machine word:
  *
  * - the key table: block key -> holder set id, open addressing with linear probing
- *   (12 bytes a slot, at most 80% full, grown by half);
+ *   (12 bytes a slot, at most 85% full, grown by a third: block keys are XXH3 outputs,
+ *   uniformly spread, so probe runs stay short);
  * - holder sets, interned: a sorted array of elements ``engine id << 2 | code`` (code 0
  *   GPU, 1 CPU, 2 disk, 3 an expiring GPU record), shared by every key with the same
  *   holders, so a block held by one engine costs no set of its own and a block held by
@@ -117,9 +118,9 @@ u64_array(PyObject *seq, uint64_t **out)
 /* ------------------------------------------------------------------ ordered table */
 
 /* Keys (and values) in insertion order with holes where entries were removed; ``slots``
- * index them (entry position + 1, 0 empty; at most 80% of them used). Holes are squeezed
- * out when the entry array is full and a quarter of it is holes, else it grows by a
- * quarter. */
+ * index them (entry position + 1, 0 empty; at most 85% of them used). Holes are squeezed
+ * out when the entry array is full and a quarter of it is holes, else it grows by an
+ * eighth. */
 typedef struct {
     uint64_t *keys;
     uint64_t *vals; /* NULL in a set */
@@ -247,7 +248,7 @@ ord_room(OrdTable *t, int with_vals)
                 return -1;
             }
         } else {
-            size_t ecap = t->ecap < 8 ? 8 : t->ecap + t->ecap / 4;
+            size_t ecap = t->ecap < 16 ? 16 : t->ecap + t->ecap / 8;
             uint64_t *keys = PyMem_Realloc(t->keys, ecap * sizeof(uint64_t));
             if (keys == NULL) {
                 PyErr_NoMemory();
@@ -273,9 +274,9 @@ ord_room(OrdTable *t, int with_vals)
             t->ecap = ecap;
         }
     }
-    /* slots at most 80% full, rebuilt 62% full */
-    if ((t->live + 1) * 5 > t->scap * 4) {
-        size_t scap = (t->live + 1) * 8 / 5;
+    /* slots at most 85% full, rebuilt 70% full */
+    if ((t->live + 1) * 20 > t->scap * 17) {
+        size_t scap = (t->live + 1) * 10 / 7;
         if (scap < 16) {
             scap = 16;
         }
@@ -748,8 +749,8 @@ key_edit(BlockIndex *ix, uint64_t key, uint32_t elem, int add)
     }
     set_ref(ix, to);
     if (i < 0) {
-        if ((ix->used + 1) * 5 > ix->cap * 4) {
-            size_t cap = ix->cap < 64 ? 128 : ix->cap + ix->cap / 2;
+        if ((ix->used + 1) * 20 > ix->cap * 17) {
+            size_t cap = ix->cap < 64 ? 128 : ix->cap + ix->cap / 3;
             if (key_table_resize(ix, cap) != 0) {
                 set_unref(ix, to);
                 return -1;
