@@ -15,12 +15,16 @@ until the table is back to seven eighths of its cap. Evicting an eighth at once 
 eviction amortized O(1) per stored key (a dict emptied from the front is compacted only
 when it grows).
 
+Expiring records (a routing decision's provisional holders) set the engine's GPU bit
+too, with their deadlines in a dict per key and a heap to sweep by.
+
 Engines are named by the small integer ids :class:`router.index.memory.MemoryIndex`
 gives them; tiers by ``Tier``'s value, or -1 for every tier.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Any
@@ -65,11 +69,22 @@ class BitmaskTable:
         self._tiers: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
         self._held: list[tuple[dict[int, None], ...]] = []
         """Per engine id: keys it holds firmly, per tier, oldest stored first."""
+        self._exp: dict[int, dict[int, float]] = {}
+        """key -> engine id -> deadline of an expiring GPU record."""
+        self._exp_heap: list[tuple[float, int, int, list[int]]] = []
+        self.expiring = 0
+        """Expiring records held."""
+        self._seq = 0
 
     @property
     def evicted(self) -> tuple[int, int]:
         """Firm records evicted for room: (past an engine's cap, past the table's)."""
         return (self._evicted[0], self._evicted[1])
+
+    @property
+    def next_deadline(self) -> float:
+        """The earliest deadline to sweep at (inf: none)."""
+        return self._exp_heap[0][0] if self._exp_heap else float("inf")
 
     @property
     def slow_entries(self) -> int:
@@ -100,28 +115,63 @@ class BitmaskTable:
             self._make_room(idx, tier)
         return fresh
 
-    def add_expiring(self, idx: int, keys: Sequence[int]) -> list[int]:
-        """Mark engine ``idx`` as an expiring GPU holder of ``keys``; returns the keys
-        marked (those it holds on no firm GPU record)."""
+    def add_expiring(self, idx: int, keys: Sequence[int], deadline: float) -> None:
+        """Mark engine ``idx`` as a GPU holder of ``keys`` until ``deadline``, those it
+        holds there firmly aside (a later add moves a record's deadline)."""
         held = self._engine(idx)[Tier.GPU]
         bit = 1 << idx
         gpu = self._tiers[Tier.GPU]
         gpu_get = gpu.get
+        exp = self._exp
         marked = []
         for key in keys:
-            if key not in held:
-                gpu[key] = gpu_get(key, 0) | bit
-                marked.append(key)
-        return marked
+            if key in held:
+                continue
+            gpu[key] = gpu_get(key, 0) | bit
+            marked.append(key)
+            pending = exp.get(key)
+            if pending is None:
+                exp[key] = {idx: deadline}
+                self.expiring += 1
+            else:
+                if idx not in pending:
+                    self.expiring += 1
+                pending[idx] = deadline
+        if marked:
+            self._seq += 1
+            heapq.heappush(self._exp_heap, (deadline, self._seq, idx, marked))
 
-    def drop_expiring(self, idx: int, keys: Iterable[int]) -> None:
-        """Forget engine ``idx``'s expiring records of ``keys`` (firm ones stay)."""
-        held = self._engine(idx)[Tier.GPU]
-        bit = 1 << idx
+    def sweep(self, now: float) -> None:
+        """Drop the expiring records whose deadline is at or before ``now``."""
+        heap = self._exp_heap
+        exp = self._exp
         gpu = self._tiers[Tier.GPU]
+        while heap and heap[0][0] <= now:
+            _, _, idx, keys = heapq.heappop(heap)
+            held = self._engine(idx)[Tier.GPU]
+            bit = 1 << idx
+            for key in keys:
+                pending = exp.get(key)
+                if pending is None:
+                    continue
+                deadline = pending.get(idx)
+                if deadline is not None and deadline <= now:
+                    del pending[idx]
+                    self.expiring -= 1
+                    if not pending:
+                        del exp[key]
+                    if key not in held:
+                        _clear_bit(gpu, key, bit)
+
+    def _drop_pending(self, idx: int, keys: Iterable[int]) -> None:
+        """Forget engine ``idx``'s expiring deadlines of ``keys``."""
+        exp = self._exp
         for key in keys:
-            if key not in held:
-                _clear_bit(gpu, key, bit)
+            pending = exp.get(key)
+            if pending and pending.pop(idx, None) is not None:
+                self.expiring -= 1
+                if not pending:
+                    del exp[key]
 
     def remove(self, idx: int, tier: int, keys: Sequence[int]) -> int:
         """Drop engine ``idx``'s records of ``keys`` in ``tier`` (``EVERY_TIER``: all);
@@ -137,11 +187,13 @@ class BitmaskTable:
                 _clear_bit(table, key, bit)
                 if held.pop(key, 0) is None:
                     gone += 1
+            if t is Tier.GPU and self._exp:
+                self._drop_pending(idx, keys)
         self.entries -= gone
         return gone
 
     def clear(self, idx: int) -> int:
-        """Drop every firm record of engine ``idx``; returns how many."""
+        """Drop every record of engine ``idx``, firm and expiring; returns how many firm."""
         bit = 1 << idx
         gone = 0
         for table, held in zip(self._tiers, self._engine(idx), strict=True):
@@ -150,6 +202,17 @@ class BitmaskTable:
             gone += len(held)
         self.entries -= gone
         self._held[idx] = tuple({} for _ in Tier)
+        kept = []
+        gpu = self._tiers[Tier.GPU]
+        for entry in self._exp_heap:
+            if entry[2] != idx:
+                kept.append(entry)
+                continue
+            self._drop_pending(idx, entry[3])
+            for key in entry[3]:
+                _clear_bit(gpu, key, bit)
+        heapq.heapify(kept)
+        self._exp_heap = kept
         return gone
 
     # ------------------------------------------------------------------ reads
@@ -233,7 +296,9 @@ class BitmaskTable:
     def footprint(self, seen: set[int] | None = None) -> int:
         """Bytes of the table's dicts and the ints they hold (``seen``: object ids
         already counted elsewhere). Walks every entry: for reports only."""
-        return footprint([*self._tiers, *(t for tiers in self._held for t in tiers)], seen)
+        return footprint(
+            [*self._tiers, *(t for tiers in self._held for t in tiers), self._exp], seen
+        )
 
     # ------------------------------------------------------------------ room
 

@@ -7,10 +7,10 @@ of interned holder sets, about 30 bytes a record) where the helper is built, els
 pure-Python twin :class:`router.index.bitmask.BitmaskTable` (dicts of engine bitmasks);
 tests hold the two equal, and ``KVROUTE_PURE_PYTHON=1`` picks the pure one.
 
-Expiring holders (provisional and approximate-mode records) count as GPU holders and
-are remembered here with their deadline; every read first sweeps out what has expired
-(a heap check when nothing has), so lookups never test deadlines per key. A firm record
-of the same (key, engine) outlives its expiring one.
+Expiring holders (provisional and approximate-mode records) count as GPU holders; the
+table keeps their deadlines and every read first sweeps out what has expired (a check
+of the earliest deadline when nothing has), so lookups never test deadlines per key. A
+firm record of the same (key, engine) outlives its expiring one.
 
 Memory is bounded by ``max_entries`` (firm records in all) and ``max_entries_per_engine``
 (firm records of one engine in one tier); 0 is no limit. Each engine's firmly held keys
@@ -22,7 +22,6 @@ to seven eighths of its cap. ``evicted`` counts records evicted, by cause.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -44,12 +43,16 @@ class HolderTable(Protocol):
     @property
     def entries(self) -> int: ...
     @property
+    def expiring(self) -> int: ...
+    @property
+    def next_deadline(self) -> float: ...
+    @property
     def slow_entries(self) -> int: ...
     @property
     def evicted(self) -> tuple[int, int]: ...
     def add(self, idx: int, tier: int, keys: Sequence[int]) -> int: ...
-    def add_expiring(self, idx: int, keys: Sequence[int]) -> list[int]: ...
-    def drop_expiring(self, idx: int, keys: Sequence[int]) -> None: ...
+    def add_expiring(self, idx: int, keys: Sequence[int], deadline: float) -> None: ...
+    def sweep(self, now: float) -> None: ...
     def remove(self, idx: int, tier: int, keys: Sequence[int]) -> int: ...
     def clear(self, idx: int) -> int: ...
     def holds(self, idx: int, tier: int, key: int) -> bool: ...
@@ -112,11 +115,6 @@ class MemoryIndex(KVIndex):
         self._ids: dict[EngineKey, int] = {}
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
-        self._exp: dict[int, dict[int, float]] = {}
-        """key -> engine id -> deadline of an expiring GPU record."""
-        self._exp_heap: list[tuple[float, int, int, Sequence[int]]] = []
-        self._exp_count = 0
-        self._seq = 0
 
     @property
     def evicted(self) -> Counter[str]:
@@ -156,9 +154,10 @@ class MemoryIndex(KVIndex):
         """Synchronous lookup (the in-memory backend never waits)."""
         if not keys or not candidates:
             return {}
-        if self._exp_heap and self._exp_heap[0][0] <= self._clock():
-            self._sweep(self._clock())
-        return self._table.lookup(keys, candidates, self._ids, self._names, Match)
+        table = self._table
+        if table.next_deadline <= self._clock():
+            table.sweep(self._clock())
+        return table.lookup(keys, candidates, self._ids, self._names, Match)
 
     # ------------------------------------------------------------------ writes
 
@@ -184,23 +183,8 @@ class MemoryIndex(KVIndex):
             self._table.add(idx, tier, keys)
             return
         now = self._clock()
-        if self._exp_heap:
-            self._sweep(now)
-        deadline = now + ttl
-        fresh = self._table.add_expiring(idx, keys)
-        exp = self._exp
-        for key in fresh:
-            pending = exp.get(key)
-            if pending is None:
-                exp[key] = {idx: deadline}
-                self._exp_count += 1
-            else:
-                if idx not in pending:
-                    self._exp_count += 1
-                pending[idx] = deadline
-        if fresh:
-            self._seq += 1
-            heapq.heappush(self._exp_heap, (deadline, self._seq, idx, fresh))
+        self._table.sweep(now)
+        self._table.add_expiring(idx, keys, now + ttl)
 
     async def remove(
         self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None
@@ -213,14 +197,6 @@ class MemoryIndex(KVIndex):
         if idx is None:
             return
         self._table.remove(idx, EVERY_TIER if tier is None else tier, keys)
-        exp = self._exp
-        if exp and (tier is None or tier is Tier.GPU):
-            for key in keys:
-                pending = exp.get(key)
-                if pending and pending.pop(idx, None) is not None:
-                    self._exp_count -= 1
-                    if not pending:
-                        del exp[key]
 
     async def clear(self, engine: EngineKey) -> None:
         self.clear_now(engine)
@@ -231,23 +207,6 @@ class MemoryIndex(KVIndex):
         if idx is None:
             return
         self._table.clear(idx)
-        exp = self._exp
-        kept = []
-        for entry in self._exp_heap:
-            if entry[2] != idx:
-                kept.append(entry)
-                continue
-            dropped = []
-            for key in entry[3]:
-                pending = exp.get(key)
-                if pending and pending.pop(idx, None) is not None:
-                    self._exp_count -= 1
-                    dropped.append(key)
-                    if not pending:
-                        del exp[key]
-            self._table.drop_expiring(idx, dropped)
-        heapq.heapify(kept)
-        self._exp_heap = kept
         self._names[idx] = None
         self._free.append(idx)
 
@@ -259,33 +218,8 @@ class MemoryIndex(KVIndex):
         hold, each object once; ``seen``: ids already counted, shared with other
         structures such as the event streams' maps; small ints are the interpreter's
         own). Expiring records' deadlines included. For reports, not the request path."""
-        seen = set() if seen is None else seen
         table = self._table
-        own = table.footprint(seen) if isinstance(table, BitmaskTable) else table.stats()[3]
-        return own + footprint([self._exp], seen)
-
-    # ------------------------------------------------------------------ housekeeping
-
-    def _sweep(self, now: float) -> None:
-        """Drop expiring records whose deadline has passed."""
-        heap = self._exp_heap
-        exp = self._exp
-        while heap and heap[0][0] <= now:
-            _, _, idx, keys = heapq.heappop(heap)
-            expired = []
-            for key in keys:
-                pending = exp.get(key)
-                if pending is None:
-                    continue
-                deadline = pending.get(idx)
-                if deadline is not None and deadline <= now:
-                    del pending[idx]
-                    self._exp_count -= 1
-                    if not pending:
-                        del exp[key]
-                    expired.append(key)
-            if expired:
-                self._table.drop_expiring(idx, expired)
+        return table.footprint(seen) if isinstance(table, BitmaskTable) else table.stats()[3]
 
     async def stats(self) -> IndexStats:
         return self.stats_now()
@@ -300,12 +234,12 @@ class MemoryIndex(KVIndex):
 
     def stats_now(self) -> IndexStats:
         """Synchronous :meth:`stats`."""
-        self._sweep(self._clock())
-        blocks, entries, _, size = self._table.stats()
         table = self._table
+        table.sweep(self._clock())
+        blocks, entries, _, size = table.stats()
         return IndexStats(
             blocks=blocks,
-            entries=entries + self._exp_count,
+            entries=entries + table.expiring,
             engines=sum(1 for idx in self._ids.values() if any(table.held(idx, t) for t in Tier)),
             evicted=dict(self.evicted),
             bytes=size if self.compact else None,

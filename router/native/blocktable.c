@@ -17,6 +17,9 @@
  *   the keys in an array with holes, an index of 4-byte slots into it), which is what
  *   clearing an engine and evicting the least recently stored need.
  *
+ * Expiring records (a routing decision's provisional holders) are holder elements too,
+ * with their deadlines in a table of (key, engine) -> deadline and a heap to sweep by.
+ *
  * A lookup walks the prompt's keys; a run of keys with the same holder set (the usual
  * case along a chain) costs one probe a key, and only a change of set touches engines.
  *
@@ -377,6 +380,21 @@ typedef struct {
 } KeySlot;
 #pragma pack(pop)
 
+/* an expiring record's deadline (seconds on the caller's clock) */
+typedef struct {
+    uint64_t key;
+    uint32_t eid;
+    uint32_t used;
+    double deadline;
+} ExpSlot;
+
+/* a deadline to sweep at: the record is dropped then unless a later add moved it */
+typedef struct {
+    double deadline;
+    uint64_t key;
+    uint32_t eid;
+} ExpRec;
+
 typedef struct {
     PyObject_HEAD
     /* key table */
@@ -408,6 +426,11 @@ typedef struct {
     size_t slow_entries; /* firm records in the CPU and disk tiers */
     size_t max_entries, max_per_engine;
     unsigned long long evicted_engine_cap, evicted_index_cap;
+    /* expiring records: (key, engine) -> deadline, and a heap of deadlines to sweep */
+    ExpSlot *exp;
+    size_t exp_cap, exp_used;
+    ExpRec *heap;
+    size_t heap_n, heap_cap;
 } BlockIndex;
 
 static size_t
@@ -977,70 +1000,237 @@ fail:
     return NULL;
 }
 
-/* add_expiring(engine_id, keys) -> the keys marked (those the engine holds on no GPU
- * record firmly) */
+/* --- expiring records */
+
+static inline uint64_t
+exp_hash(uint64_t key, uint32_t eid)
+{
+    return mix64(key ^ ((uint64_t)eid * 0x9E3779B97F4A7C15ULL));
+}
+
+static Py_ssize_t
+exp_find(const BlockIndex *ix, uint64_t key, uint32_t eid)
+{
+    if (ix->exp_cap == 0) {
+        return -1;
+    }
+    size_t i = home_of(exp_hash(key, eid), ix->exp_cap);
+    for (;;) {
+        const ExpSlot *slot = &ix->exp[i];
+        if (!slot->used) {
+            return -1;
+        }
+        if (slot->key == key && slot->eid == eid) {
+            return (Py_ssize_t)i;
+        }
+        i = next_slot(i, ix->exp_cap);
+    }
+}
+
+static int
+exp_resize(BlockIndex *ix, size_t cap)
+{
+    ExpSlot *table = PyMem_Calloc(cap, sizeof(ExpSlot));
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t k = 0; k < ix->exp_cap; k++) {
+        if (ix->exp[k].used) {
+            size_t i = home_of(exp_hash(ix->exp[k].key, ix->exp[k].eid), cap);
+            while (table[i].used) {
+                i = next_slot(i, cap);
+            }
+            table[i] = ix->exp[k];
+        }
+    }
+    PyMem_Free(ix->exp);
+    ix->exp = table;
+    ix->exp_cap = cap;
+    return 0;
+}
+
+static void
+exp_delete(BlockIndex *ix, size_t i)
+{
+    size_t j = i;
+    for (;;) {
+        j = next_slot(j, ix->exp_cap);
+        if (!ix->exp[j].used) {
+            break;
+        }
+        if (may_shift(home_of(exp_hash(ix->exp[j].key, ix->exp[j].eid), ix->exp_cap), i, j)) {
+            ix->exp[i] = ix->exp[j];
+            i = j;
+        }
+    }
+    ix->exp[i].used = 0;
+    ix->exp_used--;
+}
+
+/* (key, eid) expires at ``deadline`` (a later add moves it); -1 on error */
+static int
+exp_put(BlockIndex *ix, uint64_t key, uint32_t eid, double deadline)
+{
+    Py_ssize_t i = exp_find(ix, key, eid);
+    if (i >= 0) {
+        ix->exp[i].deadline = deadline;
+        return 0;
+    }
+    if ((ix->exp_used + 1) * 10 > ix->exp_cap * 7) {
+        if (exp_resize(ix, ix->exp_cap < 64 ? 128 : ix->exp_cap * 2) != 0) {
+            return -1;
+        }
+    }
+    size_t k = home_of(exp_hash(key, eid), ix->exp_cap);
+    while (ix->exp[k].used) {
+        k = next_slot(k, ix->exp_cap);
+    }
+    ix->exp[k].key = key;
+    ix->exp[k].eid = eid;
+    ix->exp[k].used = 1;
+    ix->exp[k].deadline = deadline;
+    ix->exp_used++;
+    return 0;
+}
+
+static int
+heap_push(BlockIndex *ix, double deadline, uint64_t key, uint32_t eid)
+{
+    if (ix->heap_n == ix->heap_cap) {
+        size_t cap = ix->heap_cap < 64 ? 128 : ix->heap_cap * 2;
+        ExpRec *heap = PyMem_Realloc(ix->heap, cap * sizeof(ExpRec));
+        if (heap == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        ix->heap = heap;
+        ix->heap_cap = cap;
+    }
+    size_t i = ix->heap_n++;
+    while (i > 0) {
+        size_t up = (i - 1) / 2;
+        if (ix->heap[up].deadline <= deadline) {
+            break;
+        }
+        ix->heap[i] = ix->heap[up];
+        i = up;
+    }
+    ix->heap[i].deadline = deadline;
+    ix->heap[i].key = key;
+    ix->heap[i].eid = eid;
+    return 0;
+}
+
+static ExpRec
+heap_pop(BlockIndex *ix)
+{
+    ExpRec top = ix->heap[0];
+    ExpRec last = ix->heap[--ix->heap_n];
+    size_t i = 0, n = ix->heap_n;
+    for (;;) {
+        size_t child = 2 * i + 1;
+        if (child >= n) {
+            break;
+        }
+        if (child + 1 < n && ix->heap[child + 1].deadline < ix->heap[child].deadline) {
+            child++;
+        }
+        if (last.deadline <= ix->heap[child].deadline) {
+            break;
+        }
+        ix->heap[i] = ix->heap[child];
+        i = child;
+    }
+    if (n) {
+        ix->heap[i] = last;
+    }
+    if (n == 0 && ix->heap_cap > 1024) { /* let a burst's heap go */
+        PyMem_Free(ix->heap);
+        ix->heap = NULL;
+        ix->heap_cap = 0;
+    }
+    return top;
+}
+
+/* drop every expiring record whose deadline is at or before ``now``; -1 on error */
+static int
+sweep_to(BlockIndex *ix, double now)
+{
+    while (ix->heap_n && ix->heap[0].deadline <= now) {
+        ExpRec rec = heap_pop(ix);
+        Py_ssize_t i = exp_find(ix, rec.key, rec.eid);
+        if (i < 0 || ix->exp[i].deadline > now) {
+            continue; /* removed since, or moved later by another add */
+        }
+        exp_delete(ix, (size_t)i);
+        if (key_edit(ix, rec.key, elem_of(rec.eid, CODE_EXPIRING), 0) < 0) {
+            return -1;
+        }
+    }
+    if (ix->exp_used == 0 && ix->exp_cap > 1024) {
+        PyMem_Free(ix->exp);
+        ix->exp = NULL;
+        ix->exp_cap = 0;
+    }
+    return 0;
+}
+
+/* forget (key, eid)'s expiring record, if any; -1 on error */
+static int
+drop_expiring(BlockIndex *ix, uint64_t key, uint32_t eid)
+{
+    Py_ssize_t i = exp_find(ix, key, eid);
+    if (i >= 0) {
+        exp_delete(ix, (size_t)i);
+    }
+    return key_edit(ix, key, elem_of(eid, CODE_EXPIRING), 0) < 0 ? -1 : 0;
+}
+
+/* add_expiring(engine_id, keys, deadline): the engine holds ``keys`` on the GPU until
+ * ``deadline``, those it holds there firmly aside (a later add moves a deadline) */
 static PyObject *
 BlockIndex_add_expiring(BlockIndex *ix, PyObject *args)
 {
     Py_ssize_t eid;
     PyObject *seq;
-    if (!PyArg_ParseTuple(args, "nO:add_expiring", &eid, &seq) || ensure_engine(ix, eid) != 0) {
-        return NULL;
-    }
-    PyObject *fast = PySequence_Fast(seq, "expected a sequence of ints");
-    if (fast == NULL) {
+    double deadline;
+    if (!PyArg_ParseTuple(args, "nOd:add_expiring", &eid, &seq, &deadline) ||
+        ensure_engine(ix, eid) != 0) {
         return NULL;
     }
     uint64_t *keys;
-    Py_ssize_t n = u64_array(fast, &keys); /* every key checked before any is applied */
+    Py_ssize_t n = u64_array(seq, &keys); /* every key checked before any is applied */
     if (n < 0) {
-        Py_DECREF(fast);
         return NULL;
-    }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
-        goto done;
     }
     OrdTable *gpu = held_of(ix, (size_t)eid, 0);
     const uint32_t expiring = elem_of((size_t)eid, CODE_EXPIRING);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
         if (ord_find(gpu, keys[k]) >= 0) {
             continue;
         }
-        if (key_edit(ix, keys[k], expiring, 1) < 0 || PyList_Append(out, items[k]) != 0) {
-            Py_CLEAR(out);
-            break;
-        }
-    }
-done:
-    PyMem_Free(keys);
-    Py_DECREF(fast);
-    return out;
-}
-
-/* drop_expiring(engine_id, keys): take out the engine's expiring records of ``keys`` */
-static PyObject *
-BlockIndex_drop_expiring(BlockIndex *ix, PyObject *args)
-{
-    Py_ssize_t eid;
-    PyObject *seq;
-    if (!PyArg_ParseTuple(args, "nO:drop_expiring", &eid, &seq) || ensure_engine(ix, eid) != 0) {
-        return NULL;
-    }
-    uint64_t *keys;
-    Py_ssize_t n = u64_array(seq, &keys);
-    if (n < 0) {
-        return NULL;
-    }
-    const uint32_t expiring = elem_of((size_t)eid, CODE_EXPIRING);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (key_edit(ix, keys[k], expiring, 0) < 0) {
+        if (key_edit(ix, keys[k], expiring, 1) < 0 || exp_put(ix, keys[k], (uint32_t)eid, deadline) != 0 ||
+            heap_push(ix, deadline, keys[k], (uint32_t)eid) != 0) {
             PyMem_Free(keys);
             return NULL;
         }
     }
     PyMem_Free(keys);
+    Py_RETURN_NONE;
+}
+
+/* sweep(now): drop the expiring records whose deadline is at or before ``now`` */
+static PyObject *
+BlockIndex_sweep(BlockIndex *ix, PyObject *arg)
+{
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (sweep_to(ix, now) != 0) {
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -1081,7 +1271,7 @@ BlockIndex_remove(BlockIndex *ix, PyObject *args)
                 }
                 gone++;
             }
-            if (t == 0 && key_edit(ix, keys[k], elem_of((size_t)eid, CODE_EXPIRING), 0) < 0) {
+            if (t == 0 && drop_expiring(ix, keys[k], (uint32_t)eid) != 0) {
                 PyMem_Free(keys);
                 return NULL;
             }
@@ -1091,13 +1281,38 @@ BlockIndex_remove(BlockIndex *ix, PyObject *args)
     return PyLong_FromSize_t(gone);
 }
 
-/* clear(engine_id) -> firm records removed (expiring ones are the caller's to drop) */
+/* clear(engine_id) -> firm records removed; its expiring ones go too */
 static PyObject *
 BlockIndex_clear(BlockIndex *ix, PyObject *args)
 {
     Py_ssize_t eid;
     if (!PyArg_ParseTuple(args, "n:clear", &eid) || ensure_engine(ix, eid) != 0) {
         return NULL;
+    }
+    /* its expiring records: collected first (deleting shifts the table), then dropped;
+     * their heap entries find nothing when they come due */
+    size_t mine = 0;
+    for (size_t k = 0; k < ix->exp_cap; k++) {
+        mine += ix->exp[k].used && ix->exp[k].eid == (uint32_t)eid;
+    }
+    if (mine) {
+        uint64_t *keys = PyMem_Malloc(mine * sizeof(uint64_t));
+        if (keys == NULL) {
+            return PyErr_NoMemory();
+        }
+        size_t n = 0;
+        for (size_t k = 0; k < ix->exp_cap; k++) {
+            if (ix->exp[k].used && ix->exp[k].eid == (uint32_t)eid) {
+                keys[n++] = ix->exp[k].key;
+            }
+        }
+        for (size_t k = 0; k < n; k++) {
+            if (drop_expiring(ix, keys[k], (uint32_t)eid) != 0) {
+                PyMem_Free(keys);
+                return NULL;
+            }
+        }
+        PyMem_Free(keys);
     }
     size_t gone = 0;
     for (int t = 0; t < TIERS; t++) {
@@ -1439,7 +1654,8 @@ BlockIndex_bytes(const BlockIndex *ix)
     size_t total = sizeof(BlockIndex) + ix->cap * sizeof(KeySlot) + ix->set_bytes +
                    ix->sets_cap * (sizeof(HolderSet *) + 2 * sizeof(uint32_t)) +
                    ix->icap * sizeof(uint32_t) + ix->scratch_cap * sizeof(uint32_t) +
-                   ix->nengines * (TIERS * sizeof(OrdTable) + 4 * sizeof(uint32_t));
+                   ix->nengines * (TIERS * sizeof(OrdTable) + 4 * sizeof(uint32_t)) +
+                   ix->exp_cap * sizeof(ExpSlot) + ix->heap_cap * sizeof(ExpRec);
     for (size_t k = 0; k < ix->nengines * TIERS; k++) {
         total += ord_bytes(&ix->held[k], 0);
     }
@@ -1509,6 +1725,8 @@ BlockIndex_dealloc(BlockIndex *ix)
     PyMem_Free(ix->alive);
     PyMem_Free(ix->off);
     PyMem_Free(ix->disk);
+    PyMem_Free(ix->exp);
+    PyMem_Free(ix->heap);
     Py_TYPE(ix)->tp_free((PyObject *)ix);
 }
 
@@ -1530,7 +1748,22 @@ BlockIndex_slow(BlockIndex *ix, void *Py_UNUSED(closure))
     return PyLong_FromSize_t(ix->slow_entries);
 }
 
+static PyObject *
+BlockIndex_expiring(BlockIndex *ix, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(ix->exp_used);
+}
+
+static PyObject *
+BlockIndex_next_deadline(BlockIndex *ix, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(ix->heap_n ? ix->heap[0].deadline : Py_HUGE_VAL);
+}
+
 static PyGetSetDef BlockIndex_getset[] = {
+    {"expiring", (getter)BlockIndex_expiring, NULL, "expiring records held", NULL},
+    {"next_deadline", (getter)BlockIndex_next_deadline, NULL,
+     "the earliest deadline to sweep at (inf: none)", NULL},
     {"evicted", (getter)BlockIndex_evicted, NULL, "(engine_cap, index_cap) records evicted", NULL},
     {"entries", (getter)BlockIndex_entries, NULL, "firm records held", NULL},
     {"slow_entries", (getter)BlockIndex_slow, NULL, "firm records in the CPU and disk tiers", NULL},
@@ -1541,9 +1774,9 @@ static PyMethodDef BlockIndex_methods[] = {
     {"add", (PyCFunction)BlockIndex_add, METH_VARARGS,
      "add(engine_id, tier, keys) -> firm records new to the index"},
     {"add_expiring", (PyCFunction)BlockIndex_add_expiring, METH_VARARGS,
-     "add_expiring(engine_id, keys) -> the keys marked (not held firmly on the GPU)"},
-    {"drop_expiring", (PyCFunction)BlockIndex_drop_expiring, METH_VARARGS,
-     "drop_expiring(engine_id, keys): forget the engine's expiring records of keys"},
+     "add_expiring(engine_id, keys, deadline): GPU holder until deadline (firm ones aside)"},
+    {"sweep", (PyCFunction)BlockIndex_sweep, METH_O,
+     "sweep(now): drop the expiring records due at or before now"},
     {"remove", (PyCFunction)BlockIndex_remove, METH_VARARGS,
      "remove(engine_id, tier, keys) -> firm records removed (tier -1: every tier)"},
     {"clear", (PyCFunction)BlockIndex_clear, METH_VARARGS,

@@ -250,8 +250,9 @@ class SimRun:
     router_entries: int = 0
     """(block, engine, tier) records in the router's index at the end of the run."""
     router_bytes: int = 0
-    """What the router's index and its event streams' engine-hash maps take then, by
-    ``sys.getsizeof`` of their Python objects (:meth:`MemoryIndex.footprint`)."""
+    """What the router's index and its event streams' engine-hash maps take then: the
+    compiled tables' own count of their arrays, or (pure Python) ``sys.getsizeof`` of
+    their objects (:meth:`MemoryIndex.footprint`)."""
     measure_s: float = 0.0
     """Wall time spent measuring ``router_bytes`` (not part of the simulation)."""
 

@@ -150,13 +150,29 @@ def test_bad_keys_tiers_and_engine_ids_are_refused() -> None:
     with pytest.raises(ValueError):
         native_helper().BlockIndex(-1, 0)  # type: ignore[union-attr]
     with pytest.raises(OverflowError):
-        table.add_expiring(0, [5, -1])
+        table.add_expiring(0, [5, -1], 1.0)
     assert table.stats()[:2] == (0, 0)  # nothing half-applied before the bad key
     assert table.holders(5) == []
     table.add(0, 0, [1, 2])
     assert table.lookup([1, 2], ["a"], {"a": 0}, ["a"], Match) == {"a": Match(2)}
     with pytest.raises(OverflowError):
         table.lookup([1, -2], ["a"], {"a": 0}, ["a"], Match)
+
+
+def test_expiring_records_are_compact_and_swept_by_deadline() -> None:
+    """Provisional records (one per block of every routed request, for
+    ``policy.provisional_ttl_s``) cost tens of bytes each, not a dict per key."""
+    table = native_helper().BlockIndex()  # type: ignore[union-attr]
+    before = table.stats()[3]
+    for request in range(100):
+        table.add_expiring(request % 8, list(range(request * 200, request * 200 + 200)), 10.0)
+    assert table.expiring == 20_000 and table.next_deadline == 10.0
+    assert (table.stats()[3] - before) / table.expiring < 100
+    table.add_expiring(0, [0, 1], 20.0)  # a later add moves these two
+    table.sweep(10.0)
+    assert table.expiring == 2 and table.holders(0) == [(0, 3)] and table.holders(2) == []
+    table.clear(0)
+    assert table.expiring == 0 and table.holders(0) == []
 
 
 # ------------------------------------------------------------------ the engine-hash map
