@@ -1068,14 +1068,16 @@ exp_delete(BlockIndex *ix, size_t i)
     ix->exp_used--;
 }
 
-/* (key, eid) expires at ``deadline`` (a later add moves it); -1 on error */
+/* (key, eid) expires at ``deadline`` (a later add moves it): 1 when it needs a heap
+ * entry (new, or moved earlier than its entry's), 0 when not, -1 on error */
 static int
 exp_put(BlockIndex *ix, uint64_t key, uint32_t eid, double deadline)
 {
     Py_ssize_t i = exp_find(ix, key, eid);
     if (i >= 0) {
+        int earlier = deadline < ix->exp[i].deadline;
         ix->exp[i].deadline = deadline;
-        return 0;
+        return earlier;
     }
     if ((ix->exp_used + 1) * 10 > ix->exp_cap * 7) {
         if (exp_resize(ix, ix->exp_cap < 64 ? 128 : ix->exp_cap * 2) != 0) {
@@ -1091,7 +1093,7 @@ exp_put(BlockIndex *ix, uint64_t key, uint32_t eid, double deadline)
     ix->exp[k].used = 1;
     ix->exp[k].deadline = deadline;
     ix->exp_used++;
-    return 0;
+    return 1;
 }
 
 static int
@@ -1160,8 +1162,14 @@ sweep_to(BlockIndex *ix, double now)
     while (ix->heap_n && ix->heap[0].deadline <= now) {
         ExpRec rec = heap_pop(ix);
         Py_ssize_t i = exp_find(ix, rec.key, rec.eid);
-        if (i < 0 || ix->exp[i].deadline > now) {
-            continue; /* removed since, or moved later by another add */
+        if (i < 0) {
+            continue; /* removed since */
+        }
+        if (ix->exp[i].deadline > now) { /* moved later by another add: due then */
+            if (heap_push(ix, ix->exp[i].deadline, rec.key, rec.eid) != 0) {
+                return -1;
+            }
+            continue;
         }
         exp_delete(ix, (size_t)i);
         if (key_edit(ix, rec.key, elem_of(rec.eid, CODE_EXPIRING), 0) < 0) {
@@ -1210,8 +1218,9 @@ BlockIndex_add_expiring(BlockIndex *ix, PyObject *args)
         if (ord_find(gpu, keys[k]) >= 0) {
             continue;
         }
-        if (key_edit(ix, keys[k], expiring, 1) < 0 || exp_put(ix, keys[k], (uint32_t)eid, deadline) != 0 ||
-            heap_push(ix, deadline, keys[k], (uint32_t)eid) != 0) {
+        /* one heap entry per record: a moved deadline is found when the old one is due */
+        int fresh = key_edit(ix, keys[k], expiring, 1) < 0 ? -1 : exp_put(ix, keys[k], (uint32_t)eid, deadline);
+        if (fresh < 0 || (fresh && heap_push(ix, deadline, keys[k], (uint32_t)eid) != 0)) {
             PyMem_Free(keys);
             return NULL;
         }

@@ -32,7 +32,7 @@ _TIER = st.sampled_from(list(Tier))
 _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("add"), _ENGINE, _TIER, _KEYS),
-        st.tuples(st.just("expiring"), _ENGINE, _KEYS, st.sampled_from([1.0, 5.0])),
+        st.tuples(st.just("expiring"), _ENGINE, _KEYS, st.sampled_from([1.0, 5.0, 9.0])),
         st.tuples(st.just("remove"), _ENGINE, st.sampled_from([*Tier, None]), _KEYS),
         st.tuples(st.just("clear"), _ENGINE),
         st.tuples(st.just("tick"), st.sampled_from([0.5, 2.0, 6.0])),
@@ -168,9 +168,13 @@ def test_expiring_records_are_compact_and_swept_by_deadline() -> None:
         table.add_expiring(request % 8, list(range(request * 200, request * 200 + 200)), 10.0)
     assert table.expiring == 20_000 and table.next_deadline == 10.0
     assert (table.stats()[3] - before) / table.expiring < 100
-    table.add_expiring(0, [0, 1], 20.0)  # a later add moves these two
+    table.add_expiring(0, [0, 1], 20.0)  # a later add moves these two later
+    table.add_expiring(1, [201], 5.0)  # and this one earlier
+    table.sweep(5.0)
+    assert table.expiring == 19_999 and table.holders(201) == []
     table.sweep(10.0)
     assert table.expiring == 2 and table.holders(0) == [(0, 3)] and table.holders(2) == []
+    assert table.next_deadline == 20.0
     table.clear(0)
     assert table.expiring == 0 and table.holders(0) == []
 
