@@ -127,6 +127,11 @@ class MemoryIndex(KVIndex):
             counts["index_cap"] = index_cap
         return counts
 
+    @property
+    def expiring(self) -> int:
+        """Expiring records held (provisional and approximate-mode holders)."""
+        return self._table.expiring
+
     # ------------------------------------------------------------------ engine ids
 
     def _id(self, engine: EngineKey) -> int:

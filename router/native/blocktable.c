@@ -1079,8 +1079,8 @@ exp_put(BlockIndex *ix, uint64_t key, uint32_t eid, double deadline)
         ix->exp[i].deadline = deadline;
         return earlier;
     }
-    if ((ix->exp_used + 1) * 10 > ix->exp_cap * 7) {
-        if (exp_resize(ix, ix->exp_cap < 64 ? 128 : ix->exp_cap * 2) != 0) {
+    if ((ix->exp_used + 1) * 5 > ix->exp_cap * 4) {
+        if (exp_resize(ix, ix->exp_cap < 64 ? 128 : ix->exp_cap + ix->exp_cap / 2) != 0) {
             return -1;
         }
     }
@@ -1100,7 +1100,7 @@ static int
 heap_push(BlockIndex *ix, double deadline, uint64_t key, uint32_t eid)
 {
     if (ix->heap_n == ix->heap_cap) {
-        size_t cap = ix->heap_cap < 64 ? 128 : ix->heap_cap * 2;
+        size_t cap = ix->heap_cap < 64 ? 128 : ix->heap_cap + ix->heap_cap / 2;
         ExpRec *heap = PyMem_Realloc(ix->heap, cap * sizeof(ExpRec));
         if (heap == NULL) {
             PyErr_NoMemory();

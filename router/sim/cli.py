@@ -280,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  {name}: {summary['ok']:,} requests, {summary['duration_s']:,.0f} s simulated "
                 f"in {result.wall_s:.1f} s; router index at the end {memory['entries']:,} "
-                f"entries, {memory['bytes'] / 2**20:,.1f} MiB"
+                f"entries ({memory['expiring']:,} provisional), "
+                f"{memory['bytes'] / 2**20:,.1f} MiB"
                 + (f" ({per_entry:.0f} B/entry)" if per_entry else ""),
                 flush=True,
             )

@@ -249,6 +249,8 @@ class SimRun:
     wall_s: float = 0.0
     router_entries: int = 0
     """(block, engine, tier) records in the router's index at the end of the run."""
+    router_expiring: int = 0
+    """Of ``router_entries``, the provisional (expiring) records."""
     router_bytes: int = 0
     """What the router's index and its event streams' engine-hash maps take then: the
     compiled tables' own count of their arrays, or (pure Python) ``sys.getsizeof`` of
@@ -300,6 +302,7 @@ class SimRun:
             "index_events_skipped": self.index_events_skipped,
             "router_index": {
                 "entries": self.router_entries,
+                "expiring": self.router_expiring,
                 "bytes": self.router_bytes,
                 "bytes_per_entry": (
                     self.router_bytes / self.router_entries if self.router_entries else None
@@ -742,6 +745,7 @@ class ClusterSim:
         used += footprint([t for e in self.engines for t in e.stream.hashes], seen)
         return {
             "router_entries": self.index.stats_now().entries,
+            "router_expiring": self.index.expiring,
             "router_bytes": used,
             "measure_s": time.perf_counter() - started,
         }
