@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # setup.py and router/native/: the compiled helper, rebuilt when its sources change.
-$(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktable.c router/native/xxhash.h
+$(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktable.c router/native/cost.c router/native/xxhash.h
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvroute needs Python >= 3.10")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -1,4 +1,4 @@
-"""The optional compiled helper (router/native/: native.c, blocktable.c); everything else is in
+"""The optional compiled helper (router/native/: native.c, blocktable.c, cost.c); everything else is in
 pyproject.toml. When it cannot be built (no C compiler, no Python headers) the install
 goes on without it and router/hashing.py uses its pure-Python path, which gives the same
 keys."""
@@ -9,10 +9,16 @@ setup(
     ext_modules=[
         Extension(
             "router._native",
-            sources=["router/native/native.c", "router/native/blocktable.c"],
+            sources=[
+                "router/native/native.c",
+                "router/native/blocktable.c",
+                "router/native/cost.c",
+            ],
             depends=["router/native/xxhash.h"],
             include_dirs=["router/native"],
-            extra_compile_args=["-O3"],
+            # -ffp-contract=off: no fused multiply-adds, so cost.c's float arithmetic
+            # is Python's, operation for operation (ties and choices agree exactly)
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         )
     ]

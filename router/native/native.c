@@ -29,6 +29,8 @@
  * 3. The compact in-memory index and the event streams' engine-hash maps: BlockIndex and
  * BlockMap, in blocktable.c (which says what they are).
  *
+ * 4. The kv_cost policy's cost terms over every candidate: kv_cost_scan, in cost.c.
+ *
  * xxhash.h is xxHash 0.8.4 (BSD 2-Clause, LICENSE.xxhash), the version python-xxhash
  * 4.1.0 bundles; it is compiled in here, inlined.
  */
@@ -316,10 +318,11 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "router._native",
-    "kvroute's compiled helpers: block keys, word ids, the compact index (router/native/).", -1, methods,
+    "kvroute's compiled helpers: block keys, word ids, the compact index, kv_cost's scan (router/native/).", -1, methods,
 };
 
-int kvroute_add_block_types(PyObject *module); /* blocktable.c */
+int kvroute_add_block_types(PyObject *module);    /* blocktable.c */
+int kvroute_add_cost_functions(PyObject *module); /* cost.c */
 
 PyMODINIT_FUNC
 PyInit__native(void)
@@ -329,7 +332,7 @@ PyInit__native(void)
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "XXH_VERSION", XXH_versionNumber()) != 0 ||
-        kvroute_add_block_types(m) != 0) {
+        kvroute_add_block_types(m) != 0 || kvroute_add_cost_functions(m) != 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -71,6 +71,46 @@ class Score(msgspec.Struct, gc=False):
     engine's choice with topology known; included in ``total``)."""
 
 
+class LazyScores(Sequence[Score]):
+    """Candidates' scores made when first read: a policy that chose from its cost terms
+    in flat arrays (:func:`router._native.kv_cost_scan`) hands the decision this instead
+    of a list, so a request nobody inspects the scores of (most HTTP requests) never
+    pays a ``Score`` object per candidate. Reads as the list it stands for."""
+
+    __slots__ = ("_items", "_len", "_make")
+
+    def __init__(self, make: Callable[[], list[Score]], length: int) -> None:
+        self._make: Callable[[], list[Score]] | None = make
+        self._items: list[Score] | None = None
+        self._len = length
+
+    def _list(self) -> list[Score]:
+        if self._items is None:
+            assert self._make is not None
+            self._items = self._make()
+            self._make = None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        return self._list()[index]
+
+    def __iter__(self) -> Iterator[Score]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyScores):
+            other = other._list()
+        return self._list() == other
+
+    __hash__ = None  # type: ignore[assignment]  # a list's equality, unhashable as a list
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
 @dataclass(slots=True)
 class Decision:
     """The chosen engine and why."""
@@ -82,7 +122,9 @@ class Decision:
     matched_blocks: int = 0
     cached_tokens: int = 0
     """Prompt tokens the chosen engine is expected to serve from cache."""
-    scores: list[Score] = field(default_factory=list)
+    scores: Sequence[Score] = field(default_factory=list)
+    """Every candidate's cost terms, in candidate order (a list, or :class:`LazyScores`
+    that makes them when read)."""
     index: str = ""
     """How the index lookup went when it did not answer itself: ``shadow:<why>`` (from
     the router's recent decisions) or ``skipped:<why>``; ``why`` is ``over_budget``,

@@ -43,18 +43,56 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
+from typing import Any
 
 from router.config import PolicyConfig
 from router.engines.load import LoadView
-from router.hashing import cacheable_blocks
+from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
-from router.policy.base import Decision, Policy, RouteRequest, Score, request_seed, tiebreak
+from router.policy.base import (
+    Decision,
+    LazyScores,
+    Policy,
+    RouteRequest,
+    Score,
+    request_seed,
+    tiebreak,
+)
 from router.types import EngineKey
 
 _TOTAL = attrgetter("total")
 _MATCHED = attrgetter("matched_blocks")
+_SCAN: Any = getattr(native_helper(), "kv_cost_scan", None)
+"""The compiled twin of :meth:`KVCostPolicy.score`'s loop (router/native/cost.c)."""
+_COLUMNS = 8
+
+
+def _scores_from(candidates: Sequence[EngineKey], columns: bytes) -> Callable[[], list[Score]]:
+    """What makes the scores of a scan's ``columns`` (8 doubles per candidate) when
+    they are first read."""
+
+    def make() -> list[Score]:
+        col = array("d")
+        col.frombytes(columns)
+        return [
+            Score(
+                engine,
+                int(col[k]),
+                int(col[k + 1]),
+                col[k + 2],
+                col[k + 3],
+                col[k + 4],
+                col[k + 5],
+                col[k + 6],
+                col[k + 7],
+            )
+            for engine, k in zip(candidates, range(0, len(col), _COLUMNS), strict=False)
+        ]
+
+    return make
 
 
 class KVCostPolicy(Policy):
@@ -70,6 +108,27 @@ class KVCostPolicy(Policy):
     def __init__(self, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
+
+    def _terms(self, request: RouteRequest) -> tuple[Any, ...]:
+        """The per-request constants of :meth:`score`, for the compiled scan."""
+        cfg = self.config
+        bs = request.block_size
+        isl = request.prompt_tokens
+        ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
+        return (
+            bs,
+            isl,
+            cacheable_blocks(isl, bs) * bs,
+            cfg.queue_weight / bs,
+            cfg.prefill_weight / bs,
+            cfg.decode_weight,
+            1.0 - cfg.offload_weight,
+            0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight,
+            ww,
+            wr,
+            wk,
+            self._clock() - cfg.report_max_age_s if ww or wr or wk else None,
+        )
 
     def score(
         self,
@@ -152,6 +211,15 @@ class KVCostPolicy(Policy):
         matches: Mapping[EngineKey, Match],
         loads: LoadView,
     ) -> Decision:
+        if (
+            _SCAN is not None
+            and self.config.temperature <= 0
+            and type(self).score is KVCostPolicy.score
+            and isinstance(matches, dict)
+            and isinstance(loads, dict)
+            and (request.transfer_tokens is None or isinstance(request.transfer_tokens, dict))
+        ):
+            return self._choose_scanned(request, candidates, matches, loads)
         scores = self.score(request, candidates, matches, loads)
         if self.config.temperature > 0 and len(scores) > 1:
             chosen = self._sample(request, scores)
@@ -178,6 +246,53 @@ class KVCostPolicy(Policy):
             cached_tokens=chosen.cached_tokens,
             scores=scores,
             chosen_score=chosen,
+        )
+
+    def _choose_scanned(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: dict[EngineKey, Match],
+        loads: dict[EngineKey, Any],
+    ) -> Decision:
+        """:meth:`choose` at temperature 0 from the compiled scan: the same terms, the
+        same choice; ``Score`` objects only for tied candidates and the chosen one
+        (the rest when a caller reads ``Decision.scores``)."""
+        candidates = tuple(candidates)
+        tied, deepest, columns = _SCAN(
+            candidates, matches, loads, request.transfer_tokens, self._terms(request)
+        )
+        scores = LazyScores(_scores_from(candidates, columns), len(candidates))
+        if len(tied) == 1:
+            chosen = self._score_at(candidates, columns, tied[0])
+        else:
+            chosen = min(
+                (self._score_at(candidates, columns, k) for k in tied),
+                key=lambda s: self._tie_rank(request, s, loads),
+            )
+        if deepest == 0:
+            reason = "no_prefix"
+        elif chosen.matched_blocks == deepest:
+            reason = "prefix_hit"
+        else:
+            reason = "load_over_prefix"
+        return Decision(
+            engine=chosen.engine,
+            policy=self.name,
+            reason=reason,
+            matched_blocks=chosen.matched_blocks,
+            cached_tokens=chosen.cached_tokens,
+            scores=scores,
+            chosen_score=chosen,
+        )
+
+    @staticmethod
+    def _score_at(candidates: Sequence[EngineKey], columns: bytes, k: int) -> Score:
+        """The ``Score`` of candidate ``k`` of a scan."""
+        row = array("d")
+        row.frombytes(columns[k * _COLUMNS * 8 : (k + 1) * _COLUMNS * 8])
+        return Score(
+            candidates[k], int(row[0]), int(row[1]), row[2], row[3], row[4], row[5], row[6], row[7]
         )
 
     @staticmethod
