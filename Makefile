@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-scale bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
+.PHONY: venv test fuzz sanitize demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-scale bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,27 @@ test: venv envoy vllm
 # same tests with a bounded one). About 10 minutes on 2 cores.
 fuzz: venv
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/fuzz tests/unit/test_request_limits.py
+
+# The compiled helper under AddressSanitizer and UndefinedBehaviorSanitizer: built into
+# build/sanitize with a copy of router/ and tests/ (the venv's own helper is untouched),
+# then the tests of the compiled paths run against it (gcc's libasan preloaded).
+SAN_DIR := build/sanitize
+SAN_TESTS := tests/unit/test_compact_index.py tests/unit/test_index_bounds.py \
+	tests/unit/test_index_suite.py tests/unit/test_kv_cost_scan.py tests/unit/test_ingest.py \
+	tests/unit/test_kv_tiers.py tests/unit/test_native_hashing.py tests/unit/test_word_chunks.py
+sanitize: venv
+	rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR) && cp -r router tests $(SAN_DIR)/
+	rm -f $(SAN_DIR)/router/_native*.so
+	gcc -shared -fPIC -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
+		-fno-sanitize-recover=undefined -ffp-contract=off -I router/native \
+		-I "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+		router/native/native.c router/native/blocktable.c router/native/cost.c \
+		-o "$(SAN_DIR)/router/_native$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+	cd $(SAN_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+		PYTHONMALLOC=malloc PYTHONPATH=. $(CURDIR)/$(PY) -c \
+		'import router._native as n, os; assert n.__file__.startswith(os.getcwd()), n.__file__' && \
+		LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+		PYTHONMALLOC=malloc PYTHONPATH=. $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)
 
 demo: venv
 	$(PY) -m router.demo

@@ -93,6 +93,43 @@ async def test_the_compiled_table_answers_as_the_pure_one(
     assert await compact.held_blocks() == await pure.held_blocks()
 
 
+@pytest.mark.parametrize("caps", [(0, 0), (0, 300), (2_000, 0), (1_500, 400)])
+def test_long_seeded_runs_grow_compact_and_evict_alike(caps: tuple[int, int]) -> None:
+    """More engines and keys than the cases above, so that the compiled tables grow,
+    squeeze out holes and evict many times over; compared along the way and at the end."""
+    rng = random.Random(caps[0] * 7 + caps[1])
+    engines = [EngineKey(f"10.3.0.{i}:8000") for i in range(70)]
+    pool = [rng.getrandbits(64) for _ in range(3_000)]
+    clock = Clock()
+    compact = MemoryIndex(clock, *caps, compact=True)
+    pure = MemoryIndex(clock, *caps, compact=False)
+    for step in range(1_500):
+        roll = rng.random()
+        engine = engines[rng.randrange(len(engines))]
+        start = rng.randrange(len(pool))
+        keys = pool[start : start + rng.randint(0, 120)]
+        for index in (compact, pure):
+            if roll < 0.5:
+                index.add_now(engine, keys, Tier([0, 0, 0, 1, 2][step % 5]))
+            elif roll < 0.6:
+                index.add_now(engine, keys, ttl=[1.0, 5.0][step % 2])
+            elif roll < 0.8:
+                index.remove_now(engine, keys, [None, Tier.GPU, Tier.CPU, Tier.DISK][step % 4])
+            elif roll < 0.82:
+                index.clear_now(engine)
+        if 0.82 <= roll < 0.86:
+            clock.now += 2.0
+        elif roll >= 0.86:
+            candidates = rng.sample(engines, rng.randint(1, len(engines)))
+            assert compact.lookup_now(keys, candidates) == pure.lookup_now(keys, candidates)
+    a, b = compact.stats_now(), pure.stats_now()
+    assert (a.blocks, a.entries, a.engines) == (b.blocks, b.entries, b.engines)
+    assert a.evicted == b.evicted
+    for engine in engines:
+        for tier in Tier:
+            assert compact.held_keys(engine, tier) == pure.held_keys(engine, tier)
+
+
 def test_a_thousand_engines_along_shared_and_private_chains() -> None:
     """Holder sets large and small, changing along a prompt: depths, tiers and the
     candidates' filter as the pure table gives them."""
