@@ -86,11 +86,6 @@ class BitmaskTable:
         """The earliest deadline to sweep at (inf: none)."""
         return self._exp_heap[0][0] if self._exp_heap else float("inf")
 
-    @property
-    def slow_entries(self) -> int:
-        """Firm records in the CPU and disk tiers."""
-        return sum(len(held[Tier.CPU]) + len(held[Tier.DISK]) for held in self._held)
-
     def _engine(self, idx: int) -> tuple[dict[int, None], ...]:
         while len(self._held) <= idx:
             self._held.append(tuple({} for _ in Tier))
@@ -216,9 +211,6 @@ class BitmaskTable:
         return gone
 
     # ------------------------------------------------------------------ reads
-
-    def holds(self, idx: int, tier: int, key: int) -> bool:
-        return idx < len(self._held) and key in self._held[idx][tier]
 
     def held(self, idx: int, tier: int) -> int:
         return len(self._held[idx][tier]) if idx < len(self._held) else 0

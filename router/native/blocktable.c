@@ -405,7 +405,7 @@ typedef struct {
     uint32_t *gens;
     size_t nsets, sets_cap, live_sets;
     uint32_t *free_ids;
-    size_t nfree, free_cap;
+    size_t nfree;
     uint32_t *intern;
     size_t icap, iused;
     uint32_t *scratch;
@@ -576,7 +576,6 @@ set_intern(BlockIndex *ix, const uint32_t *elem, uint32_t len)
                 return (uint32_t)-1;
             }
             ix->free_ids = free_ids;
-            ix->free_cap = cap;
             for (size_t k = ix->sets_cap; k < cap; k++) {
                 ix->sets[k] = NULL;
                 ix->gens[k] = 0;
@@ -621,17 +620,6 @@ set_lower(const HolderSet *s, uint32_t elem)
         }
     }
     return lo;
-}
-
-static inline int
-set_has(const BlockIndex *ix, uint32_t id, uint32_t elem)
-{
-    if (id == 0) {
-        return 0;
-    }
-    const HolderSet *s = ix->sets[id];
-    uint32_t at = set_lower(s, elem);
-    return at < s->len && s->elem[at] == elem;
 }
 
 /* set ``from`` with ``elem`` added (``add``) or taken out; (uint32_t)-1 on error */
@@ -1344,24 +1332,6 @@ BlockIndex_clear(BlockIndex *ix, PyObject *args)
     return PyLong_FromSize_t(gone);
 }
 
-/* holds(engine_id, tier, key) -> whether the engine holds ``key`` firmly in ``tier`` */
-static PyObject *
-BlockIndex_holds(BlockIndex *ix, PyObject *args)
-{
-    Py_ssize_t eid;
-    int tier;
-    PyObject *obj;
-    uint64_t key;
-    if (!PyArg_ParseTuple(args, "niO:holds", &eid, &tier, &obj) || parse_tier(tier) != 0 ||
-        as_u64(obj, &key) != 0) {
-        return NULL;
-    }
-    if (eid < 0 || (size_t)eid >= ix->nengines) {
-        Py_RETURN_FALSE;
-    }
-    return PyBool_FromLong(ord_find(held_of(ix, (size_t)eid, tier), key) >= 0);
-}
-
 /* held(engine_id, tier) -> how many keys the engine holds firmly in ``tier`` */
 static PyObject *
 BlockIndex_held(BlockIndex *ix, PyObject *args)
@@ -1708,7 +1678,7 @@ BlockIndex_init(BlockIndex *ix, PyObject *args, PyObject *kwds)
             PyErr_NoMemory();
             return -1;
         }
-        ix->sets_cap = ix->free_cap = cap;
+        ix->sets_cap = cap;
         ix->nsets = 1; /* id 0: the empty set */
     }
     return 0;
@@ -1752,12 +1722,6 @@ BlockIndex_entries(BlockIndex *ix, void *Py_UNUSED(closure))
 }
 
 static PyObject *
-BlockIndex_slow(BlockIndex *ix, void *Py_UNUSED(closure))
-{
-    return PyLong_FromSize_t(ix->slow_entries);
-}
-
-static PyObject *
 BlockIndex_expiring(BlockIndex *ix, void *Py_UNUSED(closure))
 {
     return PyLong_FromSize_t(ix->exp_used);
@@ -1775,7 +1739,6 @@ static PyGetSetDef BlockIndex_getset[] = {
      "the earliest deadline to sweep at (inf: none)", NULL},
     {"evicted", (getter)BlockIndex_evicted, NULL, "(engine_cap, index_cap) records evicted", NULL},
     {"entries", (getter)BlockIndex_entries, NULL, "firm records held", NULL},
-    {"slow_entries", (getter)BlockIndex_slow, NULL, "firm records in the CPU and disk tiers", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1790,8 +1753,6 @@ static PyMethodDef BlockIndex_methods[] = {
      "remove(engine_id, tier, keys) -> firm records removed (tier -1: every tier)"},
     {"clear", (PyCFunction)BlockIndex_clear, METH_VARARGS,
      "clear(engine_id) -> firm records removed"},
-    {"holds", (PyCFunction)BlockIndex_holds, METH_VARARGS,
-     "holds(engine_id, tier, key) -> whether the engine holds key firmly in tier"},
     {"held", (PyCFunction)BlockIndex_held, METH_VARARGS,
      "held(engine_id, tier) -> keys the engine holds firmly in tier"},
     {"held_keys", (PyCFunction)BlockIndex_held_keys, METH_VARARGS,

@@ -70,6 +70,12 @@ _SCAN: Any = getattr(native_helper(), "kv_cost_scan", None)
 _COLUMNS = 8
 
 
+def _score(engine: EngineKey, col: array[float], k: int) -> Score:
+    """The ``Score`` of the scan's row starting at ``col[k]`` (matched blocks, cached
+    tokens, queue, prefill, decode, reported, total, transfer)."""
+    return Score(engine, int(col[k]), int(col[k + 1]), *col[k + 2 : k + _COLUMNS])
+
+
 def _scores_from(candidates: Sequence[EngineKey], columns: bytes) -> Callable[[], list[Score]]:
     """What makes the scores of a scan's ``columns`` (8 doubles per candidate) when
     they are first read."""
@@ -77,20 +83,8 @@ def _scores_from(candidates: Sequence[EngineKey], columns: bytes) -> Callable[[]
     def make() -> list[Score]:
         col = array("d")
         col.frombytes(columns)
-        return [
-            Score(
-                engine,
-                int(col[k]),
-                int(col[k + 1]),
-                col[k + 2],
-                col[k + 3],
-                col[k + 4],
-                col[k + 5],
-                col[k + 6],
-                col[k + 7],
-            )
-            for engine, k in zip(candidates, range(0, len(col), _COLUMNS), strict=False)
-        ]
+        steps = range(0, len(col), _COLUMNS)
+        return [_score(engine, col, k) for engine, k in zip(candidates, steps, strict=False)]
 
     return make
 
@@ -232,21 +226,7 @@ class KVCostPolicy(Policy):
                 else min(tied, key=lambda s: self._tie_rank(request, s, loads))
             )
         deepest = max(map(_MATCHED, scores))
-        if deepest == 0:
-            reason = "no_prefix"
-        elif chosen.matched_blocks == deepest:
-            reason = "prefix_hit"
-        else:
-            reason = "load_over_prefix"
-        return Decision(
-            engine=chosen.engine,
-            policy=self.name,
-            reason=reason,
-            matched_blocks=chosen.matched_blocks,
-            cached_tokens=chosen.cached_tokens,
-            scores=scores,
-            chosen_score=chosen,
-        )
+        return self._decision(chosen, deepest, scores)
 
     def _choose_scanned(
         self,
@@ -270,6 +250,11 @@ class KVCostPolicy(Policy):
                 (self._score_at(candidates, columns, k) for k in tied),
                 key=lambda s: self._tie_rank(request, s, loads),
             )
+        return self._decision(chosen, deepest, scores)
+
+    def _decision(self, chosen: Score, deepest: int, scores: Sequence[Score]) -> Decision:
+        """The decision for ``chosen``, with the reason its match depth against the
+        deepest gives."""
         if deepest == 0:
             reason = "no_prefix"
         elif chosen.matched_blocks == deepest:
@@ -291,9 +276,7 @@ class KVCostPolicy(Policy):
         """The ``Score`` of candidate ``k`` of a scan."""
         row = array("d")
         row.frombytes(columns[k * _COLUMNS * 8 : (k + 1) * _COLUMNS * 8])
-        return Score(
-            candidates[k], int(row[0]), int(row[1]), row[2], row[3], row[4], row[5], row[6], row[7]
-        )
+        return _score(candidates[k], row, 0)
 
     @staticmethod
     def _tie_rank(request: RouteRequest, score: Score, loads: LoadView) -> tuple[float, ...]:
