@@ -35,7 +35,7 @@ from typing import Any
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.events.vllm import SGLANG_SALT_PREFIX
 from router.hashing import ExtraKey, block_keys, native_helper, seed_for
-from router.index.base import KVIndex, oldest, store_newest, trimmed_size
+from router.index.base import KVIndex, pop_oldest, store_newest, trimmed_size
 from router.types import EngineKey, Tier
 
 
@@ -185,18 +185,11 @@ class EventIngestor:
         """Map ``hashes`` to ``keys`` in a stream's table of one tier, newest last; past
         the cap, forget the oldest eighth. Returns the forgotten hashes' keys."""
         cap = self.max_blocks_per_engine
-        compiled = type(table) is _BLOCK_MAP
-        if compiled:
-            table.store(hashes, keys, bool(cap))  # type: ignore[attr-defined]
-        else:
-            store_newest(table, hashes, keys, reorder=bool(cap))
+        store_newest(table, hashes, keys, reorder=bool(cap))
         if not cap or len(table) <= cap:
             return []
         excess = len(table) - trimmed_size(cap)
-        if compiled:
-            forgotten: list[int] = table.pop_oldest(excess)  # type: ignore[attr-defined]
-        else:
-            forgotten = [table.pop(h) for h in oldest(table, excess)]
+        forgotten = pop_oldest(table, excess)
         self.counters.forgotten_hashes += excess
         return forgotten
 

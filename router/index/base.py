@@ -75,7 +75,12 @@ def trimmed_size(cap: int) -> int:
 def store_newest(table: dict[K, V], keys: Sequence[K], values: Iterable[V], reorder: bool) -> None:
     """Store ``keys`` -> ``values`` in an insertion-ordered ``table`` (oldest first) as
     its newest entries; ``reorder``: keys already there move to the end too (what a
-    bounded table needs to evict the least recently stored)."""
+    bounded table needs to evict the least recently stored). A compiled
+    ``router._native.BlockMap`` does the same in one call (``values`` a sequence)."""
+    store = getattr(table, "store", None)
+    if store is not None:
+        store(keys, values, reorder)
+        return
     if reorder and table:
         pop = table.pop
         for key in keys:
@@ -86,6 +91,15 @@ def store_newest(table: dict[K, V], keys: Sequence[K], values: Iterable[V], reor
 def oldest(table: dict[K, V], count: int) -> list[K]:
     """The ``count`` least recently stored keys of an insertion-ordered ``table``."""
     return list(islice(table, count))
+
+
+def pop_oldest(table: dict[K, V], count: int) -> list[V]:
+    """Remove the ``count`` least recently stored entries of an insertion-ordered
+    ``table`` (a dict or a compiled ``BlockMap``); returns their values, oldest first."""
+    pop = getattr(table, "pop_oldest", None)
+    if pop is not None:
+        return pop(count)  # type: ignore[no-any-return]
+    return [table.pop(key) for key in oldest(table, count)]
 
 
 def footprint(tables: Iterable[Any], seen: set[int] | None = None) -> int:
