@@ -3,11 +3,15 @@ the :class:`~router.index.remote.FencedIndex` kvroute ships.
 
 Layout (``docs/redis-schema.md`` has every key and the reasons): all keys live under
 the hash tag ``{namespace}``, so a namespace sits in one Redis Cluster slot and every
-script may touch all of it. One field of the hash ``{ns}:blocks`` per block key holds
-the block's firm holders (engine id and tier bits, sorted) followed by its expiring
-holders (engine id and deadline). Per engine, ``{ns}:held:<engine>:<tier>`` (tiers 0 GPU,
-1 CPU, 2 disk) maps each firmly held block to the engine's own hash for it: what
+script may touch all of it. A block's firm holders (engine id and tier bits, sorted)
+are one field of the hash ``{ns}:v3:shared`` while it has two or more, else of the
+bucketed blocks table; its expiring holders (engine id and deadline) one field of the
+hash ``{ns}:v3:records``. Per engine id and tier (0 GPU, 1 CPU, 2 disk), a bucketed
+holdings table maps each firmly held block to the engine's own hash for it: what
 ``clear`` drops and what a new indexer reloads to apply removals after taking over.
+A bucketed table is many small hashes, each a listpack, found by linear hashing on a
+key's top bits (:func:`bucket_key` and ``lua/lib.lua``): that is what keeps a firm
+entry under 64 bytes.
 
 Every operation is one Lua script call, so a lookup costs exactly one round trip and
 stops walking at the first block no candidate holds. Time comes from the caller's
@@ -155,12 +159,29 @@ class _CandidateIds:
         self.ids = b""
 
 
-LAYOUT = 2
-"""The layout of the index's keys and values (docs/redis-schema.md): 2 since the disk
-tier took a third tier bit (``engine id x 8 + tier bits``). It is part of every index
-key's name (``{ns}:v2:blocks``), so a router of another layout never reads values it
-would misread: it builds its own keys from replay and events, and routers of both
-layouts can share a namespace during a rolling upgrade."""
+LAYOUT = 3
+"""The layout of the index's keys and values (docs/redis-schema.md): 3 since tables
+keyed by block key are bucketed; 2 gave the disk tier a third tier bit (``engine id x 8
++ tier bits``). It is part of every index key's name (``{ns}:v3:blocks``), so a router
+of another layout never reads keys it would misread: it builds its own from replay and
+events, and routers of both layouts can share a namespace during a rolling upgrade."""
+
+
+def bucket_key(table: str | bytes, key: int, level: int, split: int) -> bytes:
+    """The name of the hash of bucketed ``table`` (its meta key) holding block ``key``,
+    for the table's geometry ``level`` and ``split`` (the meta hash's ``L`` and ``s``):
+    linear hashing on the key's top 24 bits, as ``lua/lib.lua`` computes it."""
+    h = key >> 40
+    b = h % (1 << level)
+    if b < split:
+        b = h % (2 << level)
+    return bucket_name(table, b)
+
+
+def bucket_name(table: str | bytes, bucket: int) -> bytes:
+    """The name of bucket number ``bucket`` of bucketed ``table``."""
+    base = table.encode() if isinstance(table, str) else table
+    return base + b":" + bytes((bucket & 0xFF, (bucket >> 8) & 0xFF, bucket >> 16))
 
 
 class _Keys:
@@ -182,30 +203,35 @@ class _Keys:
             f"{p}engine-next",
             f"{p}gc",
             f"{p}engine-epoch",
+            f"{p}records",
+            f"{p}shared",
         )
-        self.lookup = (self.fixed[0], self.fixed[2], self.fixed[6])
+        f = self.fixed
+        self.lookup = (f[0], f[2], f[6], f[7], f[8])
         self.incarnation = f"{self.tag}incarnation"
         self.load = f"{self.tag}load"
         self._engine: dict[EngineKey, tuple[str, ...]] = {}
+
+    def held(self, engine_id: int, tier: Tier) -> str:
+        """The meta key of an engine id's holdings table of ``tier``."""
+        return f"{self.prefix}held:{engine_id}:{int(tier)}"
 
     def response(self, response_id: str) -> str:
         """The key naming the engine that holds a stored Responses API response."""
         return f"{self.tag}response:{response_id}"
 
     def engine(self, engine: EngineKey) -> tuple[str, ...]:
-        """Fixed keys plus the engine's own, as write.lua takes them."""
+        """Fixed keys plus the engine's own, as write.lua takes them (its holdings
+        tables are named by its engine id, inside the script)."""
         keys = self._engine.get(engine)
         if keys is None:
             p, label = self.prefix, engine.label
             keys = (
                 *self.fixed,
-                f"{p}held:{label}:0",
-                f"{p}held:{label}:1",
                 f"{p}expiring:{label}",
                 f"{p}expiring-n:{label}",
                 f"{p}stream:{label}",
                 f"{p}lease:{label}",
-                f"{p}held:{label}:2",
             )
             self._engine[engine] = keys
         return keys
@@ -598,6 +624,21 @@ class RedisIndex(FencedIndex):
             owner, self._slot_owner = self._slot_owner, None
             await owner.aclose()
 
+    async def _read_held(self, table: str, into: dict[int, int]) -> None:
+        # Every bucket of one holdings table, 256 buckets a pipeline.
+        level, split = await self._client.hmget(table, ["L", "s"])
+        if level is None:
+            return
+        buckets = (1 << int(level)) + int(split or 0)
+        for first in range(0, buckets, 256):
+            pipe = self._client.pipeline(transaction=False)
+            for b in range(first, min(buckets, first + 256)):
+                pipe.hgetall(bucket_name(table, b))
+            for held in await pipe.execute():
+                for block, engine_hash in held.items():
+                    if engine_hash:  # entries recorded without an engine hash have none
+                        into[unpack_key(engine_hash)] = unpack_key(block)
+
     # ------------------------------------------------------------------ shared load
 
     async def share_load(
@@ -671,11 +712,11 @@ class RedisIndex(FencedIndex):
         async def run() -> StreamPosition:
             seq, ts = await self._client.hmget(keys[11], ["seq", "ts"])
             maps: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
-            for tier, held in zip(Tier, (keys[7], keys[8], keys[13]), strict=True):
-                table = maps[tier]
-                async for block, engine_hash in self._client.hscan_iter(held, count=2000):
-                    if engine_hash:  # entries recorded without an engine hash have none
-                        table[unpack_key(engine_hash)] = unpack_key(block)
+            engine_id = await self._client.hget(keys[2], engine.label)
+            if engine_id is not None:
+                eid = int(engine_id)
+                for tier in Tier:
+                    await self._read_held(self._keys.held(eid, tier), maps[tier])
             return StreamPosition(
                 int(seq) if seq is not None else None,
                 float(ts) if ts is not None else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -25,6 +26,8 @@ from router.index.redis import (
     RemoveOp,
     WriteBatch,
     WriteResult,
+    bucket_key,
+    bucket_name,
     client_from_url,
 )
 from router.types import EngineKey, Tier
@@ -47,6 +50,14 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError("condition not met before the deadline")
         await asyncio.sleep(0.02)
+
+
+async def table_fields(index: RedisIndex, table: str) -> int:
+    """Fields in every bucket of a bucketed table, counted by scanning its keys."""
+    total = 0
+    async for name in index.client.scan_iter(match=index.key(table) + ":*", count=1000):
+        total += await index.client.hlen(name)
+    return total
 
 
 @pytest.fixture
@@ -152,6 +163,53 @@ async def _both(memory: MemoryIndex, redis_index: RedisIndex, op: str, *args, **
     await getattr(redis_index, op)(*args, **kwargs)
 
 
+async def test_random_operations_on_a_growing_index_match_the_memory_index(
+    index: RedisIndex, clock: Clock
+) -> None:
+    """Random 64-bit keys, so blocks spread over many buckets, and enough of them that
+    the bucketed tables split many times while blocks move between one holder (their
+    bucket) and several (the shared hash): firm adds in three tiers, expiring adds,
+    removals, clears, time passing. Every lookup agrees with the memory index, and the
+    firm entries the stats count equal the memory index's."""
+    rng = random.Random(21)
+    memory = MemoryIndex(clock=clock)
+    engines = [EngineKey(f"10.0.3.{i}:8000") for i in range(6)]
+    trunks = [[rng.getrandbits(64) for _ in range(40)] for _ in range(3)]
+    prompts = [
+        trunk[: rng.randrange(10, 41)] + [rng.getrandbits(64) for _ in range(rng.randrange(5, 60))]
+        for trunk in trunks
+        for _ in range(4)
+    ]
+    for step in range(160):
+        engine = rng.choice(engines)
+        prompt = rng.choice(prompts)
+        kind = rng.random()
+        hi = rng.randrange(1, len(prompt) + 1)
+        if kind < 0.35:
+            tier = rng.choice([Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK])
+            await _both(memory, index, "add", engine, prompt[:hi], tier)
+        elif kind < 0.5:
+            await _both(memory, index, "add", engine, prompt[:hi], ttl=rng.choice([1.0, 4.0]))
+        elif kind < 0.6:  # unrelated blocks: the tables grow
+            await _both(memory, index, "add", engine, [rng.getrandbits(64) for _ in range(400)])
+        elif kind < 0.8:
+            lo = rng.randrange(0, hi)
+            tier = rng.choice([None, Tier.GPU, Tier.CPU, Tier.DISK])
+            await _both(memory, index, "remove", engine, prompt[lo:hi], tier)
+        elif kind < 0.85:
+            await _both(memory, index, "clear", engine)
+        else:
+            clock.now += rng.choice([0.5, 2.0, 5.0])
+        for prompt in prompts:
+            candidates = rng.sample(engines, rng.randrange(1, len(engines) + 1))
+            assert await index.lookup(prompt, candidates) == memory.lookup_now(prompt, candidates)
+        if step % 40 == 39:
+            clock.now += 10  # every record expired: firm entries alone remain
+            assert (await index.stats()).entries == (await memory.stats()).entries
+    level = int(await index.client.hget(index.key("blocks"), "L"))
+    assert level >= 5  # the blocks table split into dozens of buckets on the way
+
+
 async def test_prompts_longer_than_a_script_chunk_are_walked_whole(index: RedisIndex) -> None:
     keys = list(range(10_000, 12_500))
     await index.add(A, keys)
@@ -175,7 +233,8 @@ async def test_expiring_records_count_once_per_block_and_engine(
     clock.now += 3
     stats = await index.stats()
     assert (stats.blocks, stats.entries) == (0, 0)
-    assert await index.client.hlen(index.key("blocks")) == 0  # memory reclaimed
+    assert await table_fields(index, "blocks") == 0  # memory reclaimed
+    assert await index.client.hget(index.key("blocks"), "n") == b"0"
 
 
 async def test_a_cleared_engine_is_collected_and_its_id_reused_without_inheritance(
@@ -383,7 +442,8 @@ async def test_the_index_works_on_redis_cluster(clock: Clock) -> None:
             assert (await idx.stream_position(C)).seq == 1
             await idx.clear(A)
             stats = await idx.stats()
-            assert (stats.blocks, stats.entries, stats.engines) == (6, 10, 1)
+            # Blocks: C's 6 firm ones, and B's 4 with records (counted in each table).
+            assert (stats.blocks, stats.entries, stats.engines) == (10, 10, 1)
         finally:
             await idx.close()
 
@@ -449,24 +509,107 @@ async def test_calls_beyond_the_connection_pool_wait_for_a_connection(
 # --------------------------------------------------------------------------- layout
 
 
-async def test_an_index_of_the_old_layout_is_never_read_and_the_new_one_is_built_beside_it(
+async def test_an_index_of_an_old_layout_is_never_read_and_the_new_one_is_built_beside_it(
     index: RedisIndex, redis_namespace: str
 ) -> None:
-    """Keys written by a release of the two-tier-bit layout (``{ns}:blocks`` values of
-    ``engine id x 4 + tier bits``) stay as they are and are never read: this release's
-    keys carry their layout (``{ns}:v2:...``), so it starts empty and learns from events
-    instead of misreading an engine id or a tier."""
+    """Keys written by releases of older layouts stay as they are and are never read:
+    layout 1 (no version in key names, ``engine id x 4 + tier bits``) and layout 2
+    (``{ns}:v2:blocks``, one big hash). This release's keys carry their layout
+    (``{ns}:v3:...``), so it starts empty and learns from events instead of misreading
+    an engine id, a tier or a table."""
     import struct
 
-    old = f"{{{redis_namespace}}}:"
+    from router.index.redis import bucket_key
+
+    tag = f"{{{redis_namespace}}}:"
     field = struct.pack("<Q", KEYS[0])
-    # Engine id 1 on GPU in the old layout (1 x 4 + 1) would read as id 0, disk tier.
-    await index.client.hset(f"{old}engines", mapping={A.label: 1, B.label: 0})
-    await index.client.hset(f"{old}blocks", field, struct.pack("<HH", 1, 1 * 4 + 1))
+    # Engine id 1 on GPU in layout 1 (1 x 4 + 1) would read as id 0, disk tier.
+    await index.client.hset(f"{tag}engines", mapping={A.label: 1, B.label: 0})
+    await index.client.hset(f"{tag}blocks", field, struct.pack("<HH", 1, 1 * 4 + 1))
+    # Layout 2: A (id 0) on GPU.
+    await index.client.hset(f"{tag}v2:engines", mapping={A.label: 0})
+    await index.client.hset(f"{tag}v2:blocks", field, struct.pack("<HH", 1, 0 * 8 + 1))
     assert await index.lookup(KEYS[:1], [A, B]) == {}
     await index.add(B, KEYS[:2])
     found = await index.lookup(KEYS[:2], [A, B])
     assert found == {B: Match(2)}
-    assert index.key("blocks") == f"{old}v2:blocks"
-    assert await index.client.hlen(index.key("blocks")) == 2
-    assert await index.client.hget(f"{old}blocks", field) == struct.pack("<HH", 1, 5)
+    assert index.key("blocks") == f"{tag}v3:blocks"
+    assert await table_fields(index, "blocks") == 2
+    assert await index.client.hexists(bucket_key(index.key("blocks"), KEYS[0], 0, 0), field)
+    assert await index.client.hget(f"{tag}blocks", field) == struct.pack("<HH", 1, 5)
+    assert await index.client.hget(f"{tag}v2:blocks", field) == struct.pack("<HH", 1, 1)
+
+
+# --------------------------------------------------------------------------- bucketed tables
+
+
+async def test_tables_grow_by_splitting_buckets_that_stay_listpacks(
+    index: RedisIndex, clock: Clock
+) -> None:
+    """20,000 blocks of one engine (with its hashes), a quarter of them held by a second
+    too: the bucketed tables (blocks with one holder, the engine's holdings) split
+    bucket by bucket as they fill, every bucket stays a listpack under 128 fields, every
+    key sits where Python's copy of the bucket function says, blocks with two holders
+    move to the shared hash, the counts are exact, and lookups and the resume map see
+    every block."""
+    rng = random.Random(3)
+    keys = [rng.getrandbits(64) for _ in range(20_000)]
+    hashes = [k ^ 0x5EED for k in keys]
+    for start in range(0, len(keys), 2_500):  # several writes: geometry saved and reread
+        part = slice(start, start + 2_500)
+        await index.write([WriteBatch(A, [AddOp(keys[part], Tier.GPU, hashes[part])])])
+    await index.add(B, keys[:5_000])
+    client = index.client
+    blocks = index.key("blocks")
+    held = f"{index.key('held')}:{int(await client.hget(index.key('engines'), A.label))}:0"
+    for table, held_keys in ((blocks, keys[5_000:]), (held, keys)):
+        level, split, n = (int(v) for v in await client.hmget(table, ["L", "s", "n"]))
+        buckets = (1 << level) + split
+        assert n == len(held_keys)
+        assert n <= 48 * buckets < 2 * n  # grown with the data, not far ahead of it
+        sizes = []
+        for b in range(buckets):
+            name = bucket_name(table, b)
+            sizes.append(await client.hlen(name))
+            assert await client.object("encoding", name) == b"listpack"
+        assert sum(sizes) == n and max(sizes) < 128
+        for k in held_keys[:200]:
+            assert await client.hexists(bucket_key(table, k, level, split), struct.pack("<Q", k))
+    shared = index.key("shared")
+    assert await client.hlen(shared) == 5_000 + 1  # and the field keeping it a hash table
+    assert await client.object("encoding", shared) == b"hashtable"
+    stats = await index.stats()
+    assert (stats.blocks, stats.entries, stats.engines) == (20_000, 25_000, 2)
+    prompt = keys[:3_000] + keys[12_000:14_000]  # not a chain, but a walk is a walk
+    assert await index.lookup(prompt, [A, B]) == {A: Match(5_000), B: Match(3_000)}
+    position = await index.stream_position(A)
+    assert position.hashes[Tier.GPU] == dict(zip(hashes, keys, strict=True))
+    await index.remove(A, keys[2_500:])  # blocks B shares go back to one holder
+    stats = await index.stats()
+    assert (stats.blocks, stats.entries) == (5_000, 7_500)
+    assert await client.hlen(shared) == 2_500 + 1
+    assert int(await client.hget(blocks, "n")) == 2_500
+    assert await index.lookup(keys[:5_000], [A, B]) == {A: Match(2_500), B: Match(5_000)}
+    assert len((await index.stream_position(A)).hashes[Tier.GPU]) == 2_500
+
+
+async def test_a_firm_entry_costs_under_64_bytes_of_redis_memory(own_server: RedisServer) -> None:
+    """The layout's point (issue "The index at fleet scale"): 16 engines x 5,000 blocks
+    with their engine hashes, a quarter of the blocks held by every engine, the rest by
+    one, cost at most 64 bytes of ``used_memory`` per (block, engine) entry. A server of
+    this test alone, so nothing else moves the figure."""
+    idx = RedisIndex(own_server.url, random_namespace(), budget_ms=5000)
+    try:
+        rng = random.Random(5)
+        shared = [rng.getrandbits(64) for _ in range(1_250)]
+        engines = [EngineKey(f"10.1.0.{i}:8000") for i in range(16)]
+        await idx.add(A, KEYS)  # scripts loaded, first keys made: not part of the figure
+        before = int((await idx.client.info("memory"))["used_memory"])
+        for engine in engines:
+            own = shared + [rng.getrandbits(64) for _ in range(3_750)]
+            await idx.write([WriteBatch(engine, [AddOp(own, Tier.GPU, [k ^ 1 for k in own])])])
+        used = int((await idx.client.info("memory"))["used_memory"]) - before
+        assert (await idx.stats()).entries == 16 * 5_000 + len(KEYS)
+        assert used / (16 * 5_000) <= 64
+    finally:
+        await idx.close()

@@ -1,51 +1,150 @@
 -- Helpers shared by kvroute's index scripts (prepended to each script when loaded).
 --
 -- Block keys travel as 8-byte little-endian strings packed back to back in one
--- argument. A block's value in the blocks hash is
---   uint16 n | n firm entries | expiring records
--- firm entry: uint16 (engine id * 8 + tier bits: 1 GPU, 2 CPU, 4 disk), sorted by id, so
--- equal holder sets are equal strings; expiring record: uint16 engine id, float64
--- deadline (seconds on the caller's clock). All integers little-endian.
-
+-- argument. A block's holders (docs/redis-schema.md):
+--   firm entries, uint16 (engine id * 8 + tier bits: 1 GPU, 2 CPU, 4 disk) each,
+--     sorted by id, so equal holder sets are equal strings: in the shared hash
+--     (KEYS[9]) while the block has two firm holders or more, else in the bucketed
+--     blocks table (KEYS[1]);
+--   expiring records, uint16 engine id + float64 deadline (seconds on the caller's
+--     clock) each: in the records hash (KEYS[8]).
+-- All integers little-endian.
+--
+-- Tables of firm data keyed by block key (blocks, each engine's holdings per tier) are
+-- bucketed (layout 3): a table is a meta hash (L, s: its geometry; n: its fields) and
+-- hashes named <meta>:<3 bytes, the bucket number little-endian>, each small enough
+-- to stay a listpack. A key's bucket is its top 24 bits h by linear hashing:
+-- h mod 2^L, or h mod 2^(L+1) where that is below the split pointer s. A table grows
+-- by one bucket (splitting bucket s) whenever it would average more than
+-- BUCKET_FIELDS fields a bucket, so buckets stay small whatever the size of the data.
+-- Blocks many engines hold, and expiring records, live in plain hashes instead: a
+-- shared block's field is shared by all its holders, records come and go with
+-- routing decisions, and both are read by lookups (a bucket costs a call per key, a
+-- plain hash one call per chunk of keys).
 local CHUNK = 1000 -- keys per bulk command (Lua's unpack limit is ~8000 values)
 local REC = 10
 local MAX_ID = 8191 -- engine ids share a uint16 with 3 tier bits
 local TIER_BITS = 8
 local TIER_MASK = { [0] = 1, [1] = 2, [2] = 4 } -- tier number -> its bit
 
+local BUCKET_FIELDS = 48 -- average fields per bucket before one splits (listpacks end at 128)
+local MAX_LEVEL = 24 -- bucket numbers are top 24 bits of a key
+local byte, char, floor = string.byte, string.char, math.floor
+
 local function key_at(blob, i)
   return string.sub(blob, i * 8 - 7, i * 8)
 end
 
--- A block value's firm entries and expiring records (both '' when absent).
-local function split(v)
-  if not v then
-    return '', ''
-  end
-  local n = string.byte(v, 1) + 256 * string.byte(v, 2)
-  return string.sub(v, 3, 2 + 2 * n), string.sub(v, 3 + 2 * n)
+-- A block key's top 24 bits (its last three bytes, little-endian).
+local function top24(k)
+  local x, y, z = byte(k, 6, 8)
+  return x + 256 * y + 65536 * z
 end
 
-local function join(firm, recs)
-  if firm == '' and recs == '' then
-    return ''
-  end
-  local n = #firm / 2
-  return string.char(n % 256, math.floor(n / 256)) .. firm .. recs
+local function bucket_name(meta, b)
+  return meta .. ':' .. char(b % 256, floor(b / 256) % 256, floor(b / 65536))
 end
 
--- Tier bits engine `id` holds firmly.
-local function firm_bits(firm, id)
-  for o = 1, #firm, 2 do
-    local e = string.byte(firm, o) + 256 * string.byte(firm, o + 1)
-    local eid = math.floor(e / TIER_BITS)
-    if eid == id then
-      return e % TIER_BITS
-    elseif eid > id then
-      return 0
+-- A bucketed table by its meta key: geometry and field count as last saved.
+local function tb_open(meta)
+  local v = redis.call('HMGET', meta, 'L', 's', 'n')
+  local level = tonumber(v[1]) or 0
+  return { meta = meta, level = level, size = 2 ^ level, split = tonumber(v[2]) or 0, n = tonumber(v[3]) or 0 }
+end
+
+local function tb_bucket(t, k)
+  local h = top24(k)
+  local b = h % t.size
+  if b < t.split then
+    b = h % (2 * t.size)
+  end
+  return bucket_name(t.meta, b)
+end
+
+-- Bucket names in first-seen order and, per name, the positions in `fields` it holds.
+local function tb_group(t, fields)
+  local order, groups = {}, {}
+  for j = 1, #fields do
+    local name = tb_bucket(t, fields[j])
+    local g = groups[name]
+    if not g then
+      g = {}
+      groups[name] = g
+      order[#order + 1] = name
+    end
+    g[#g + 1] = j
+  end
+  return order, groups
+end
+
+-- Split buckets until the table has room for `extra` more fields at BUCKET_FIELDS a
+-- bucket on average. Writes reserve room before they insert (a bucket that once passes
+-- 128 fields stays a hash table), and each split moves about half of one bucket.
+local function tb_reserve(t, extra)
+  while t.n + extra > BUCKET_FIELDS * (t.size + t.split) and t.level < MAX_LEVEL do
+    local from = bucket_name(t.meta, t.split)
+    local to = t.split + t.size
+    local all = redis.call('HGETALL', from)
+    local kept, moved = {}, {}
+    for i = 1, #all, 2 do
+      local side = top24(all[i]) % (2 * t.size) == to and moved or kept
+      side[#side + 1] = all[i]
+      side[#side + 1] = all[i + 1]
+    end
+    if #moved > 0 then -- both halves written afresh: cheaper than deleting field by field
+      redis.call('DEL', from)
+      if #kept > 0 then
+        redis.call('HSET', from, unpack(kept))
+      end
+      redis.call('HSET', bucket_name(t.meta, to), unpack(moved))
+    end
+    t.split = t.split + 1
+    if t.split == t.size then
+      t.level, t.size, t.split = t.level + 1, t.size * 2, 0
     end
   end
-  return 0
+end
+
+local function tb_save(t)
+  redis.call('HSET', t.meta, 'L', t.level, 's', t.split, 'n', t.n)
+end
+
+-- Set `fields` to `values` (same length): new fields are counted.
+local function tb_set(t, fields, values)
+  tb_reserve(t, #fields)
+  local order, groups = tb_group(t, fields)
+  for _, name in ipairs(order) do
+    local pairs_ = {}
+    for _, j in ipairs(groups[name]) do
+      pairs_[#pairs_ + 1] = fields[j]
+      pairs_[#pairs_ + 1] = values[j]
+    end
+    t.n = t.n + redis.call('HSET', name, unpack(pairs_))
+  end
+  tb_save(t)
+end
+
+local function tb_del(t, fields)
+  local order, groups = tb_group(t, fields)
+  local gone = 0
+  for _, name in ipairs(order) do
+    local fs = {}
+    for _, j in ipairs(groups[name]) do
+      fs[#fs + 1] = fields[j]
+    end
+    gone = gone + redis.call('HDEL', name, unpack(fs))
+  end
+  if gone > 0 then
+    t.n = t.n - gone
+    redis.call('HSET', t.meta, 'n', t.n)
+  end
+end
+
+-- An engine's holdings table of `tier` (0 GPU, 1 CPU, 2 disk): block key -> the
+-- engine's own hash of the block (or empty). Named by engine id: a cleared engine's
+-- id is retired until its tables are collected, so they never mix with a new life's.
+local function held_meta(prefix, id, tier)
+  return prefix .. 'held:' .. id .. ':' .. tier
 end
 
 local function entry(id, bits)
@@ -113,10 +212,14 @@ local function bulk(cmd, key, values)
   end
 end
 
-local function bulk_pairs(cmd, key, values)
-  for start = 1, #values, 2 * CHUNK do
-    redis.call(cmd, key, unpack(values, start, math.min(#values, start + 2 * CHUNK - 1)))
-  end
+-- The shared blocks and records hashes are kept hash tables whatever their size: a
+-- field '' with a value longer than any listpack value converts a hash for good (Redis
+-- never converts back, and keeps the hash while the field is there). A small hash would
+-- otherwise be a listpack, where every field a lookup asks for is a linear scan.
+local PLAIN_MARK = string.rep('-', 80)
+
+local function keep_plain(key)
+  redis.call('HSETNX', key, '', PLAIN_MARK)
 end
 
 local function push(t, a, b)
@@ -126,58 +229,155 @@ local function push(t, a, b)
   end
 end
 
--- Apply `change(firm, recs) -> firm, recs, extra` to block keys `fields` (at most
--- CHUNK); change returns nil to leave a block untouched and must depend on its
--- arguments alone: blocks with equal values (common along a shared prefix) are computed
--- once. `seen(key, extra)`, if given, is called for every block change did not skip. A
--- block with no firm entry and no record is deleted.
-local function update_blocks(fields, change, seen)
-  local olds = redis.call('HMGET', KEYS[1], unpack(fields))
+-- Apply `change(firm) -> firm` to block keys `fields` (at most CHUNK); change must
+-- depend on its argument alone: blocks with equal values (common along a shared
+-- prefix) are computed once. A block's firm entries live in the shared hash (KEYS[9])
+-- while it has two holders or more, else in bucketed table `t`; a change moves it
+-- between them, and a block left with no firm entry is deleted. `adds` says the
+-- change may create blocks (room is reserved in `t` for all of `fields`).
+local function update_blocks(t, fields, change, adds)
+  if adds then
+    tb_reserve(t, #fields)
+  end
+  local shared = redis.call('HMGET', KEYS[9], unpack(fields))
+  local lone = {} -- positions of fields the shared hash lacks
+  for j = 1, #fields do
+    if not shared[j] then
+      lone[#lone + 1] = fields[j]
+    end
+  end
+  local order, groups = tb_group(t, lone)
+  local olds = {} -- key -> value in its bucket
+  for _, name in ipairs(order) do
+    local fs = {}
+    for _, j in ipairs(groups[name]) do
+      fs[#fs + 1] = lone[j]
+    end
+    local vals = redis.call('HMGET', name, unpack(fs))
+    for j = 1, #fs do
+      olds[fs[j]] = vals[j]
+    end
+  end
+  local memo = {}
+  local shared_sets, shared_dels, lone_sets, lone_dels = {}, {}, {}, {}
+  for j = 1, #fields do
+    local k = fields[j]
+    local was_shared = shared[j] ~= false and shared[j] ~= nil
+    local old = shared[j] or olds[k] or ''
+    local new = memo[old]
+    if not new then
+      new = change(old)
+      memo[old] = new
+    end
+    if new ~= old then
+      local now_shared = #new > 2
+      if was_shared and not now_shared then
+        push(shared_dels, k)
+      elseif not was_shared and old ~= '' and (now_shared or new == '') then
+        push(lone_dels, k)
+      end
+      if now_shared then
+        push(shared_sets, k, new)
+      elseif new ~= '' then
+        push(lone_sets, k, new)
+      end
+    end
+  end
+  if #shared_sets > 0 then
+    keep_plain(KEYS[9])
+    redis.call('HSET', KEYS[9], unpack(shared_sets))
+  end
+  if #shared_dels > 0 then
+    redis.call('HDEL', KEYS[9], unpack(shared_dels))
+  end
+  if #lone_dels > 0 then
+    local order_d, groups_d = tb_group(t, lone_dels)
+    for _, name in ipairs(order_d) do
+      local fs = {}
+      for _, j in ipairs(groups_d[name]) do
+        fs[#fs + 1] = lone_dels[j]
+      end
+      t.n = t.n - redis.call('HDEL', name, unpack(fs))
+    end
+  end
+  if #lone_sets > 0 then
+    local ks, vs = {}, {}
+    for i = 1, #lone_sets, 2 do
+      ks[#ks + 1] = lone_sets[i]
+      vs[#vs + 1] = lone_sets[i + 1]
+    end
+    local order_s, groups_s = tb_group(t, ks)
+    for _, name in ipairs(order_s) do
+      local kv = {}
+      for _, j in ipairs(groups_s[name]) do
+        kv[#kv + 1] = ks[j]
+        kv[#kv + 1] = vs[j]
+      end
+      t.n = t.n + redis.call('HSET', name, unpack(kv))
+    end
+  end
+  tb_save(t)
+end
+
+-- Apply `change(recs) -> recs, extra` to the expiring records of block keys `fields`
+-- (at most CHUNK); change returns nil to leave a block untouched and must depend on
+-- its argument alone. `seen(key, extra)`, if given, is called for every block change
+-- did not skip. A block left with no record is deleted.
+local function update_records(fields, change, seen)
+  local olds = redis.call('HMGET', KEYS[8], unpack(fields))
   local sets, dels, memo = {}, {}, {}
   for j = 1, #fields do
-    local k, old = fields[j], olds[j]
-    local m = memo[old or '']
+    local k, old = fields[j], olds[j] or ''
+    local m = memo[old]
     if not m then
-      local firm0, recs0 = split(old)
-      local firm, recs, extra = change(firm0, recs0)
-      m = { firm = firm, extra = extra, value = firm and join(firm, recs) }
-      memo[old or ''] = m
+      local recs, extra = change(old)
+      m = { recs = recs, extra = extra }
+      memo[old] = m
     end
-    if m.firm then
+    if m.recs then
       if seen then
         seen(k, m.extra)
       end
-      if m.value ~= (old or '') then
-        if m.value == '' then
+      if m.recs ~= old then
+        if m.recs == '' then
           push(dels, k)
         else
-          push(sets, k, m.value)
+          push(sets, k, m.recs)
         end
       end
     end
   end
-  bulk_pairs('HSET', KEYS[1], sets)
-  bulk('HDEL', KEYS[1], dels)
+  if #sets > 0 then
+    keep_plain(KEYS[8])
+    redis.call('HSET', KEYS[8], unpack(sets))
+  end
+  if #dels > 0 then
+    redis.call('HDEL', KEYS[8], unpack(dels))
+  end
 end
 
--- Drop tier bits `mask` of engine `id` from `fields`; with `gone` (a table), its
--- expiring records too, counting their buckets in `gone`. Expired records of touched
--- blocks go as well.
-local function drop_holder(now, id, mask, fields, gone)
-  update_blocks(fields, function(firm, recs)
-    local r, dropped = rewrite_records(recs, now, gone and id or nil)
-    return (firm_update(firm, id, 0, mask)), r, dropped
-  end, gone and function(_, dropped)
-    if dropped then
-      local b = bucket(dropped)
-      gone[b] = (gone[b] or 0) - 1
-    end
+-- Drop tier bits `mask` of engine `id` from `fields` of blocks table `t`; with `gone`
+-- (a table), its expiring records too (expired ones of those blocks go as well),
+-- counting their deadline buckets in `gone`.
+local function drop_holder(t, now, id, mask, fields, gone)
+  update_blocks(t, fields, function(firm)
+    return (firm_update(firm, id, 0, mask))
   end)
+  if gone then
+    update_records(fields, function(recs)
+      return rewrite_records(recs, now, id)
+    end, function(_, dropped)
+      if dropped then
+        local b = bucket(dropped)
+        gone[b] = (gone[b] or 0) - 1
+      end
+    end)
+  end
 end
 
--- Rewrite the blocks of expiring adds whose deadline has passed (KEYS[2] scores each
+-- Rewrite the records of expiring adds whose deadline has passed (KEYS[2] scores each
 -- add's packed keys by its deadline), about `budget` keys per call: expired records go
--- and blocks left with nothing are deleted. Lookups ignore expired records already;
+-- and blocks left with none are deleted. Lookups ignore expired records already;
 -- this reclaims their memory. Returns 1 while expired adds remain.
 local function sweep_expired(now, now_arg, budget)
   while budget > 0 do
@@ -192,8 +392,8 @@ local function sweep_expired(now, now_arg, budget)
       for i = start, math.min(n, start + CHUNK - 1) do
         fields[#fields + 1] = key_at(blob, i)
       end
-      update_blocks(fields, function(firm, recs)
-        return firm, (rewrite_records(recs, now))
+      update_records(fields, function(recs)
+        return (rewrite_records(recs, now))
       end)
     end
     redis.call('ZREM', KEYS[2], blob)
@@ -202,33 +402,42 @@ local function sweep_expired(now, now_arg, budget)
   return 1
 end
 
--- Collect up to `budget` firm entries of retired engine ids (queued by clears as
--- "id:not-before"). A collected id goes to the free ids scored by the latest deadline
--- of its expiring records: it is reused only once those have expired, since lookups
--- would otherwise credit them to the id's next engine. KEYS: 4 free ids, 6 gc queue.
--- Returns 1 while work remains.
-local function gc_step(now, prefix, budget)
+-- Collect about `budget` firm entries of retired engine ids (queued by clears as
+-- "id:not-before"): bucket by bucket, each engine's holdings tables come off the
+-- blocks (a cursor `c` in the table's meta hash says how far it got) and are deleted.
+-- A collected id goes to the free ids scored by the latest deadline of its expiring
+-- records: it is reused only once those have expired, since lookups would otherwise
+-- credit them to the id's next engine. KEYS: 4 free ids, 6 gc queue. Returns 1 while
+-- work remains.
+local function gc_step(t, now, prefix, budget)
   while budget > 0 do
     local item = redis.call('LINDEX', KEYS[6], 0)
     if not item then
       return 0
     end
     local id, after = string.match(item, '^(%d+):(.+)$')
-    local left = 0
     for tier = 0, 2 do
-      local hk = prefix .. 'gc:' .. id .. ':' .. tier
-      if budget > 0 then
-        local fields = redis.call('HRANDFIELD', hk, math.min(budget, CHUNK))
-        if #fields > 0 then
-          drop_holder(now, tonumber(id), TIER_MASK[tier], fields, nil)
-          redis.call('HDEL', hk, unpack(fields))
-          budget = budget - #fields
+      local meta = held_meta(prefix, id, tier)
+      local v = redis.call('HMGET', meta, 'L', 's', 'c')
+      if v[1] then
+        local buckets = 2 ^ tonumber(v[1]) + tonumber(v[2])
+        local c = tonumber(v[3]) or 0
+        while c < buckets and budget > 0 do
+          local name = bucket_name(meta, c)
+          local fields = redis.call('HKEYS', name)
+          if #fields > 0 then
+            drop_holder(t, now, tonumber(id), TIER_MASK[tier], fields, nil)
+            redis.call('DEL', name)
+          end
+          budget = budget - #fields - 1
+          c = c + 1
         end
+        if c < buckets then
+          redis.call('HSET', meta, 'c', c)
+          return 1
+        end
+        redis.call('DEL', meta)
       end
-      left = left + redis.call('EXISTS', hk)
-    end
-    if left > 0 then
-      return 1
     end
     redis.call('LPOP', KEYS[6])
     redis.call('ZADD', KEYS[4], after, id)

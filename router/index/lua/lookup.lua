@@ -1,5 +1,6 @@
 -- Match depth of each candidate engine for a prompt's chained block keys.
--- KEYS: 1 blocks, 2 engines, 3 engine-epoch
+-- KEYS: 1 blocks (the bucketed table's meta hash), 2 engines, 3 engine-epoch,
+--       4 expiring records, 5 shared blocks
 -- ARGV: 1 now, 2 packed block keys, 3 the engine epoch the caller's ids are from,
 --       4 the caller's candidate ids (uint16 LE each, 65535: none), 5 candidate
 --       labels joined by "\n"
@@ -8,11 +9,13 @@
 -- blocks held on no GPU tier, blocks of those held on the disk tier only) for each
 -- depth > 0. A block counts at its best tier: GPU, then CPU, then disk.
 --
--- Keys are fetched in chunks (small first: most walks end early) and the walk stops at
--- the first block no remaining candidate holds. Consecutive blocks usually have the
--- same holders, and Lua interns strings, so a block whose value equals the previous
--- block's costs one comparison; holders are decoded only where the value changes.
-local byte, sub, floor, unpack_rec = string.byte, string.sub, math.floor, struct.unpack
+-- Blocks are read in chunks (8, 16, ... 128 keys: most walks end early): one HMGET
+-- of the shared blocks and one of the expiring records per chunk; a block the shared
+-- hash lacks is read from its bucket when the walk reaches it. The walk stops at the
+-- first block no remaining candidate holds. Consecutive blocks usually have the same
+-- holders, and Lua interns strings, so a block whose values equal the previous
+-- block's costs two comparisons; holders are decoded only where they change.
+local sub, unpack_rec, call = string.sub, struct.unpack, redis.call
 local now = tonumber(ARGV[1])
 local blob = ARGV[2]
 local n = #blob / 8
@@ -70,66 +73,84 @@ local function credit(c, pos)
   end
 end
 
-local prev = 0 -- a number never equals a reply, so block 0 is decoded
-local start, size = 1, 8
-while start <= n do
-  local stop = math.min(n, start + size - 1)
-  size = math.min(size * 2, 128)
-  local fields = {}
-  for i = start, stop do
-    fields[i - start + 1] = sub(blob, i * 8 - 7, i * 8)
-  end
-  local values = redis.call('HMGET', KEYS[1], unpack(fields))
-  for k = 1, stop - start + 1 do
-    local v = values[k]
-    if v ~= prev then
-      local pos = start + k - 2 -- blocks before this one
-      local tiers = {}
-      if v then
-        local firm, recs = split(v)
-        for o = 1, #firm, 2 do
-          local e = byte(firm, o) + 256 * byte(firm, o + 1)
-          tiers[floor(e / TIER_BITS)] = e % TIER_BITS
-        end
-        for o = 1, #recs, REC do
-          local id, d = unpack_rec('<I2d', recs, o)
-          if d > now then
-            tiers[id] = 1 -- an expiring record predicts a GPU hit
-          end
-        end
-      end
-      local j = 1
-      while j <= na do
-        local c = alive_pos[j]
-        local bits = tiers[alive_id[j]]
-        local s = 0
-        if bits and bits ~= 0 then
-          s = (bits % 2 == 1 and 1) or (bits % 4 >= 2 and 2) or 3
-        end
-        if s ~= status[c] then
-          credit(c, pos)
-          status[c], since[c] = s, pos
-        end
-        if s == 0 then
-          if pos > 0 then
-            result[#result + 1] = c
-            result[#result + 1] = pos
-            result[#result + 1] = off[c]
-            result[#result + 1] = dsk[c]
-          end
-          alive_pos[j], alive_id[j] = alive_pos[na], alive_id[na]
-          na = na - 1
-        else
-          j = j + 1
-        end
-      end
-      if na == 0 then
-        return result
-      end
-      prev = v
+-- The blocks table's geometry (lib.lua): each key's bucket, computed inline.
+local geo = call('HMGET', KEYS[1], 'L', 's')
+local size = 2 ^ (tonumber(geo[1]) or 0)
+local size2, split, bucketed = 2 * size, tonumber(geo[2]) or 0, KEYS[1] .. ':'
+
+local prev, prev_recs = 0, 0 -- numbers never equal a reply, so block 0 is decoded
+local recs_of, shared_of, recs_from, recs_size, recs_base = {}, {}, 1, 8, 0
+for i = 1, n do
+  if i >= recs_from then -- the next chunk of expiring records
+    local stop = math.min(n, i + recs_size - 1)
+    recs_size = math.min(recs_size * 2, 128)
+    local fields = {}
+    for k = i, stop do
+      fields[k - i + 1] = sub(blob, k * 8 - 7, k * 8)
     end
+    recs_of = call('HMGET', KEYS[4], unpack(fields))
+    shared_of = call('HMGET', KEYS[5], unpack(fields))
+    recs_from, recs_base = stop + 1, i - 1
   end
-  start = stop + 1
+  local v = shared_of[i - recs_base]
+  if not v then
+    local o = i * 8
+    local x, y, z = byte(blob, o - 2, o)
+    local h = x + 256 * y + 65536 * z
+    local b = h % size
+    if b < split then
+      b = h % size2
+    end
+    v = call('HGET', bucketed .. char(b % 256, floor(b / 256) % 256, floor(b / 65536)), sub(blob, o - 7, o))
+  end
+  local r = recs_of[i - recs_base]
+  if v ~= prev or r ~= prev_recs then
+    local pos = i - 1 -- blocks before this one
+    local tiers = {}
+    if v then
+      for o2 = 1, #v, 2 do
+        local e = byte(v, o2) + 256 * byte(v, o2 + 1)
+        tiers[floor(e / TIER_BITS)] = e % TIER_BITS
+      end
+    end
+    if r then
+      for o2 = 1, #r, REC do
+        local id, d = unpack_rec('<I2d', r, o2)
+        if d > now then
+          tiers[id] = 1 -- an expiring record predicts a GPU hit
+        end
+      end
+    end
+    local j = 1
+    while j <= na do
+      local c = alive_pos[j]
+      local bits = tiers[alive_id[j]]
+      local s = 0
+      if bits and bits ~= 0 then
+        s = (bits % 2 == 1 and 1) or (bits % 4 >= 2 and 2) or 3
+      end
+      if s ~= status[c] then
+        credit(c, pos)
+        status[c], since[c] = s, pos
+      end
+      if s == 0 then
+        if pos > 0 then
+          result[#result + 1] = c
+          result[#result + 1] = pos
+          result[#result + 1] = off[c]
+          result[#result + 1] = dsk[c]
+        end
+        alive_pos[j], alive_id[j] = alive_pos[na], alive_id[na]
+        na = na - 1
+      else
+        j = j + 1
+      end
+    end
+    if na == 0 then
+      return result
+    end
+    prev, prev_recs = v, r
+  end
 end
 for j = 1, na do
   local c = alive_pos[j]

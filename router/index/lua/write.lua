@@ -1,8 +1,9 @@
 -- Apply one batch of index writes for one engine, optionally fenced by a lease.
--- KEYS: 1 blocks, 2 expiring adds by deadline, 3 engines, 4 free ids, 5 next id, 6 gc queue,
---       7 engine epoch, then the engine's own: 8 GPU holdings, 9 CPU holdings,
---       10 expiring buckets, 11 expiring counts, 12 stream position, 13 lease,
---       14 disk holdings
+-- KEYS: 1 blocks (the bucketed table's meta hash), 2 expiring adds by deadline,
+--       3 engines, 4 free ids, 5 next id, 6 gc queue, 7 engine epoch, 8 expiring
+--       records, 9 shared blocks, then the engine's own: 10 expiring buckets,
+--       11 expiring counts, 12 stream position, 13 lease (its holdings tables are
+--       named by its engine id: held_meta)
 -- ARGV: 1 now, 2 key prefix, 3 engine label, 4 lease token ('' = unfenced),
 --       5 stream seq ('' = none: with a token, forget the stream position),
 --       6 batch timestamp, then 5 per op: kind, tier, ttl, packed keys, packed hashes
@@ -80,29 +81,36 @@ local function count_records(changes)
   end
 end
 
--- The engine's holdings hash of `tier` (0 GPU, 1 CPU, 2 disk).
-local function held_key(tier)
-  if tier == 2 then
-    return KEYS[14]
+local BLOCKS = tb_open(KEYS[1])
+local held = {} -- the engine's holdings tables by tier, opened on first use
+
+local function held_table(tier)
+  local t = held[tier]
+  if not t then
+    t = tb_open(held_meta(prefix, engine_id(false), tier))
+    held[tier] = t
   end
-  return KEYS[8 + tier]
+  return t
 end
 
 local function firm_add(tier, keys, hashes)
   local me = engine_id(true)
   local mask = TIER_MASK[tier]
   chunks(keys, function(fields, first)
-    update_blocks(fields, function(firm, recs)
-      return (firm_update(firm, me, mask, 0)), (rewrite_records(recs, now))
-    end)
+    update_blocks(BLOCKS, fields, function(firm)
+      return (firm_update(firm, me, mask, 0))
+    end, true)
     local owned = {}
     for j = 1, #fields do
-      push(owned, fields[j], hashes ~= '' and key_at(hashes, first + j - 1) or '')
+      owned[j] = hashes ~= '' and key_at(hashes, first + j - 1) or ''
     end
-    bulk_pairs('HSET', held_key(tier), owned)
+    tb_set(held_table(tier), fields, owned)
   end)
 end
 
+-- Records even on blocks the engine holds firmly: checking would cost a bucket read
+-- per block on every routing decision, and lookups count a firm GPU holder the same
+-- either way (removing the block from the engine's GPU drops the record with it).
 local function expiring_add(ttl, keys)
   local me = engine_id(true)
   local deadline = now + ttl
@@ -110,12 +118,8 @@ local function expiring_add(ttl, keys)
   local changes = { [b] = 0 }
   local recorded = {}
   chunks(keys, function(fields)
-    update_blocks(fields, function(firm, recs)
-      if firm_bits(firm, me) ~= 0 then
-        return nil -- never downgrade a firm record
-      end
-      local r, replaced = rewrite_records(recs, now, me, me, deadline)
-      return firm, r, replaced
+    update_records(fields, function(recs)
+      return rewrite_records(recs, now, me, me, deadline)
     end, function(k, replaced)
       changes[b] = changes[b] + 1
       if replaced then
@@ -148,10 +152,10 @@ local function remove(tier, keys)
   local mask = (tier == '0' and 1) or (tier == '1' and 2) or (tier == '2' and 4) or 7
   local gone = mask % 2 == 1 and {} or nil -- expiring records are GPU-tier predictions
   chunks(keys, function(fields)
-    drop_holder(now, me, mask, fields, gone)
+    drop_holder(BLOCKS, now, me, mask, fields, gone)
     for t = 0, 2 do
       if bit.band(mask, TIER_MASK[t]) ~= 0 then
-        redis.call('HDEL', held_key(t), unpack(fields))
+        tb_del(held_table(t), fields)
       end
     end
   end)
@@ -161,8 +165,8 @@ local function remove(tier, keys)
 end
 
 -- O(1): the engine's id is retired (no label maps to it, so lookups ignore its
--- entries), its firm holdings are renamed into the garbage queue, collected later in
--- bounded steps by every write, and its expiring records are left to expire.
+-- entries), its holdings tables are queued for collection, later in bounded steps by
+-- every write, and its expiring records are left to expire.
 local function clear()
   local me = engine_id(false)
   if not me then
@@ -170,15 +174,11 @@ local function clear()
   end
   redis.call('HDEL', KEYS[3], label)
   new_epoch()
-  for tier = 0, 2 do
-    if redis.call('EXISTS', held_key(tier)) == 1 then
-      redis.call('RENAME', held_key(tier), prefix .. 'gc:' .. me .. ':' .. tier)
-    end
-  end
   local last = redis.call('ZRANGE', KEYS[10], -1, -1, 'WITHSCORES')
   redis.call('DEL', KEYS[10], KEYS[11])
   redis.call('RPUSH', KEYS[6], me .. ':' .. (last[2] or '0'))
   id = nil
+  held = {}
 end
 
 for i = 7, #ARGV, 5 do
@@ -204,5 +204,5 @@ if token ~= '' then
   end
 end
 sweep_expired(now, ARGV[1], 1024)
-gc_step(now, prefix, 256)
+gc_step(BLOCKS, now, prefix, 256)
 return 1
