@@ -11,7 +11,8 @@
   Python;
 * event ingest into Redis: block events per second through the fenced event writer
   (the indexer's path), keys computed from token ids included;
-* Redis memory per (block, engine) entry, from ``INFO memory`` deltas.
+* Redis memory per (block, engine) entry, from ``INFO memory`` deltas: blocks distinct
+  per engine, a quarter held by every engine (16 and 256 engines), all shared.
 
 It starts a throw-away ``redis-server`` unless ``--redis-url`` names one (it then uses
 a random namespace and deletes it). Lookups run on uvloop, like ``kvroute serve``.
@@ -248,25 +249,26 @@ async def _used_memory(index: RedisIndex) -> int:
     return int(info["used_memory"])
 
 
-async def bench_memory(url: str, engines: int, blocks: int, shared: bool) -> dict[str, Any]:
+async def bench_memory(url: str, engines: int, blocks: int, shared: float) -> dict[str, Any]:
     """Bytes per (block, engine) entry as the indexer writes them (with engine hashes),
-    and per expiring record (a routing decision's provisional holder)."""
+    and per expiring record (a routing decision's provisional holder). A ``shared``
+    fraction of each engine's blocks is held by every engine, the rest by it alone."""
     rng = random.Random(11)
     index = RedisIndex(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000, admin_timeout=60)
     try:
-        common = [rng.getrandbits(64) for _ in range(blocks)]
+        common = [rng.getrandbits(64) for _ in range(int(blocks * shared))]
         before = await _used_memory(index)
         for e in range(engines):
-            engine = EngineKey(f"10.2.0.{e}:8000")
-            keys = common if shared else [rng.getrandbits(64) for _ in range(blocks)]
+            engine = EngineKey(f"10.2.{e // 250}.{e % 250}:8000")
+            keys = common + [rng.getrandbits(64) for _ in range(blocks - len(common))]
             hashes = [rng.getrandbits(64) for _ in range(blocks)]
             for start in range(0, blocks, 4096):
                 op = AddOp(keys[start : start + 4096], Tier.GPU, hashes[start : start + 4096])
                 await index.write([WriteBatch(engine, [op])])
         firm = await _used_memory(index)
         for e in range(engines):
-            engine = EngineKey(f"10.3.0.{e}:8000")
-            keys = common if shared else [rng.getrandbits(64) for _ in range(blocks)]
+            engine = EngineKey(f"10.3.{e // 250}.{e % 250}:8000")
+            keys = common + [rng.getrandbits(64) for _ in range(blocks - len(common))]
             for start in range(0, blocks, 4096):
                 op = ExpireOp(keys[start : start + 4096], 3600.0)
                 await index.write([WriteBatch(engine, [op])])
@@ -276,7 +278,8 @@ async def bench_memory(url: str, engines: int, blocks: int, shared: bool) -> dic
         return {
             "engines": engines,
             "blocks_per_engine": blocks,
-            "shared_blocks": shared,
+            "shared_blocks": shared == 1.0,
+            "shared_fraction": shared,
             "firm_bytes_per_entry": (firm - before) / entries,
             "expiring_bytes_per_entry": (expiring - firm) / entries,
         }
@@ -300,8 +303,10 @@ async def run(url: str, repeat: int) -> dict[str, Any]:
         "lookup": [await bench_lookups(url, n, repeat) for n in (16, 64)],
         "ingest": await bench_ingest(url, streams=16, blocks=160_000, per_event=16),
         "memory": [
-            await bench_memory(url, 16, 20_000, shared=False),
-            await bench_memory(url, 16, 20_000, shared=True),
+            await bench_memory(url, 16, 20_000, shared=0.0),
+            await bench_memory(url, 16, 20_000, shared=0.25),
+            await bench_memory(url, 16, 20_000, shared=1.0),
+            await bench_memory(url, 256, 4_000, shared=0.25),
         ],
     }
     return results
@@ -338,7 +343,10 @@ def report(results: dict[str, Any]) -> None:
         f"{i['pipelines']:,} pipelines)"
     )
     for m in results["memory"]:
-        kind = "shared by every engine" if m["shared_blocks"] else "distinct per engine"
+        share = m.get("shared_fraction", 1.0 if m["shared_blocks"] else 0.0)
+        kind = {0.0: "distinct per engine", 1.0: "shared by every engine"}.get(
+            share, f"{share:.0%} held by every engine, the rest distinct"
+        )
         print(
             f"memory: {m['firm_bytes_per_entry']:.0f} bytes per firm entry, "
             f"{m['expiring_bytes_per_entry']:.0f} per expiring record "
