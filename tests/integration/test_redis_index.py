@@ -593,6 +593,71 @@ async def test_tables_grow_by_splitting_buckets_that_stay_listpacks(
     assert len((await index.stream_position(A)).hashes[Tier.GPU]) == 2_500
 
 
+async def _script_commands(url: str, action: Callable[[], Awaitable[object]]) -> list[str]:
+    """Commands scripts ran while ``action`` ran (MONITOR shows them as the lua client)."""
+    import redis.asyncio as aioredis
+
+    watcher = aioredis.Redis.from_url(url)
+    other = aioredis.Redis.from_url(url)
+    marker = f"mark-{random.getrandbits(32)}"
+    seen: list[str] = []
+    try:
+        async with watcher.monitor() as monitor:
+            await other.echo(f"start-{marker}")
+            await action()
+            await other.echo(f"end-{marker}")
+
+            async def collect() -> None:
+                started = False
+                async for info in monitor.listen():
+                    if info["command"] == f"ECHO start-{marker}":
+                        started = True
+                    elif info["command"] == f"ECHO end-{marker}":
+                        return
+                    elif started and info["client_type"] == "lua":
+                        seen.append(info["command"].split()[0])
+
+            await asyncio.wait_for(collect(), 10)
+    finally:
+        await watcher.aclose()
+        await other.aclose()
+    return seen
+
+
+async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_matter(
+    index: RedisIndex, redis_url: str
+) -> None:
+    """A lookup reads a block the shared hash lacks from its bucket (one ``HGET``)
+    unless every candidate still matching has a live record there: a record counts as
+    the best tier, so the bucket could change nothing. A conversation's next turn,
+    recorded on its engine by the last one, walks its history without bucket reads."""
+    rng = random.Random(4)
+    history = [rng.getrandbits(64) for _ in range(200)]
+    await index.add(A, history)
+    await index.lookup(history, [A])  # loads the script and the candidates' ids
+
+    async def walk(candidates: list[EngineKey], expected: dict[EngineKey, Match]) -> int:
+        async def lookup() -> None:
+            assert await index.lookup(history, candidates) == expected
+
+        return (await _script_commands(redis_url, lookup)).count("HGET")
+
+    assert await walk([A], {A: Match(200)}) == 200
+    await index.add(A, history, ttl=60)
+    assert await walk([A], {A: Match(200)}) == 0
+    await index.add(B, history[:50], ttl=60)  # B recorded too, on a shorter prefix
+    # Block 50, where B's record ends, is read: B might hold it firmly.
+    assert await walk([A, B], {A: Match(200), B: Match(50)}) == 1
+    await index.add(C, history[:100], Tier.CPU)  # firmly, no record
+    got = {A: Match(200), B: Match(50), C: Match(100, offloaded=100)}
+    # Blocks 0-99 now have two firm holders (the shared hash has them); block 100 is
+    # read from its bucket for C, which has no record there.
+    assert await walk([A, B, C], got) == 1
+    await index.remove(C, history[:100])
+    await index.add(C, history[150:], ttl=60)  # C recorded from block 150: no match
+    assert await walk([A, C], {A: Match(200)}) == 1  # C has no record at block 0
+
+
 async def test_a_firm_entry_costs_under_64_bytes_of_redis_memory(own_server: RedisServer) -> None:
     """The layout's point (issue "The index at fleet scale"): 16 engines x 5,000 blocks
     with their engine hashes, a quarter of the blocks held by every engine, the rest by

@@ -78,10 +78,12 @@ local geo = call('HMGET', KEYS[1], 'L', 's')
 local size = 2 ^ (tonumber(geo[1]) or 0)
 local size2, split, bucketed = 2 * size, tonumber(geo[2]) or 0, KEYS[1] .. ':'
 
+local SKIPPED = {} -- a block's firm holders left unread: they could change nothing
 local prev, prev_recs = 0, 0 -- numbers never equal a reply, so block 0 is decoded
+local recorded = {} -- engine id -> true: a live record on the current block
 local recs_of, shared_of, recs_from, recs_size, recs_base = {}, {}, 1, 8, 0
 for i = 1, n do
-  if i >= recs_from then -- the next chunk of expiring records
+  if i >= recs_from then -- the next chunk
     local stop = math.min(n, i + recs_size - 1)
     recs_size = math.min(recs_size * 2, 128)
     local fields = {}
@@ -92,34 +94,49 @@ for i = 1, n do
     shared_of = call('HMGET', KEYS[5], unpack(fields))
     recs_from, recs_base = stop + 1, i - 1
   end
+  local r = recs_of[i - recs_base]
+  if r ~= prev_recs then
+    recorded = {}
+    if r then
+      for o2 = 1, #r, REC do
+        local id, d = unpack_rec('<I2d', r, o2)
+        if d > now then
+          recorded[id] = true
+        end
+      end
+    end
+  end
   local v = shared_of[i - recs_base]
   if not v then
-    local o = i * 8
-    local x, y, z = byte(blob, o - 2, o)
-    local h = x + 256 * y + 65536 * z
-    local b = h % size
-    if b < split then
-      b = h % size2
+    -- One engine at most holds the block firmly, in its bucket. A live record already
+    -- counts a candidate at the best tier, so the bucket is read only for a candidate
+    -- without one (a conversation's own engine, recorded by its last turn, skips it).
+    v = SKIPPED
+    for j = 1, na do
+      if not recorded[alive_id[j]] then
+        local o = i * 8
+        local x, y, z = byte(blob, o - 2, o)
+        local h = x + 256 * y + 65536 * z
+        local b = h % size
+        if b < split then
+          b = h % size2
+        end
+        v = call('HGET', bucketed .. char(b % 256, floor(b / 256) % 256, floor(b / 65536)), sub(blob, o - 7, o))
+        break
+      end
     end
-    v = call('HGET', bucketed .. char(b % 256, floor(b / 256) % 256, floor(b / 65536)), sub(blob, o - 7, o))
   end
-  local r = recs_of[i - recs_base]
   if v ~= prev or r ~= prev_recs then
     local pos = i - 1 -- blocks before this one
     local tiers = {}
-    if v then
+    if v and v ~= SKIPPED then
       for o2 = 1, #v, 2 do
         local e = byte(v, o2) + 256 * byte(v, o2 + 1)
         tiers[floor(e / TIER_BITS)] = e % TIER_BITS
       end
     end
-    if r then
-      for o2 = 1, #r, REC do
-        local id, d = unpack_rec('<I2d', r, o2)
-        if d > now then
-          tiers[id] = 1 -- an expiring record predicts a GPU hit
-        end
-      end
+    for id in pairs(recorded) do
+      tiers[id] = 1 -- an expiring record predicts a GPU hit
     end
     local j = 1
     while j <= na do
