@@ -416,12 +416,19 @@ def resident_bytes() -> int:
 
 #: A publisher in its own process, so that its 256 MiB frame is not counted here.
 BIG_FRAME_PUBLISHER = """
-import sys, time, zmq
-sock = zmq.Context().socket(zmq.PUB)
+import sys, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.XPUB)
 sock.connect(sys.argv[1])
-time.sleep(0.3)  # the slow joiner
+# Send once the subscriber's subscription has arrived, not after a fixed sleep: a
+# publisher drops what it sends before then (the slow joiner), and on a busy machine
+# no sleep is long enough.
+if not sock.poll(30_000):
+    sys.exit("no subscription arrived within 30 s")
+sock.recv()
 sock.send_multipart([sys.argv[2].encode(), (0).to_bytes(8, "big"), b"\\x91" * (256 << 20)])
-time.sleep(1.0)
+sock.close(linger=30_000)  # deliver the frame before exiting (dropped if refused)
+ctx.term()
 """
 
 
