@@ -229,57 +229,111 @@ local function push(t, a, b)
   end
 end
 
+-- Run `cmd` on each bucket of `names` (key -> bucket name) with its keys, and with
+-- each key's value from `values` (key -> value) when given; returns the sum of replies.
+local function per_bucket(cmd, names, keys, values)
+  local groups, order = {}, {}
+  for _, k in ipairs(keys) do
+    local name = names[k]
+    local g = groups[name]
+    if not g then
+      g = {}
+      groups[name] = g
+      order[#order + 1] = name
+    end
+    g[#g + 1] = k
+    if values then
+      g[#g + 1] = values[k]
+    end
+  end
+  local total = 0
+  for _, name in ipairs(order) do
+    total = total + redis.call(cmd, name, unpack(groups[name]))
+  end
+  return total
+end
+
 -- Apply `change(firm) -> firm` to block keys `fields` (at most CHUNK); change must
 -- depend on its argument alone: blocks with equal values (common along a shared
 -- prefix) are computed once. A block's firm entries live in the shared hash (KEYS[9])
 -- while it has two holders or more, else in bucketed table `t`; a change moves it
 -- between them, and a block left with no firm entry is deleted. `adds` says the
--- change may create blocks (room is reserved in `t` for all of `fields`).
+-- change may create blocks: room is reserved in `t` for all of `fields`, and a block
+-- found nowhere is created with one HSETNX in its bucket (most blocks an engine
+-- stores are new), read and rewritten only if it turns out to be there.
 local function update_blocks(t, fields, change, adds)
   if adds then
     tb_reserve(t, #fields)
   end
-  local shared = redis.call('HMGET', KEYS[9], unpack(fields))
-  local lone = {} -- positions of fields the shared hash lacks
-  for j = 1, #fields do
-    if not shared[j] then
-      lone[#lone + 1] = fields[j]
-    end
-  end
-  local order, groups = tb_group(t, lone)
-  local olds = {} -- key -> value in its bucket
-  for _, name in ipairs(order) do
-    local fs = {}
-    for _, j in ipairs(groups[name]) do
-      fs[#fs + 1] = lone[j]
-    end
-    local vals = redis.call('HMGET', name, unpack(fs))
-    for j = 1, #fs do
-      olds[fs[j]] = vals[j]
-    end
-  end
   local memo = {}
-  local shared_sets, shared_dels, lone_sets, lone_dels = {}, {}, {}, {}
-  for j = 1, #fields do
-    local k = fields[j]
-    local was_shared = shared[j] ~= false and shared[j] ~= nil
-    local old = shared[j] or olds[k] or ''
+  local function changed(old)
     local new = memo[old]
     if not new then
       new = change(old)
       memo[old] = new
     end
-    if new ~= old then
-      local now_shared = #new > 2
-      if was_shared and not now_shared then
-        push(shared_dels, k)
-      elseif not was_shared and old ~= '' and (now_shared or new == '') then
-        push(lone_dels, k)
+    return new
+  end
+  local shared = redis.call('HMGET', KEYS[9], unpack(fields))
+  local fresh = adds and changed('') or ''
+  if #fresh > 2 then
+    fresh = '' -- would be shared at once: the general path
+  end
+  local names, olds, created, unread = {}, {}, {}, {}
+  for j = 1, #fields do
+    if not shared[j] then
+      local k = fields[j]
+      local name = tb_bucket(t, k)
+      names[k] = name
+      if fresh ~= '' and redis.call('HSETNX', name, k, fresh) == 1 then
+        created[k] = true
+        t.n = t.n + 1
+      else
+        unread[#unread + 1] = k
       end
-      if now_shared then
-        push(shared_sets, k, new)
-      elseif new ~= '' then
-        push(lone_sets, k, new)
+    end
+  end
+  if #unread > 0 then
+    local groups, order = {}, {}
+    for _, k in ipairs(unread) do
+      local name = names[k]
+      if not groups[name] then
+        groups[name] = {}
+        order[#order + 1] = name
+      end
+      table.insert(groups[name], k)
+    end
+    for _, name in ipairs(order) do
+      local fs = groups[name]
+      local vals = redis.call('HMGET', name, unpack(fs))
+      for i = 1, #fs do
+        olds[fs[i]] = vals[i]
+      end
+    end
+  end
+  local shared_sets, shared_dels, lone_sets, lone_dels, lone_values = {}, {}, {}, {}, {}
+  for j = 1, #fields do
+    local k = fields[j]
+    if not created[k] then
+      local was_shared = shared[j] and true or false
+      local old = shared[j] or olds[k] or ''
+      local new = changed(old)
+      if new ~= old then
+        local now_shared = #new > 2
+        if was_shared and not now_shared then
+          push(shared_dels, k)
+        elseif not was_shared and old ~= '' and (now_shared or new == '') then
+          lone_dels[#lone_dels + 1] = k
+        end
+        if now_shared then
+          push(shared_sets, k, new)
+        elseif new ~= '' then
+          if not names[k] then
+            names[k] = tb_bucket(t, k)
+          end
+          lone_sets[#lone_sets + 1] = k
+          lone_values[k] = new
+        end
       end
     end
   end
@@ -291,30 +345,10 @@ local function update_blocks(t, fields, change, adds)
     redis.call('HDEL', KEYS[9], unpack(shared_dels))
   end
   if #lone_dels > 0 then
-    local order_d, groups_d = tb_group(t, lone_dels)
-    for _, name in ipairs(order_d) do
-      local fs = {}
-      for _, j in ipairs(groups_d[name]) do
-        fs[#fs + 1] = lone_dels[j]
-      end
-      t.n = t.n - redis.call('HDEL', name, unpack(fs))
-    end
+    t.n = t.n - per_bucket('HDEL', names, lone_dels)
   end
   if #lone_sets > 0 then
-    local ks, vs = {}, {}
-    for i = 1, #lone_sets, 2 do
-      ks[#ks + 1] = lone_sets[i]
-      vs[#vs + 1] = lone_sets[i + 1]
-    end
-    local order_s, groups_s = tb_group(t, ks)
-    for _, name in ipairs(order_s) do
-      local kv = {}
-      for _, j in ipairs(groups_s[name]) do
-        kv[#kv + 1] = ks[j]
-        kv[#kv + 1] = vs[j]
-      end
-      t.n = t.n + redis.call('HSET', name, unpack(kv))
-    end
+    t.n = t.n + per_bucket('HSET', names, lone_sets, lone_values)
   end
   tb_save(t)
 end
