@@ -61,20 +61,50 @@ local function tb_bucket(t, k)
   return bucket_name(t.meta, b)
 end
 
--- Bucket names in first-seen order and, per name, the positions in `fields` it holds.
-local function tb_group(t, fields)
+-- Each key's bucket name (key -> name).
+local function tb_names(t, keys)
+  local names = {}
+  for _, k in ipairs(keys) do
+    names[k] = tb_bucket(t, k)
+  end
+  return names
+end
+
+-- `keys` grouped by their bucket in `names`: the names in first-seen order, and per
+-- name its keys.
+local function by_bucket(names, keys)
   local order, groups = {}, {}
-  for j = 1, #fields do
-    local name = tb_bucket(t, fields[j])
+  for _, k in ipairs(keys) do
+    local name = names[k]
     local g = groups[name]
     if not g then
       g = {}
       groups[name] = g
       order[#order + 1] = name
     end
-    g[#g + 1] = j
+    g[#g + 1] = k
   end
   return order, groups
+end
+
+-- Run `cmd` on each bucket with its keys of `keys`, each followed by its value from
+-- `values` (key -> value) when given; returns the sum of the replies.
+local function per_bucket(cmd, names, keys, values)
+  local order, groups = by_bucket(names, keys)
+  local total = 0
+  for _, name in ipairs(order) do
+    local args = groups[name]
+    if values then
+      local kv = {}
+      for _, k in ipairs(args) do
+        kv[#kv + 1] = k
+        kv[#kv + 1] = values[k]
+      end
+      args = kv
+    end
+    total = total + redis.call(cmd, name, unpack(args))
+  end
+  return total
 end
 
 -- Split buckets until the table has room for `extra` more fields at BUCKET_FIELDS a
@@ -109,31 +139,15 @@ local function tb_save(t)
   redis.call('HSET', t.meta, 'L', t.level, 's', t.split, 'n', t.n)
 end
 
--- Set `fields` to `values` (same length): new fields are counted.
+-- Set `fields` to their values in `values` (key -> value); new fields are counted.
 local function tb_set(t, fields, values)
   tb_reserve(t, #fields)
-  local order, groups = tb_group(t, fields)
-  for _, name in ipairs(order) do
-    local pairs_ = {}
-    for _, j in ipairs(groups[name]) do
-      pairs_[#pairs_ + 1] = fields[j]
-      pairs_[#pairs_ + 1] = values[j]
-    end
-    t.n = t.n + redis.call('HSET', name, unpack(pairs_))
-  end
+  t.n = t.n + per_bucket('HSET', tb_names(t, fields), fields, values)
   tb_save(t)
 end
 
 local function tb_del(t, fields)
-  local order, groups = tb_group(t, fields)
-  local gone = 0
-  for _, name in ipairs(order) do
-    local fs = {}
-    for _, j in ipairs(groups[name]) do
-      fs[#fs + 1] = fields[j]
-    end
-    gone = gone + redis.call('HDEL', name, unpack(fs))
-  end
+  local gone = per_bucket('HDEL', tb_names(t, fields), fields)
   if gone > 0 then
     t.n = t.n - gone
     redis.call('HSET', t.meta, 'n', t.n)
@@ -229,30 +243,6 @@ local function push(t, a, b)
   end
 end
 
--- Run `cmd` on each bucket of `names` (key -> bucket name) with its keys, and with
--- each key's value from `values` (key -> value) when given; returns the sum of replies.
-local function per_bucket(cmd, names, keys, values)
-  local groups, order = {}, {}
-  for _, k in ipairs(keys) do
-    local name = names[k]
-    local g = groups[name]
-    if not g then
-      g = {}
-      groups[name] = g
-      order[#order + 1] = name
-    end
-    g[#g + 1] = k
-    if values then
-      g[#g + 1] = values[k]
-    end
-  end
-  local total = 0
-  for _, name in ipairs(order) do
-    total = total + redis.call(cmd, name, unpack(groups[name]))
-  end
-  return total
-end
-
 -- Apply `change(firm) -> firm` to block keys `fields` (at most CHUNK); change must
 -- depend on its argument alone: blocks with equal values (common along a shared
 -- prefix) are computed once. A block's firm entries live in the shared hash (KEYS[9])
@@ -294,15 +284,7 @@ local function update_blocks(t, fields, change, adds)
     end
   end
   if #unread > 0 then
-    local groups, order = {}, {}
-    for _, k in ipairs(unread) do
-      local name = names[k]
-      if not groups[name] then
-        groups[name] = {}
-        order[#order + 1] = name
-      end
-      table.insert(groups[name], k)
-    end
+    local order, groups = by_bucket(names, unread)
     for _, name in ipairs(order) do
       local fs = groups[name]
       local vals = redis.call('HMGET', name, unpack(fs))

@@ -102,7 +102,7 @@ local function firm_add(tier, keys, hashes)
     end, true)
     local owned = {}
     for j = 1, #fields do
-      owned[j] = hashes ~= '' and key_at(hashes, first + j - 1) or ''
+      owned[fields[j]] = hashes ~= '' and key_at(hashes, first + j - 1) or ''
     end
     tb_set(held_table(tier), fields, owned)
   end)
