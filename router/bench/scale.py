@@ -16,6 +16,12 @@ shared by up to 32 engines, the rest its own; every fourth engine holds a prefix
   engine, which is what a request pays);
 * clearing one engine.
 
+The same fleet also goes into the Redis index (``kvroute redis``, layout 3 of
+docs/redis-schema.md) on a throw-away ``redis-server``: there ``B/entry`` is Redis's
+``used_memory`` growth per entry, ingest is ``RedisIndex.write`` (the indexer's path,
+with the engines' hashes; keys precomputed), and a lookup is one script call
+(``--skip-redis`` leaves it out).
+
 Dynamo's side runs ``router/bench/scale_dynamo.py`` in ``build/dynamo/venv`` with
 ``ai-dynamo-runtime`` from PyPI (installed on first use; skipped, with the reason, when
 it cannot be). kvroute runs twice per fleet: with the compiled index
@@ -121,6 +127,79 @@ def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     return result
 
 
+def measure_redis(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
+    """The fleet in the Redis index on a throw-away ``redis-server`` (own process)."""
+    from router.bench.throwaway_redis import RedisServer
+    from router.config import PolicyConfig
+    from router.engines.load import LoadTracker
+    from router.index.redis import AddOp, RedisIndex, WriteBatch
+    from router.policy import make_policy
+    from router.policy.base import RouteRequest
+    from router.types import EngineKey, Tier
+
+    fleet = Fleet(engines, blocks)
+    keys_of = [
+        EngineKey(f"10.{i // 62_500}.{i // 250 % 250}.{i % 250}:8000") for i in range(engines)
+    ]
+    server = RedisServer()
+    loop = asyncio.new_event_loop()
+    index = RedisIndex(server.url, "scale", budget_ms=60_000, admin_timeout=600)
+
+    async def used_memory() -> int:
+        return int((await index.client.info("memory"))["used_memory"])
+
+    async def run() -> dict[str, Any]:
+        await index.add(EngineKey("10.255.255.255:1"), [1])  # scripts loaded, keys made
+        before = await used_memory()
+        applied, spent = 0, 0.0
+        for first in range(0, engines, 16):
+            batches = []
+            for engine in range(first, min(engines, first + 16)):
+                ops = [AddOp(c.keys, Tier.GPU, c.hashes) for c in fleet.chains(engine)]
+                applied += sum(len(op.keys) for op in ops)
+                batches.append(WriteBatch(keys_of[engine], ops))
+            t0 = time.perf_counter()
+            await index.write(batches)
+            spent += time.perf_counter() - t0
+        grown = await used_memory() - before
+        query = fleet.query.keys
+        position = {key: i for i, key in enumerate(keys_of)}
+        found = {position[k]: m.blocks for k, m in (await index.lookup(query, keys_of)).items()}
+        policy = make_policy(PolicyConfig())
+        loads = LoadTracker(BLOCK)
+        for i, key in enumerate(keys_of):
+            loads.begin(key, 1000 + 37 * i, 0, 100)
+        request = RouteRequest("bench", query, len(query) * BLOCK, BLOCK, 256)
+        lookups: list[float] = []
+        decisions: list[float] = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            matches = await index.lookup(query, keys_of)
+            t1 = time.perf_counter()
+            policy.choose(request, keys_of, matches, loads.view)
+            t2 = time.perf_counter()
+            lookups.append(t1 - t0)
+            decisions.append(t2 - t0)
+        t0 = time.perf_counter()
+        await index.clear(keys_of[0])
+        cleared = time.perf_counter() - t0
+        result = row("kvroute redis", fleet, applied, grown, spent, lookups, cleared, found)
+        decision = percentiles_us(decisions)
+        result.update(
+            decision_p50_us=decision[0],
+            decision_p99_us=decision[1],
+            own_bytes_per_entry=grown / applied,
+        )
+        return result
+
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.run_until_complete(index.close())
+        loop.close()
+        server.kill()
+
+
 def dynamo_python() -> tuple[Path | None, str]:
     """The Dynamo virtualenv's interpreter, installed on first use, or why not."""
     if DYNAMO_PYTHON.exists():
@@ -162,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-dynamo", action="store_true")
     parser.add_argument(
+        "--skip-redis", action="store_true", help="leave out the Redis index, measured by default"
+    )
+    parser.add_argument(
         "--skip-pure",
         action="store_true",
         help="leave out kvroute's pure-Python index (KVROUTE_PURE_PYTHON=1), measured by default",
@@ -169,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="bench-results/scale.json")
     parser.add_argument("--one", nargs=3, type=int, metavar=("ENGINES", "BLOCKS", "REPEAT"),
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--one-redis", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure_kvroute(*args.one)))
+        return 0
+    if args.one_redis:
+        print(json.dumps(measure_redis(*args.one_redis)))
         return 0
     fleets = [tuple(int(x) for x in f.split(":")) for f in args.fleet] if args.fleet else FLEETS
     dynamo, skipped = (None, "--skip-dynamo") if args.skip_dynamo else dynamo_python()
@@ -183,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_run([sys.executable, "-m", "router.bench.scale", "--one", *one]))
         if not args.skip_pure:
             rows.append(_run([sys.executable, "-m", "router.bench.scale", "--one", *one], True))
+        if not args.skip_redis:
+            rows.append(_run([sys.executable, "-m", "router.bench.scale", "--one-redis", *one]))
         if dynamo is not None:
             script = str(Path(__file__).with_name("scale_dynamo.py"))
             rows.append(_run([str(dynamo), script, *one]))
