@@ -625,16 +625,18 @@ async def _script_commands(url: str, action: Callable[[], Awaitable[object]]) ->
 
 
 async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_matter(
-    index: RedisIndex, redis_url: str
+    index: RedisIndex, redis_url: str, clock: Clock
 ) -> None:
-    """A lookup reads a block the shared hash lacks from its bucket (one ``HGET``)
-    unless every candidate still matching has a live record there: a record counts as
-    the best tier, so the bucket could change nothing. A conversation's next turn,
-    recorded on its engine by the last one, walks its history without bucket reads."""
+    """A block one engine holds lives in its bucket, and a lookup reads it there (one
+    ``HGET``) when it reaches it. While the block has expiring records it lives in the
+    shared hash, read a chunk at a time: the add that records it moves it there, the
+    sweep of its last record moves it back. And where every candidate still matching
+    has a live record the bucket is not read at all: a record counts at the best tier."""
     rng = random.Random(4)
     history = [rng.getrandbits(64) for _ in range(200)]
     await index.add(A, history)
     await index.lookup(history, [A])  # loads the script and the candidates' ids
+    blocks, shared = index.key("blocks"), index.key("shared")
 
     async def walk(candidates: list[EngineKey], expected: dict[EngineKey, Match]) -> int:
         async def lookup() -> None:
@@ -642,20 +644,26 @@ async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_ma
 
         return (await _script_commands(redis_url, lookup)).count("HGET")
 
+    async def in_buckets() -> int:
+        return int(await index.client.hget(blocks, "n"))
+
     assert await walk([A], {A: Match(200)}) == 200
+    await index.add(B, history, ttl=5)  # a routing decision: B is recorded
+    assert (await in_buckets(), await index.client.hlen(shared)) == (0, 200 + 1)
+    assert await walk([A, B], {A: Match(200), B: Match(200)}) == 0
+    clock.now += 6
+    await index.stats()  # sweeps the expired records
+    assert (await in_buckets(), await index.client.hlen(shared)) == (200, 1)
+    assert await walk([A], {A: Match(200)}) == 200
+    # Records on blocks already recorded move nothing; a firm change can move a block
+    # back to its bucket while it has records.
     await index.add(A, history, ttl=60)
-    assert await walk([A], {A: Match(200)}) == 0
-    await index.add(B, history[:50], ttl=60)  # B recorded too, on a shorter prefix
-    # Block 50, where B's record ends, is read: B might hold it firmly.
-    assert await walk([A, B], {A: Match(200), B: Match(50)}) == 1
-    await index.add(C, history[:100], Tier.CPU)  # firmly, no record
-    got = {A: Match(200), B: Match(50), C: Match(100, offloaded=100)}
-    # Blocks 0-99 now have two firm holders (the shared hash has them); block 100 is
-    # read from its bucket for C, which has no record there.
-    assert await walk([A, B, C], got) == 1
-    await index.remove(C, history[:100])
-    await index.add(C, history[150:], ttl=60)  # C recorded from block 150: no match
-    assert await walk([A, C], {A: Match(200)}) == 1  # C has no record at block 0
+    await index.add(C, history[:100], Tier.CPU)  # two holders: shared either way
+    await index.remove(C, history[:100])  # one again: back to the bucket
+    assert await in_buckets() == 100
+    assert await walk([A], {A: Match(200)}) == 0  # A's records count: no bucket read
+    # C has no record at block 0: it is read there for C, which holds nothing.
+    assert await walk([A, C], {A: Match(200)}) == 1
 
 
 async def test_a_firm_entry_costs_under_64_bytes_of_redis_memory(own_server: RedisServer) -> None:

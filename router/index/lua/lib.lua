@@ -161,6 +161,20 @@ local function held_meta(prefix, id, tier)
   return prefix .. 'held:' .. id .. ':' .. tier
 end
 
+-- Tier bits engine `id` holds firmly in firm entries `firm` (sorted by id).
+local function firm_bits(firm, id)
+  for o = 1, #firm, 2 do
+    local e = byte(firm, o) + 256 * byte(firm, o + 1)
+    local eid = floor(e / TIER_BITS)
+    if eid == id then
+      return e % TIER_BITS
+    elseif eid > id then
+      return 0
+    end
+  end
+  return 0
+end
+
 local function entry(id, bits)
   local e = id * TIER_BITS + bits
   return string.char(e % 256, math.floor(e / 256))
@@ -338,10 +352,11 @@ end
 -- Apply `change(recs) -> recs, extra` to the expiring records of block keys `fields`
 -- (at most CHUNK); change returns nil to leave a block untouched and must depend on
 -- its argument alone. `seen(key, extra)`, if given, is called for every block change
--- did not skip. A block left with no record is deleted.
+-- did not skip. A block left with no record is deleted. Returns the keys that had no
+-- records before and the keys left with none.
 local function update_records(fields, change, seen)
   local olds = redis.call('HMGET', KEYS[8], unpack(fields))
-  local sets, dels, memo = {}, {}, {}
+  local sets, dels, memo, created = {}, {}, {}, {}
   for j = 1, #fields do
     local k, old = fields[j], olds[j] or ''
     local m = memo[old]
@@ -359,6 +374,9 @@ local function update_records(fields, change, seen)
           push(dels, k)
         else
           push(sets, k, m.recs)
+          if old == '' then
+            created[#created + 1] = k
+          end
         end
       end
     end
@@ -370,6 +388,70 @@ local function update_records(fields, change, seen)
   if #dels > 0 then
     redis.call('HDEL', KEYS[8], unpack(dels))
   end
+  return created, dels
+end
+
+-- While a block has expiring records it is likely to be looked up again soon (a
+-- router just sent its prompt somewhere), so its firm holders move to the shared hash
+-- even when there is one (a lookup reads that hash a chunk at a time instead of the
+-- bucket block by block): `promote` does it for blocks that just got their first
+-- record, `demote` puts the lone ones back in their buckets once their records are
+-- gone. Either way a block's firm holders are in exactly one place.
+local function promote(t, keys)
+  if #keys == 0 then
+    return
+  end
+  local shared = redis.call('HMGET', KEYS[9], unpack(keys))
+  local lone = {}
+  for j = 1, #keys do
+    if not shared[j] then
+      lone[#lone + 1] = keys[j]
+    end
+  end
+  if #lone == 0 then
+    return
+  end
+  local names = tb_names(t, lone)
+  local order, groups = by_bucket(names, lone)
+  local moved, gone = {}, {}
+  for _, name in ipairs(order) do
+    local fs = groups[name]
+    local vals = redis.call('HMGET', name, unpack(fs))
+    for i = 1, #fs do
+      if vals[i] then
+        push(moved, fs[i], vals[i])
+        gone[#gone + 1] = fs[i]
+      end
+    end
+  end
+  if #gone > 0 then
+    keep_plain(KEYS[9])
+    redis.call('HSET', KEYS[9], unpack(moved))
+    t.n = t.n - per_bucket('HDEL', names, gone)
+    tb_save(t)
+  end
+end
+
+local function demote(t, keys)
+  if #keys == 0 then
+    return
+  end
+  local shared = redis.call('HMGET', KEYS[9], unpack(keys))
+  local lone, values = {}, {}
+  for j = 1, #keys do
+    local v = shared[j]
+    if v and #v == 2 then
+      lone[#lone + 1] = keys[j]
+      values[keys[j]] = v
+    end
+  end
+  if #lone == 0 then
+    return
+  end
+  tb_reserve(t, #lone)
+  redis.call('HDEL', KEYS[9], unpack(lone))
+  t.n = t.n + per_bucket('HSET', tb_names(t, lone), lone, values)
+  tb_save(t)
 end
 
 -- Drop tier bits `mask` of engine `id` from `fields` of blocks table `t`; with `gone`
@@ -380,7 +462,7 @@ local function drop_holder(t, now, id, mask, fields, gone)
     return (firm_update(firm, id, 0, mask))
   end)
   if gone then
-    update_records(fields, function(recs)
+    local _, emptied = update_records(fields, function(recs)
       return rewrite_records(recs, now, id)
     end, function(_, dropped)
       if dropped then
@@ -388,6 +470,7 @@ local function drop_holder(t, now, id, mask, fields, gone)
         gone[b] = (gone[b] or 0) - 1
       end
     end)
+    demote(t, emptied)
   end
 end
 
@@ -395,7 +478,7 @@ end
 -- add's packed keys by its deadline), about `budget` keys per call: expired records go
 -- and blocks left with none are deleted. Lookups ignore expired records already;
 -- this reclaims their memory. Returns 1 while expired adds remain.
-local function sweep_expired(now, now_arg, budget)
+local function sweep_expired(t, now, now_arg, budget)
   while budget > 0 do
     local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_arg, 'LIMIT', 0, 1)
     if not due[1] then
@@ -408,9 +491,10 @@ local function sweep_expired(now, now_arg, budget)
       for i = start, math.min(n, start + CHUNK - 1) do
         fields[#fields + 1] = key_at(blob, i)
       end
-      update_records(fields, function(recs)
+      local _, emptied = update_records(fields, function(recs)
         return (rewrite_records(recs, now))
       end)
+      demote(t, emptied)
     end
     redis.call('ZREM', KEYS[2], blob)
     budget = budget - n

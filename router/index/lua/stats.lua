@@ -4,7 +4,7 @@
 -- {0, blocks, entries, engines}.
 local now, prefix, budget = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local BLOCKS = tb_open(KEYS[1])
-if sweep_expired(now, ARGV[1], budget) == 1 or gc_step(BLOCKS, now, prefix, budget) == 1 then
+if sweep_expired(BLOCKS, now, ARGV[1], budget) == 1 or gc_step(BLOCKS, now, prefix, budget) == 1 then
   return { 1 }
 end
 local after = '(' .. ARGV[1]

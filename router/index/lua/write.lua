@@ -108,17 +108,40 @@ local function firm_add(tier, keys, hashes)
   end)
 end
 
--- Records even on blocks the engine holds firmly: checking would cost a bucket read
--- per block on every routing decision, and lookups count a firm GPU holder the same
--- either way (removing the block from the engine's GPU drops the record with it).
+-- Blocks the engine holds firmly on GPU get no record, as in the memory index, where
+-- the shared hash says so: for blocks several engines hold, and blocks an earlier
+-- record promoted. A block in its bucket is recorded anyway (reading the bucket would
+-- cost a call per block on every routing decision) and promoted, so the next record
+-- skips it; lookups count a firm GPU holder the same either way, and removing the
+-- block from the engine's GPU tier drops the record with it.
 local function expiring_add(ttl, keys)
   local me = engine_id(true)
   local deadline = now + ttl
   local b = bucket(deadline)
   local changes = { [b] = 0 }
   local recorded = {}
-  chunks(keys, function(fields)
-    update_records(fields, function(recs)
+  local on_gpu = {} -- shared value -> whether it has me on GPU
+  chunks(keys, function(all)
+    local shared = redis.call('HMGET', KEYS[9], unpack(all))
+    local fields = {}
+    for j = 1, #all do
+      local v = shared[j]
+      local held = false
+      if v then
+        held = on_gpu[v]
+        if held == nil then
+          held = firm_bits(v, me) % 2 == 1
+          on_gpu[v] = held
+        end
+      end
+      if not held then
+        fields[#fields + 1] = all[j]
+      end
+    end
+    if #fields == 0 then
+      return
+    end
+    local created = update_records(fields, function(recs)
       return rewrite_records(recs, now, me, me, deadline)
     end, function(k, replaced)
       changes[b] = changes[b] + 1
@@ -128,6 +151,7 @@ local function expiring_add(ttl, keys)
       end
       recorded[#recorded + 1] = k
     end)
+    promote(BLOCKS, created)
   end)
   if #recorded == 0 then
     return
@@ -203,6 +227,6 @@ if token ~= '' then
     redis.call('DEL', KEYS[12])
   end
 end
-sweep_expired(now, ARGV[1], 1024)
+sweep_expired(BLOCKS, now, ARGV[1], 1024)
 gc_step(BLOCKS, now, prefix, 256)
 return 1
