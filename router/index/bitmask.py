@@ -232,9 +232,11 @@ class BitmaskTable:
         ids: Mapping[Any, int],
         names: Sequence[Any],
         match: type[Match],
+        generation: int | None = None,
     ) -> dict[Any, Match]:
         """Match depth of each candidate (``ids``: candidate -> engine id; ``names``:
-        engine id -> the result's key)."""
+        engine id -> the result's key). ``generation`` is for the compiled table's id
+        cache; this table reads ``ids`` every time."""
         get_id = ids.get
         alive = 0
         for engine in candidates:

@@ -63,6 +63,7 @@ class HolderTable(Protocol):
         ids: dict[Any, int],
         names: list[Any],
         match: type[Match],
+        generation: int | None = None,
     ) -> dict[Any, Match]: ...
     def stats(self) -> tuple[int, int, int, int]: ...
 
@@ -112,6 +113,9 @@ class MemoryIndex(KVIndex):
         self._ids: dict[EngineKey, int] = {}
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
+        self._ids_generation = 0
+        """Changes whenever an engine's id is retired: the compiled table caches the
+        candidates' ids by object identity until it does."""
 
     @property
     def evicted(self) -> Counter[str]:
@@ -159,7 +163,7 @@ class MemoryIndex(KVIndex):
         table = self._table
         if table.next_deadline <= self._clock():
             table.sweep(self._clock())
-        return table.lookup(keys, candidates, self._ids, self._names, Match)
+        return table.lookup(keys, candidates, self._ids, self._names, Match, self._ids_generation)
 
     # ------------------------------------------------------------------ writes
 
@@ -211,6 +215,7 @@ class MemoryIndex(KVIndex):
         self._table.clear(idx)
         self._names[idx] = None
         self._free.append(idx)
+        self._ids_generation += 1
 
     # ------------------------------------------------------------------ footprint
 

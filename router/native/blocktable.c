@@ -431,6 +431,14 @@ typedef struct {
     size_t exp_cap, exp_used;
     ExpRec *heap;
     size_t heap_n, heap_cap;
+    /* candidate object -> engine id, by identity: a lookup over 1,000 candidates spent
+     * most of its time hashing each EngineKey tuple for the ids dict. Holds a reference
+     * to each object (so its address is not reused while cached); flushed whenever the
+     * caller's ids generation changes (an id was retired). Only found ids are cached. */
+    PyObject **cc_obj;
+    uint32_t *cc_id;
+    size_t cc_cap, cc_used;
+    unsigned long long cc_gen;
 } BlockIndex;
 
 static size_t
@@ -1455,17 +1463,117 @@ count_run(BlockIndex *ix, uint32_t sid, uint32_t t, uint32_t len)
     }
 }
 
-/* lookup(keys, candidates, ids, names, match) -> {name: match(depth, offloaded, disk)}
+static void
+cc_flush(BlockIndex *ix)
+{
+    for (size_t k = 0; k < ix->cc_cap; k++) {
+        Py_CLEAR(ix->cc_obj[k]);
+    }
+    ix->cc_used = 0;
+}
+
+static inline size_t
+cc_slot(const PyObject *obj, size_t mask)
+{
+    uint64_t h = (uint64_t)(uintptr_t)obj * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 32) & mask;
+}
+
+/* The engine id of candidate ``obj`` through the identity cache, else ``ids``; -1 when
+ * it has none (or it is out of range), -2 on error. */
+static Py_ssize_t
+cc_resolve(BlockIndex *ix, PyObject *ids, PyObject *obj)
+{
+    if (ix->cc_cap) {
+        size_t mask = ix->cc_cap - 1;
+        for (size_t i = cc_slot(obj, mask);; i = (i + 1) & mask) {
+            PyObject *o = ix->cc_obj[i];
+            if (o == obj) {
+                return (Py_ssize_t)ix->cc_id[i];
+            }
+            if (o == NULL) {
+                break;
+            }
+        }
+    }
+    PyObject *id = PyDict_GetItemWithError(ids, obj);
+    if (id == NULL) {
+        return PyErr_Occurred() ? -2 : -1;
+    }
+    Py_ssize_t e = PyLong_AsSsize_t(id);
+    if (e < 0 || (size_t)e >= ix->nengines) {
+        return PyErr_Occurred() ? -2 : -1;
+    }
+    if (2 * (ix->cc_used + 1) > ix->cc_cap) {
+        size_t cap = ix->cc_cap ? 2 * ix->cc_cap : 1024;
+        if (cap > ((size_t)1 << 20)) { /* that many distinct objects: start over */
+            cc_flush(ix);
+            cap = ix->cc_cap;
+        }
+        if (cap != ix->cc_cap) {
+            PyObject **objs = PyMem_Calloc(cap, sizeof(PyObject *));
+            uint32_t *cids = PyMem_Calloc(cap, sizeof(uint32_t));
+            if (objs == NULL || cids == NULL) {
+                PyMem_Free(objs);
+                PyMem_Free(cids);
+                return e; /* not cached: still a valid answer */
+            }
+            for (size_t k = 0; k < ix->cc_cap; k++) {
+                PyObject *o = ix->cc_obj[k];
+                if (o != NULL) {
+                    size_t i = cc_slot(o, cap - 1);
+                    while (objs[i] != NULL) {
+                        i = (i + 1) & (cap - 1);
+                    }
+                    objs[i] = o;
+                    cids[i] = ix->cc_id[k];
+                }
+            }
+            PyMem_Free(ix->cc_obj);
+            PyMem_Free(ix->cc_id);
+            ix->cc_obj = objs;
+            ix->cc_id = cids;
+            ix->cc_cap = cap;
+        }
+    }
+    size_t mask = ix->cc_cap - 1;
+    size_t i = cc_slot(obj, mask);
+    while (ix->cc_obj[i] != NULL) {
+        i = (i + 1) & mask;
+    }
+    Py_INCREF(obj);
+    ix->cc_obj[i] = obj;
+    ix->cc_id[i] = (uint32_t)e;
+    ix->cc_used++;
+    return e;
+}
+
+/* lookup(keys, candidates, ids, names, match[, generation])
+ *     -> {name: match(depth, offloaded, disk)}
  *
  * ``ids`` maps a candidate to its engine id (candidates it lacks match nothing),
- * ``names[id]`` is the result's key for an engine and ``match`` the type built. */
+ * ``names[id]`` is the result's key for an engine and ``match`` the type built. With
+ * ``generation``, candidates' ids are cached by object identity until a call passes
+ * another generation: the caller changes it whenever a mapping of ``ids`` changes or
+ * goes (adding mappings needs no change: only found ids are cached). */
 static PyObject *
 BlockIndex_lookup(BlockIndex *ix, PyObject *args)
 {
-    PyObject *keys_obj, *cands_obj, *ids, *names, *match;
-    if (!PyArg_ParseTuple(args, "OOO!O!O:lookup", &keys_obj, &cands_obj, &PyDict_Type, &ids,
-                          &PyList_Type, &names, &match)) {
+    PyObject *keys_obj, *cands_obj, *ids, *names, *match, *gen_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO!O!O|O:lookup", &keys_obj, &cands_obj, &PyDict_Type, &ids,
+                          &PyList_Type, &names, &match, &gen_obj)) {
         return NULL;
+    }
+    int cached = gen_obj != Py_None;
+    if (cached) {
+        unsigned long long gen = PyLong_AsUnsignedLongLong(gen_obj);
+        if (gen == (unsigned long long)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (gen != ix->cc_gen) {
+            cc_flush(ix);
+            ix->cc_gen = gen;
+        }
     }
     PyObject *result = PyDict_New();
     if (result == NULL) {
@@ -1495,18 +1603,20 @@ BlockIndex_lookup(BlockIndex *ix, PyObject *args)
     Py_ssize_t nc = PySequence_Fast_GET_SIZE(cands);
     PyObject **citems = PySequence_Fast_ITEMS(cands);
     for (Py_ssize_t c = 0; c < nc; c++) {
-        PyObject *id = PyDict_GetItemWithError(ids, citems[c]);
-        if (id == NULL) {
-            if (PyErr_Occurred()) {
-                goto fail;
+        Py_ssize_t e;
+        if (cached) {
+            e = cc_resolve(ix, ids, citems[c]);
+        } else {
+            PyObject *id = PyDict_GetItemWithError(ids, citems[c]);
+            e = id == NULL ? -1 : PyLong_AsSsize_t(id);
+            if (e < 0 || (size_t)e >= ix->nengines) {
+                e = PyErr_Occurred() ? -2 : -1;
             }
-            continue;
         }
-        Py_ssize_t e = PyLong_AsSsize_t(id);
-        if (e < 0 || (size_t)e >= ix->nengines) {
-            if (PyErr_Occurred()) {
-                goto fail;
-            }
+        if (e == -2) {
+            goto fail;
+        }
+        if (e < 0) {
             continue;
         }
         if (ix->tag[e] != t) {
@@ -1687,6 +1797,9 @@ BlockIndex_init(BlockIndex *ix, PyObject *args, PyObject *kwds)
 static void
 BlockIndex_dealloc(BlockIndex *ix)
 {
+    cc_flush(ix);
+    PyMem_Free(ix->cc_obj);
+    PyMem_Free(ix->cc_id);
     PyMem_Free(ix->table);
     for (size_t k = 0; k < ix->sets_cap; k++) {
         PyMem_Free(ix->sets ? ix->sets[k] : NULL);
@@ -1762,7 +1875,8 @@ static PyMethodDef BlockIndex_methods[] = {
     {"holders", (PyCFunction)BlockIndex_holders, METH_O,
      "holders(key) -> [(engine_id, code)] (code 0 GPU, 1 CPU, 2 disk, 3 expiring)"},
     {"lookup", (PyCFunction)BlockIndex_lookup, METH_VARARGS,
-     "lookup(keys, candidates, ids, names, match) -> {name: match(depth, offloaded, disk)}"},
+     "lookup(keys, candidates, ids, names, match[, generation]) -> {name: match(depth, "
+     "offloaded, disk)}"},
     {"stats", (PyCFunction)BlockIndex_stats, METH_NOARGS,
      "stats() -> (distinct keys, firm records, holder sets, bytes)"},
     {"__sizeof__", (PyCFunction)BlockIndex_sizeof, METH_NOARGS, "bytes held"},

@@ -172,6 +172,29 @@ def test_shared_blocks_share_one_holder_set() -> None:
     assert size < 64 * entries
 
 
+def test_candidate_ids_are_cached_by_identity_until_an_id_is_retired() -> None:
+    """The compiled lookup caches each candidate object's engine id (hashing 1,000
+    EngineKey tuples was most of a lookup): an engine added later is still found, and
+    once an engine is cleared and its id reused by another, the cleared one's object no
+    longer resolves to it. Equal objects that are not the cached ones resolve too."""
+    index = MemoryIndex(compact=True)
+    a, b, c = EngineKey("10.9.0.1:8000"), EngineKey("10.9.0.2:8000"), EngineKey("10.9.0.3:8000")
+    index.add_now(a, [1, 2, 3])
+    assert index.lookup_now([1, 2, 3], [a, b]) == {a: Match(3)}
+    index.add_now(b, [1, 2])  # not known at the first lookup: nothing stale cached
+    assert index.lookup_now([1, 2, 3], [a, b]) == {a: Match(3), b: Match(2)}
+    index.clear_now(a)
+    index.add_now(c, [1])  # takes a's freed id
+    assert index.lookup_now([1, 2, 3], [a, b, c]) == {b: Match(2), c: Match(1)}
+    twin = EngineKey("10.9.0.2:8000")  # equal to b, another object
+    assert twin is not b
+    assert index.lookup_now([1, 2, 3], [twin]) == {b: Match(2)}
+    table = native_helper().BlockIndex()  # type: ignore[union-attr]
+    table.add(0, 0, [1])
+    with pytest.raises(TypeError):
+        table.lookup([1], ["a"], {"a": 0}, ["a"], Match, "not a generation")
+
+
 def test_bad_keys_tiers_and_engine_ids_are_refused() -> None:
     table = native_helper().BlockIndex()  # type: ignore[union-attr]
     with pytest.raises(OverflowError):
