@@ -107,6 +107,21 @@ local function per_bucket(cmd, names, keys, values)
   return total
 end
 
+-- The values of `keys` in their buckets (`names`: key -> bucket name), one HMGET per
+-- bucket: key -> value, absent keys left out.
+local function tb_get(names, keys)
+  local values = {}
+  local order, groups = by_bucket(names, keys)
+  for _, name in ipairs(order) do
+    local fs = groups[name]
+    local vals = redis.call('HMGET', name, unpack(fs))
+    for i = 1, #fs do
+      values[fs[i]] = vals[i] or nil
+    end
+  end
+  return values
+end
+
 -- Split buckets until the table has room for `extra` more fields at BUCKET_FIELDS a
 -- bucket on average. Writes reserve room before they insert (a bucket that once passes
 -- 128 fields stays a hash table), and each split moves about half of one bucket.
@@ -283,7 +298,7 @@ local function update_blocks(t, fields, change, adds)
   if #fresh > 2 then
     fresh = '' -- would be shared at once: the general path
   end
-  local names, olds, created, unread = {}, {}, {}, {}
+  local names, created, unread = {}, {}, {}
   for j = 1, #fields do
     if not shared[j] then
       local k = fields[j]
@@ -297,16 +312,7 @@ local function update_blocks(t, fields, change, adds)
       end
     end
   end
-  if #unread > 0 then
-    local order, groups = by_bucket(names, unread)
-    for _, name in ipairs(order) do
-      local fs = groups[name]
-      local vals = redis.call('HMGET', name, unpack(fs))
-      for i = 1, #fs do
-        olds[fs[i]] = vals[i]
-      end
-    end
-  end
+  local olds = tb_get(names, unread)
   local shared_sets, shared_dels, lone_sets, lone_dels, lone_values = {}, {}, {}, {}, {}
   for j = 1, #fields do
     local k = fields[j]
@@ -395,33 +401,20 @@ end
 -- router just sent its prompt somewhere), so its firm holders move to the shared hash
 -- even when there is one (a lookup reads that hash a chunk at a time instead of the
 -- bucket block by block): `promote` does it for blocks that just got their first
--- record, `demote` puts the lone ones back in their buckets once their records are
--- gone. Either way a block's firm holders are in exactly one place.
+-- record (`keys`: ones the shared hash lacks), `demote` puts the lone ones back in
+-- their buckets once their records are gone. Either way a block's firm holders are in
+-- exactly one place.
 local function promote(t, keys)
   if #keys == 0 then
     return
   end
-  local shared = redis.call('HMGET', KEYS[9], unpack(keys))
-  local lone = {}
-  for j = 1, #keys do
-    if not shared[j] then
-      lone[#lone + 1] = keys[j]
-    end
-  end
-  if #lone == 0 then
-    return
-  end
-  local names = tb_names(t, lone)
-  local order, groups = by_bucket(names, lone)
+  local names = tb_names(t, keys)
+  local found = tb_get(names, keys)
   local moved, gone = {}, {}
-  for _, name in ipairs(order) do
-    local fs = groups[name]
-    local vals = redis.call('HMGET', name, unpack(fs))
-    for i = 1, #fs do
-      if vals[i] then
-        push(moved, fs[i], vals[i])
-        gone[#gone + 1] = fs[i]
-      end
+  for _, k in ipairs(keys) do
+    if found[k] then
+      push(moved, k, found[k])
+      gone[#gone + 1] = k
     end
   end
   if #gone > 0 then

@@ -123,11 +123,12 @@ local function expiring_add(ttl, keys)
   local on_gpu = {} -- shared value -> whether it has me on GPU
   chunks(keys, function(all)
     local shared = redis.call('HMGET', KEYS[9], unpack(all))
-    local fields = {}
+    local fields, in_shared = {}, {}
     for j = 1, #all do
       local v = shared[j]
       local held = false
       if v then
+        in_shared[all[j]] = true
         held = on_gpu[v]
         if held == nil then
           held = firm_bits(v, me) % 2 == 1
@@ -151,7 +152,13 @@ local function expiring_add(ttl, keys)
       end
       recorded[#recorded + 1] = k
     end)
-    promote(BLOCKS, created)
+    local lone = {}
+    for _, k in ipairs(created) do
+      if not in_shared[k] then
+        lone[#lone + 1] = k
+      end
+    end
+    promote(BLOCKS, lone)
   end)
   if #recorded == 0 then
     return
