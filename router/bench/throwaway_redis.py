@@ -159,8 +159,11 @@ def make_tls_files(directory: Path) -> dict[str, str]:
     return {"ca": str(ca), "cert": str(cert), "key": str(key)}
 
 
-async def monitored_commands(url: str, action: Callable[[], Awaitable[object]]) -> list[str]:
-    """Commands that clients (not scripts) sent to Redis while ``action`` ran (MONITOR).
+async def monitored_commands(
+    url: str, action: Callable[[], Awaitable[object]], scripts: bool = False
+) -> list[str]:
+    """Commands that clients (not scripts) sent to Redis while ``action`` ran (MONITOR);
+    with ``scripts``, the commands scripts ran instead.
 
     Marker ECHOs from another connection bracket the action, so commands of unrelated
     clients before or after do not count.
@@ -183,7 +186,7 @@ async def monitored_commands(url: str, action: Callable[[], Awaitable[object]]) 
                         started = True
                     elif command == f"ECHO end-{marker}":
                         return
-                    elif started and info["client_type"] != "lua":
+                    elif started and (info["client_type"] == "lua") == scripts:
                         seen.append(command)
 
             await asyncio.wait_for(collect(), 10)

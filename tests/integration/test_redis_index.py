@@ -593,37 +593,6 @@ async def test_tables_grow_by_splitting_buckets_that_stay_listpacks(
     assert len((await index.stream_position(A)).hashes[Tier.GPU]) == 2_500
 
 
-async def _script_commands(url: str, action: Callable[[], Awaitable[object]]) -> list[str]:
-    """Commands scripts ran while ``action`` ran (MONITOR shows them as the lua client)."""
-    import redis.asyncio as aioredis
-
-    watcher = aioredis.Redis.from_url(url)
-    other = aioredis.Redis.from_url(url)
-    marker = f"mark-{random.getrandbits(32)}"
-    seen: list[str] = []
-    try:
-        async with watcher.monitor() as monitor:
-            await other.echo(f"start-{marker}")
-            await action()
-            await other.echo(f"end-{marker}")
-
-            async def collect() -> None:
-                started = False
-                async for info in monitor.listen():
-                    if info["command"] == f"ECHO start-{marker}":
-                        started = True
-                    elif info["command"] == f"ECHO end-{marker}":
-                        return
-                    elif started and info["client_type"] == "lua":
-                        seen.append(info["command"].split()[0])
-
-            await asyncio.wait_for(collect(), 10)
-    finally:
-        await watcher.aclose()
-        await other.aclose()
-    return seen
-
-
 async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_matter(
     index: RedisIndex, redis_url: str, clock: Clock
 ) -> None:
@@ -642,7 +611,8 @@ async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_ma
         async def lookup() -> None:
             assert await index.lookup(history, candidates) == expected
 
-        return (await _script_commands(redis_url, lookup)).count("HGET")
+        commands = await monitored_commands(redis_url, lookup, scripts=True)
+        return [c.split()[0] for c in commands].count("HGET")
 
     async def in_buckets() -> int:
         return int(await index.client.hget(blocks, "n"))
