@@ -54,22 +54,57 @@ DYNAMO_PACKAGES = ("ai-dynamo-runtime==1.6.1", "xxhash>=3.4,<5")
 FLEETS = ((16, 16_384), (256, 4_096), (1_000, 2_048))
 
 
-def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
-    """kvroute's in-memory index fed through the event ingestor (run in its own process)."""
+def _engine_keys(engines: int) -> list[Any]:
+    from router.types import EngineKey
+
+    return [EngineKey(f"10.{i // 62_500}.{i // 250 % 250}.{i % 250}:8000") for i in range(engines)]
+
+
+def _decision_inputs(fleet: Fleet, keys_of: list[Any]) -> tuple[Any, Any, Any]:
+    """The ``kv_cost`` policy, a load view with every engine busy to a different degree,
+    and the query as a request: what a timed decision is made of."""
     from router.config import PolicyConfig
     from router.engines.load import LoadTracker
+    from router.policy import make_policy
+    from router.policy.base import RouteRequest
+
+    loads = LoadTracker(BLOCK)
+    for i, key in enumerate(keys_of):
+        loads.begin(key, 1000 + 37 * i, 0, 100)
+    query = fleet.query.keys
+    request = RouteRequest("bench", query, len(query) * BLOCK, BLOCK, 256)
+    return make_policy(PolicyConfig()), loads, request
+
+
+def _result(
+    name: str,
+    fleet: Fleet,
+    applied: int,
+    grown: int,
+    spent: float,
+    lookups: list[float],
+    decisions: list[float],
+    cleared: float,
+    found: dict[int, int],
+    own: int,
+) -> dict[str, Any]:
+    result = row(name, fleet, applied, grown, spent, lookups, cleared, found)
+    decision = percentiles_us(decisions)
+    result.update(
+        decision_p50_us=decision[0], decision_p99_us=decision[1], own_bytes_per_entry=own / applied
+    )
+    return result
+
+
+def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
+    """kvroute's in-memory index fed through the event ingestor (run in its own process)."""
     from router.events.ingest import EventIngestor, StreamState
     from router.events.types import BlockStored, EventBatch
     from router.index import MemoryIndex
     from router.index.base import footprint
-    from router.policy import make_policy
-    from router.policy.base import RouteRequest
-    from router.types import EngineKey
 
     fleet = Fleet(engines, blocks)
-    keys_of = [
-        EngineKey(f"10.{i // 62_500}.{i // 250 % 250}.{i % 250}:8000") for i in range(engines)
-    ]
+    keys_of = _engine_keys(engines)
     index = MemoryIndex()
     ingestor = EventIngestor(index)
     states = [StreamState(key, "bench-model", BLOCK) for key in keys_of]
@@ -98,12 +133,7 @@ def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     query = fleet.query.keys
     position = {key: i for i, key in enumerate(keys_of)}
     found = {position[k]: m.blocks for k, m in index.lookup_now(query, keys_of).items()}
-    cfg = PolicyConfig()
-    policy = make_policy(cfg)
-    loads = LoadTracker(BLOCK)
-    for i, key in enumerate(keys_of):
-        loads.begin(key, 1000 + 37 * i, 0, 100)
-    request = RouteRequest("bench", query, len(query) * BLOCK, BLOCK, 256)
+    policy, loads, request = _decision_inputs(fleet, keys_of)
     lookups: list[float] = []
     decisions: list[float] = []
     for _ in range(repeat):
@@ -119,28 +149,17 @@ def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     cleared = time.perf_counter() - t0
     loop.close()
     name = "kvroute compact" if index.compact else "kvroute pure"
-    result = row(name, fleet, applied, grown, spent, lookups, cleared, found)
-    decision = percentiles_us(decisions)
-    result.update(
-        decision_p50_us=decision[0], decision_p99_us=decision[1], own_bytes_per_entry=own / applied
-    )
-    return result
+    return _result(name, fleet, applied, grown, spent, lookups, decisions, cleared, found, own)
 
 
 def measure_redis(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     """The fleet in the Redis index on a throw-away ``redis-server`` (own process)."""
     from router.bench.throwaway_redis import RedisServer
-    from router.config import PolicyConfig
-    from router.engines.load import LoadTracker
     from router.index.redis import AddOp, RedisIndex, WriteBatch
-    from router.policy import make_policy
-    from router.policy.base import RouteRequest
     from router.types import EngineKey, Tier
 
     fleet = Fleet(engines, blocks)
-    keys_of = [
-        EngineKey(f"10.{i // 62_500}.{i // 250 % 250}.{i % 250}:8000") for i in range(engines)
-    ]
+    keys_of = _engine_keys(engines)
     server = RedisServer()
     loop = asyncio.new_event_loop()
     index = RedisIndex(server.url, "scale", budget_ms=60_000, admin_timeout=600)
@@ -165,11 +184,7 @@ def measure_redis(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
         query = fleet.query.keys
         position = {key: i for i, key in enumerate(keys_of)}
         found = {position[k]: m.blocks for k, m in (await index.lookup(query, keys_of)).items()}
-        policy = make_policy(PolicyConfig())
-        loads = LoadTracker(BLOCK)
-        for i, key in enumerate(keys_of):
-            loads.begin(key, 1000 + 37 * i, 0, 100)
-        request = RouteRequest("bench", query, len(query) * BLOCK, BLOCK, 256)
+        policy, loads, request = _decision_inputs(fleet, keys_of)
         lookups: list[float] = []
         decisions: list[float] = []
         for _ in range(repeat):
@@ -183,14 +198,9 @@ def measure_redis(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         await index.clear(keys_of[0])
         cleared = time.perf_counter() - t0
-        result = row("kvroute redis", fleet, applied, grown, spent, lookups, cleared, found)
-        decision = percentiles_us(decisions)
-        result.update(
-            decision_p50_us=decision[0],
-            decision_p99_us=decision[1],
-            own_bytes_per_entry=grown / applied,
+        return _result(
+            "kvroute redis", fleet, applied, grown, spent, lookups, decisions, cleared, found, grown
         )
-        return result
 
     try:
         return loop.run_until_complete(run())
