@@ -4,11 +4,12 @@ the :class:`~router.index.remote.FencedIndex` kvroute ships.
 Layout (``docs/redis-schema.md`` has every key and the reasons): all keys live under
 the hash tag ``{namespace}``, so a namespace sits in one Redis Cluster slot and every
 script may touch all of it. A block's firm holders (engine id and tier bits, sorted)
-are one field of the hash ``{ns}:v3:shared`` while it has two or more, else of the
-bucketed blocks table; its expiring holders (engine id and deadline) one field of the
-hash ``{ns}:v3:records``. Per engine id and tier (0 GPU, 1 CPU, 2 disk), a bucketed
-holdings table maps each firmly held block to the engine's own hash for it: what
-``clear`` drops and what a new indexer reloads to apply removals after taking over.
+are one field of the hash ``{ns}:v3:shared`` while it has two or more (or expiring
+records), else of the bucketed blocks table; its expiring holders (engine id and
+deadline) one field of the hash ``{ns}:v3:records``. Per engine id and tier (0 GPU,
+1 CPU, 2 disk), a bucketed holdings table maps each firmly held block to the engine's
+own hash for it: what ``clear`` drops and what a new indexer reloads to apply removals
+after taking over.
 A bucketed table is many small hashes, each a listpack, found by linear hashing on a
 key's top bits (:func:`bucket_key` and ``lua/lib.lua``): that is what keeps a firm
 entry under 64 bytes.
