@@ -13,6 +13,12 @@ index comes back after an outage, the engine streams whose writes were lost (all
 them, if it lost its data) are rewritten from what the subscriber knows each engine
 holds. With Redis, a :class:`~router.engines.shared_load.SharedLoad` task also exchanges
 in-flight load with the other replicas.
+
+In the replicated mode (``index.backend: replicated``, a
+:class:`~router.index.replicated.ReplicatedIndex`) the index is in memory and fed by the
+router's own subscriber, as with the memory backend; decisions are shared through a
+Redis stream, load as above, and the engine streams' snapshots that one replica writes
+let a starting replica follow each engine from a recent batch instead of from nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -43,7 +50,7 @@ from router.core import RoutingCore
 from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
-from router.events.ingest import EventIngestor
+from router.events.ingest import EventIngestor, StreamState
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.flow.control import FlowControl
 from router.index import KVIndex, MemoryIndex, index_from_config
@@ -57,14 +64,16 @@ from router.proxy import Upstream, UpstreamError
 from router.response_store import ResponseStore
 from router.security import AuthError, Credentials, ServerTLS
 from router.tokenization import Tokenizers, TokenizerUnavailable
-from router.types import EngineKey
+from router.types import EngineKey, Tier
 
 if TYPE_CHECKING:
     from router.engines.k8s import KubernetesDiscovery
     from router.engines.shared_load import SharedLoad
+    from router.events.snapshots import Snapshot, SnapshotWriter
     from router.events.writer import RemoteEventWriter
     from router.grpc.server import GrpcServers
     from router.index.redis import RedisIndex
+    from router.index.replicated import ReplicatedIndex
     from router.reload import Reloader
 
 log = logging.getLogger("kvroute")
@@ -102,6 +111,14 @@ def _redis_of(remote: RemoteIndex | None) -> RedisIndex | None:
     return remote if isinstance(remote, RedisIndex) else None
 
 
+def _replicated_of(index: KVIndex) -> ReplicatedIndex | None:
+    # Not imported unless the replicated mode was chosen: then no index can be one.
+    module = sys.modules.get("router.index.replicated")
+    if module is None or not isinstance(index, module.ReplicatedIndex):
+        return None
+    return index
+
+
 class RouterApp:
     """The router's components and their lifecycle."""
 
@@ -126,8 +143,18 @@ class RouterApp:
         self.shadowed = self.index if isinstance(self.index, ShadowedIndex) else None
         self.remote: RemoteIndex | None = self.shadowed.remote if self.shadowed else None
         """The shared index behind the shadow (None with the memory index)."""
-        self.redis = _redis_of(self.remote)
-        """The shared index when it is Redis (load sharing, incarnation checks)."""
+        self.replicated = _replicated_of(self.index)
+        """The in-memory index of the replicated mode (None in the other modes)."""
+        self.redis = _redis_of(self.remote) or (
+            self.replicated.redis if self.replicated is not None else None
+        )
+        """The Redis of the shared index or of the replicated mode (load sharing,
+        incarnation checks, stored responses)."""
+        self.snapshots: SnapshotWriter | None = None
+        """The replicated mode's writer of engine stream snapshots."""
+        self._warm: dict[EngineKey, Snapshot] = {}
+        """Replicated mode: snapshots loaded at start, taken by each engine's first
+        subscription."""
         self.loads = LoadTracker(config.block_size)
         self._adopted_block_sizes: dict[str, int] = {}
         """Block sizes pools without a configured one took from their first engine."""
@@ -164,6 +191,8 @@ class RouterApp:
             on_block_size_mismatch=self._block_size_mismatch,
             max_blocks_per_engine=_map_bound(config.index, self.index),
         )
+        if self.replicated is not None:
+            self.replicated.sync.known = lambda key: self.registry.engine_of(key) is not None
         self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
         """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""
         self.responses = ResponseStore(config.responses, self.redis)
@@ -186,6 +215,7 @@ class RouterApp:
                 ingest=self.ingestor.counters,
                 index_stats=lambda: self._index_stats,
                 shadowed=self.shadowed,
+                replicated=self.replicated,
                 writer=self.event_writer.stats if self.event_writer else None,
                 tokenizers=self.tokenizers,
                 admission=self.admission,
@@ -528,17 +558,48 @@ class RouterApp:
             endpoints = engine.events_of(key.rank)
             if endpoints is None:
                 continue
-            await self.subscriber.add_source(
-                EventSource(
-                    engine=key,
-                    namespace=bases[0],
-                    endpoint=endpoints.endpoint,
-                    replay_endpoint=endpoints.replay_endpoint,
-                    topic=endpoints.topic,
-                    block_size=self.block_size_for(bases[0]),
-                )
+            source = EventSource(
+                engine=key,
+                namespace=bases[0],
+                endpoint=endpoints.endpoint,
+                replay_endpoint=endpoints.replay_endpoint,
+                topic=endpoints.topic,
+                block_size=self.block_size_for(bases[0]),
             )
-            log.info("following KV events of %s at %s", key.label, endpoints.endpoint)
+            warm = self._warm_start(source)
+            if warm is None:
+                await self.subscriber.add_source(source)
+            else:
+                await self.subscriber.add_source(source, warm.state, warm.digest)
+            log.info(
+                "following KV events of %s at %s%s",
+                key.label,
+                endpoints.endpoint,
+                "" if warm is None else f" from its snapshot's batch {warm.state.last_seq}",
+            )
+
+    def _warm_start(self, source: EventSource) -> Snapshot | None:
+        """Replicated mode: the engine's stored snapshot, its blocks put in the index, if
+        one was loaded at start and describes this stream (same model and block size)."""
+        warm = self._warm.pop(source.engine, None)
+        if warm is None or self.replicated is None:
+            return None
+        state = warm.state
+        if state.namespace != source.namespace or (
+            source.block_size is not None
+            and state.block_size is not None
+            and state.block_size != source.block_size
+        ):
+            log.info("not using the snapshot of %s: another model or block size", state.engine)
+            return None
+        if source.replay_endpoint is None:
+            return None  # nothing would bring it up to date: follow from new events
+        state.block_size = state.block_size or source.block_size
+        for tier, table in zip(Tier, state.hashes, strict=True):
+            keys = table.values()
+            if keys:
+                self.replicated.add_now(source.engine, list(keys), tier)
+        return warm
 
     def _resolve_topic(self, topic: str, rank: int | None) -> EventSource | None:
         parsed = parse_llmd_topic(topic)
@@ -772,11 +833,42 @@ class RouterApp:
                 redis,
                 self.loads,
                 lambda key: self.registry.engine_of(key) is not None,
+                replica=self.replicated.replica if self.replicated is not None else None,
                 interval=cfg.load_interval_s,
                 ttl=cfg.load_ttl_s,
             )
             self.shared_load.start()
             self.metrics.state.sources.shared_load = self.shared_load
+        if self.replicated is not None:
+            await self._start_replicated(self.replicated, redis)
+
+    async def _start_replicated(self, index: ReplicatedIndex, redis: RedisIndex) -> None:
+        """Load the engine streams' snapshots (taken as each engine is subscribed), read
+        the peers' decisions still live, then follow the decision stream and write
+        snapshots in the background."""
+        from router.events.snapshots import SnapshotWriter, load_snapshots
+
+        cfg = self.config.index.replicated
+        if self.subscribes and cfg.snapshot_interval_s > 0:
+            try:
+                self._warm = await load_snapshots(redis)
+            except IndexUnavailable as exc:
+                log.warning("replicated index: no engine snapshots to start from (%s)", exc)
+            else:
+                log.info("replicated index: %d engine snapshot(s) to start from", len(self._warm))
+        await index.sync.start(catch_up_timeout=max(redis.admin_timeout, 1.0))
+        if self.subscribes and cfg.snapshot_interval_s > 0:
+            self.snapshots = SnapshotWriter(
+                redis, index.replica, cfg.snapshot_interval_s, self._stream_states
+            )
+            self.snapshots.start()
+            self.metrics.state.sources.snapshots = self.snapshots
+
+    def _stream_states(self) -> list[tuple[StreamState, int | None]]:
+        subscriber = self.subscriber
+        if subscriber is None:
+            return []
+        return [(s, subscriber.digest_of(s.engine)) for s in subscriber.states()]
 
     async def stop(self) -> None:
         self.begin_drain()
@@ -804,6 +896,8 @@ class RouterApp:
             await self.upstream.close()
         if self.shared_load is not None:
             await self.shared_load.stop()
+        if self.snapshots is not None:
+            await self.snapshots.stop()
         if self.remote is not None and self._on_index_availability in self.remote.listeners:
             self.remote.listeners.remove(self._on_index_availability)
         if self.event_writer is not None:

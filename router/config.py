@@ -228,11 +228,59 @@ class RedisIndexConfig(_Section):
         return self
 
 
+class ReplicatedIndexConfig(_Section):
+    """Replicated mode (``index.backend: replicated``; docs/redis-schema.md "Replicated
+    mode"): each replica keeps the index in memory, fed by the engines' KV events it
+    follows itself, and the replicas share their routing decisions through a Redis stream
+    (``index.redis`` says which Redis; load is shared as with `redis`)."""
+
+    sync_interval_s: float = Field(
+        0.002,
+        ge=0,
+        le=1,
+        description="Seconds a replica gathers its decisions before it publishes them in "
+        "one stream entry. Peers apply a decision about this long plus one Redis round trip "
+        "after it was made.",
+    )
+    window_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long the decision stream keeps entries: a replica that starts, or "
+        "comes back from a partition, replays the entries this recent (those whose records "
+        "are still live). Keep it at least `policy.provisional_ttl_s`; records of engines "
+        "without KV events (`policy.approximate_ttl_s`) older than it are not replayed. "
+        "The stream holds about decisions/s x window x 8 bytes per prompt block.",
+    )
+    max_pending: int = Field(
+        10_000,
+        ge=1,
+        description="Decisions a replica keeps for publishing while Redis is unreachable "
+        "(oldest dropped first, `kvroute_replica_sync_dropped_total`); those still live are "
+        "published when it answers again.",
+    )
+    max_batch: int = Field(
+        256,
+        ge=1,
+        description="Decisions in one stream entry at most.",
+    )
+    snapshot_interval_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds between snapshots of what the engines hold (their event "
+        "streams' state), written to Redis by one replica (a lease elects it). A replica "
+        "that starts loads them and replays each engine's events from the snapshot's "
+        "sequence number instead of waiting for new events. 0: no snapshots.",
+    )
+
+
 class IndexConfig(_Section):
     """Where the KV-block index lives."""
 
-    backend: Literal["memory", "redis"] = Field(
-        "memory", description="`memory` (embedded, default) or `redis` (shared by replicas)."
+    backend: Literal["memory", "redis", "replicated"] = Field(
+        "memory",
+        description="`memory` (embedded, default), `redis` (one index shared by replicas in "
+        "Redis) or `replicated` (an in-memory index per replica, decisions shared through "
+        "Redis: `index.replicated`). docs/redis-schema.md says when to use which.",
     )
     max_entries: int = Field(
         0,
@@ -268,6 +316,7 @@ class IndexConfig(_Section):
         "decisions (about 50 bytes each); past it the oldest decisions go first.",
     )
     redis: RedisIndexConfig = Field(default_factory=RedisIndexConfig)
+    replicated: ReplicatedIndexConfig = Field(default_factory=ReplicatedIndexConfig)
 
     @model_validator(mode="before")
     @classmethod

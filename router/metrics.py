@@ -32,10 +32,12 @@ if TYPE_CHECKING:
     from router.engines.registry import Registry
     from router.engines.shared_load import SharedLoad
     from router.events.ingest import IngestCounters
+    from router.events.snapshots import SnapshotWriter
     from router.events.subscriber import SubscriberStats
     from router.events.writer import WriterStats
     from router.flow.control import FlowControl
     from router.index.base import IndexStats
+    from router.index.replicated import ReplicatedIndex
     from router.index.shadow import ShadowedIndex
     from router.tokenization import Tokenizers
 
@@ -94,6 +96,10 @@ class StateSources:
     shadowed: ShadowedIndex | None = None
     """The Redis index of a router, with its shadow (absent with the memory index)."""
     shared_load: SharedLoad | None = None
+    replicated: ReplicatedIndex | None = None
+    """The replicated mode's index (decision sharing through Redis)."""
+    snapshots: SnapshotWriter | None = None
+    """The replicated mode's writer of engine stream snapshots."""
     writer: WriterStats | None = None
     """The router's KV-event writer into Redis."""
     picks: PickLedger | None = None
@@ -199,6 +205,8 @@ class StateCollector(Collector):
                 "Other router replicas whose in-flight load this router counts",
                 value=src.shared_load.peers,
             )
+        if src.replicated is not None:
+            yield from self._replicated(src.replicated)
         if src.writer is not None:
             yield CounterMetricFamily(
                 "kvroute_kv_event_resnapshots",
@@ -306,6 +314,64 @@ class StateCollector(Collector):
             for engine, seconds in sorted(sub.lag.items()):
                 lag.add_metric([engine.label], seconds)
             yield lag
+
+    def _replicated(
+        self, index: ReplicatedIndex
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        sync = index.sync
+        c = sync.counters
+        yield CounterMetricFamily(
+            "kvroute_replica_sync_published",
+            "This replica's routing decisions appended to the shared decision stream",
+            value=c.published,
+        )
+        yield CounterMetricFamily(
+            "kvroute_replica_sync_entries",
+            "Entries this replica appended to the decision stream (decisions batched)",
+            value=c.entries,
+        )
+        yield CounterMetricFamily(
+            "kvroute_replica_sync_applied",
+            "Other replicas' decisions recorded in this replica's index",
+            value=c.applied,
+        )
+        yield CounterMetricFamily(
+            "kvroute_replica_sync_expired",
+            "Other replicas' decisions read after their records' life had ended",
+            value=c.expired,
+        )
+        dropped = CounterMetricFamily(
+            "kvroute_replica_sync_dropped",
+            "This replica's decisions never published, by reason",
+            labels=["reason"],
+        )
+        for reason in ("queue_full", "expired"):
+            dropped.add_metric([reason], c.dropped.get(reason, 0))
+        yield dropped
+        errors = CounterMetricFamily(
+            "kvroute_replica_sync_errors",
+            "Failed calls of decision sharing, by operation",
+            labels=["op"],
+        )
+        errors.add_metric(["publish"], c.publish_errors)
+        errors.add_metric(["read"], c.read_errors)
+        errors.add_metric(["malformed"], c.malformed)
+        yield errors
+        yield GaugeMetricFamily(
+            "kvroute_replica_sync_pending",
+            "This replica's decisions waiting to be published",
+            value=sync.pending,
+        )
+        yield CounterMetricFamily(
+            "kvroute_replica_snapshots_written",
+            "Engine stream snapshots this replica wrote to Redis (while it holds the lease)",
+            value=self.sources.snapshots.written if self.sources.snapshots else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvroute_replica_sync_delay_seconds",
+            "From decision to record in this index, for the last peer decision applied",
+            value=c.delay_s,
+        )
 
     def _shadowed(self, index: ShadowedIndex) -> Iterator[CounterMetricFamily]:
         counters = index.counters

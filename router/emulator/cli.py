@@ -16,6 +16,7 @@ import zmq
 
 from router.emulator.config import DEFAULT_MODEL, HANDOFF_FAILURES, ROLES, EmulatorConfig
 from router.emulator.faults import Faults
+from router.emulator.kv_publisher import REPLAY_BUFFER
 from router.emulator.server import start_engine
 from router.engine_model.flags import add_model_arguments, engine_params
 from router.events.vllm import EVENT_FORMATS, REPLAY_FRAMES
@@ -154,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     events.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
     events.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=REPLAY_BUFFER,
+        metavar="N",
+        help=f"batches kept for replay (vLLM's buffer_steps; default {REPLAY_BUFFER})",
+    )
+    events.add_argument(
         "--kv-events-topic",
         help="topic of every message (default: kv@HOST:PORT@MODEL; '' is vLLM's default)",
     )
@@ -190,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_topic=args.kv_events_topic,
         kv_events_format=args.kv_events_format,
         kv_events_replay_frames=args.kv_events_replay_frames,
+        kv_events_buffer_steps=args.kv_events_buffer_steps,
         lora_modules=tuple(args.lora_modules),
         default_max_tokens=args.default_max_tokens,
         mm_placeholder_tokens=args.mm_placeholder_tokens,

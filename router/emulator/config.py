@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from router.emulator.faults import Faults
+from router.emulator.kv_publisher import REPLAY_BUFFER
 from router.engine_model import EngineParams
 from router.events.vllm import (
     EVENT_FORMATS,
@@ -55,6 +56,8 @@ class EmulatorConfig:
     kv_events_format: EventFormat = VLLM_WIRE_FORMAT
     kv_events_replay_frames: ReplayFrames = "topic"
     """Replay reply frames: vLLM 0.32's (``topic``) or older releases' (``legacy``)."""
+    kv_events_buffer_steps: int = REPLAY_BUFFER
+    """Batches kept for replay (vLLM's ``buffer_steps``)."""
     lora_modules: tuple[str, ...] = ()
     default_max_tokens: int = 16
     mm_placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS
@@ -93,6 +96,10 @@ class EmulatorConfig:
             )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(
+                f"kv_events_buffer_steps must be positive, got {self.kv_events_buffer_steps}"
+            )
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.model in self.lora_modules or len(set(self.lora_modules)) != len(self.lora_modules):

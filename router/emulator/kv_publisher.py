@@ -122,8 +122,12 @@ class KVEventPublisher:
         data_parallel_rank: int = 0,
         faults: Faults | None = None,
         replay_frames: ReplayFrames = "topic",
+        buffer_steps: int = REPLAY_BUFFER,
     ) -> None:
+        if buffer_steps < 1:
+            raise ValueError("buffer_steps must be at least 1")
         self.topic = topic
+        self.buffer_steps = buffer_steps
         # SGLang's replay answers in the older frames whatever was asked for.
         self.replay_frames: ReplayFrames = "legacy" if wire_format == "sglang" else replay_frames
         self.wire_format = wire_format
@@ -132,7 +136,7 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._seq = 0
         self._event_id = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         # A plain (blocking-API) socket on the asyncio context: PUB sends never block.
         self._pub = zmq.Socket(ctx, zmq.PUB)
         self._replay: zmq.asyncio.Socket | None = None
@@ -150,7 +154,7 @@ class KVEventPublisher:
             if replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.SNDHWM, REPLAY_BUFFER + 16)
+                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 16)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:

@@ -36,7 +36,7 @@ from router.emulator.faults import Faults
 from router.emulator.handoff import wire
 from router.emulator.handoff.nixl import SideChannel
 from router.emulator.handoff.sglang import BootstrapServer, RoomRegistry
-from router.emulator.kv_publisher import PUB_HWM, REPLAY_BUFFER, KVEventPublisher, rank_endpoint
+from router.emulator.kv_publisher import PUB_HWM, KVEventPublisher, rank_endpoint
 from router.emulator.metrics import EngineMetrics
 from router.emulator.state import EmulatorState, Rank
 from router.engine_model import EngineModel
@@ -167,6 +167,7 @@ def _rank_publishers(
                     data_parallel_rank=r,
                     faults=faults,
                     replay_frames=config.kv_events_replay_frames,
+                    buffer_steps=config.kv_events_buffer_steps,
                 )
             )
     except BaseException:
@@ -185,7 +186,7 @@ def _kv_event_sources(publishers: list[KVEventPublisher]) -> dict[str, Any]:
             "publisher": "zmq",
             "endpoint": p.endpoint,
             "replay_endpoint": p.replay_endpoint,
-            "buffer_steps": REPLAY_BUFFER,
+            "buffer_steps": p.buffer_steps,
             "hwm": PUB_HWM,
             "max_queue_size": PUB_HWM,
             "topic": p.topic,

@@ -19,9 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
-import socket
 import time
 from collections.abc import Callable, Mapping
 
@@ -29,7 +26,7 @@ import msgspec
 
 from router.engines.load import InFlight, LoadTracker
 from router.index.base import IndexUnavailable
-from router.index.redis import RedisIndex
+from router.index.redis import RedisIndex, replica_id
 from router.types import EngineKey
 
 log = logging.getLogger("kvroute.load")
@@ -38,11 +35,6 @@ _Entry = tuple[str, int, int, int, int, int]
 """(endpoint, rank, requests, prefill tokens, decode tokens, decode blocks)."""
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[_Entry]).decode
-
-
-def replica_id() -> str:
-    """A name for this router process, unique among replicas (host, pid, random)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 def encode_load(work: Mapping[EngineKey, InFlight]) -> bytes:

@@ -396,11 +396,16 @@ class KVEventSubscriber:
 
     # -------------------------------------------------------------- connect mode
 
-    async def add_source(self, source: EventSource, state: StreamState | None = None) -> None:
+    async def add_source(
+        self, source: EventSource, state: StreamState | None = None, digest: int | None = None
+    ) -> None:
         """Connect to an engine's publisher and start following its stream.
 
         ``state`` resumes a stream another writer left (the standalone indexer after a
-        takeover): replay starts after its ``last_seq`` and its hash maps are kept.
+        takeover, a replica's snapshot): replay starts after its ``last_seq`` and its hash
+        maps are kept. With ``digest``, the digest of the batch ``last_seq`` that state
+        applied (:meth:`digest_of`), the replay first checks the engine still holds that
+        very batch, and rebuilds if it restarted since.
         """
         if source.endpoint is None:
             raise ValueError("connect mode needs the engine's PUB endpoint")
@@ -419,7 +424,11 @@ class KVEventSubscriber:
         ]
         self._readers[source.engine] = (sock, tasks)
         last = stream.state.last_seq
-        stream.request_replay(0 if last is None else last + 1)
+        if last is not None and digest is not None:
+            stream.last_digest = digest
+            stream.resync()
+        else:
+            stream.request_replay(0 if last is None else last + 1)
 
     async def remove_source(self, engine: EngineKey, clear: bool = False) -> None:
         """Stop following an engine; with ``clear``, drop its index entries too."""
@@ -456,6 +465,11 @@ class KVEventSubscriber:
                 return False
             await asyncio.sleep(0.005)
         return True
+
+    def digest_of(self, engine: EngineKey) -> int | None:
+        """Digest of the last batch applied from an engine's stream (None: none yet)."""
+        stream = self._streams.get(engine)
+        return None if stream is None else stream.last_digest
 
     def resync(self, engine: EngineKey) -> None:
         """Verify an engine's stream against its replay buffer (after a possible restart)."""

@@ -18,11 +18,23 @@ if TYPE_CHECKING:
 
 def index_from_config(config: IndexConfig) -> KVIndex:
     """The backend ``index.backend`` selects, built from its own section (``index.redis``
-    for Redis, which is imported only when chosen)."""
+    for Redis, which is imported only when chosen; ``index.replicated`` with it for the
+    replicated mode)."""
     if config.backend == "redis":
         from router.index.redis import RedisIndex
 
         return RedisIndex.from_config(config.redis)
+    if config.backend == "replicated":
+        from router.index.redis import RedisIndex, replica_id
+        from router.index.replicated import ReplicatedIndex
+
+        return ReplicatedIndex(
+            RedisIndex.from_config(config.redis),
+            config.replicated,
+            replica_id(),
+            max_entries=config.max_entries,
+            max_entries_per_engine=config.max_entries_per_engine,
+        )
     return MemoryIndex(
         max_entries=config.max_entries, max_entries_per_engine=config.max_entries_per_engine
     )

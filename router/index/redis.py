@@ -33,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
+import socket
 import sys
 import time
 from array import array
@@ -107,6 +109,11 @@ else:
 
     async def _within(aw: Awaitable[T], timeout: float) -> T:
         return await asyncio.wait_for(aw, timeout)
+
+
+def replica_id() -> str:
+    """A name for this router process, unique among replicas (host, pid, random)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
@@ -211,6 +218,11 @@ class _Keys:
         self.lookup = (f[0], f[2], f[6], f[7], f[8])
         self.incarnation = f"{self.tag}incarnation"
         self.load = f"{self.tag}load"
+        # Replicated mode (router.index.replicated): the decision stream, the engines'
+        # stream snapshots and the lease of the replica that writes them.
+        self.decisions = f"{p}decisions"
+        self.snapshots = f"{p}snapshots"
+        self.snapshot_lease = f"{p}snapshot-lease"
         self._engine: dict[EngineKey, tuple[str, ...]] = {}
 
     def held(self, engine_id: int, tier: Tier) -> str:
@@ -657,6 +669,94 @@ class RedisIndex(FencedIndex):
             (k.decode() if isinstance(k, bytes) else k): v
             for k, v in zip(flat[::2], flat[1::2], strict=True)
         }
+
+    # ------------------------------------------------------------------ replicated mode
+
+    async def publish_decisions(
+        self, replica: str, payload: bytes, min_id: str | None, timeout: float | None = None
+    ) -> str:
+        """Append one entry (``r`` the replica, ``d`` its decisions) to the decision
+        stream, trimming entries older than ``min_id`` (approximately: whole stream nodes);
+        returns the entry's id. ``timeout`` defaults to ``admin_timeout``."""
+        entry = await self._call(
+            lambda: self._client.xadd(
+                self._keys.decisions,
+                {"r": replica, "d": payload},
+                minid=min_id,
+                approximate=True,
+            ),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    async def read_decisions(
+        self, after: str, count: int, block_ms: int | None
+    ) -> list[tuple[str, str, bytes]]:
+        """Entries of the decision stream after id ``after``, oldest first, as (id,
+        replica, payload); with ``block_ms``, waits that long for one to arrive. Bounded
+        by the wait plus ``admin_timeout``."""
+        wait = (block_ms or 0) / 1000.0
+        reply = await self._call(
+            lambda: self._client.xread({self._keys.decisions: after}, count=count, block=block_ms),
+            wait + self.admin_timeout,
+        )
+        entries: list[tuple[str, str, bytes]] = []
+        for _, items in reply or ():
+            for entry_id, fields in items:
+                replica = fields.get(b"r", b"")
+                entries.append(
+                    (
+                        entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+                        replica.decode() if isinstance(replica, bytes) else replica,
+                        fields.get(b"d", b""),
+                    )
+                )
+        return entries
+
+    async def claim_snapshots(
+        self, token: str, ttl_ms: int, release: bool = False, timeout: float | None = None
+    ) -> bool:
+        """Acquire or extend (``release``: give up) the lease of the replica that writes
+        the engines' stream snapshots; True when ``token`` holds it (or released it)."""
+        mode = "release" if release else "acquire"
+        reply = await self._call(
+            lambda: self._evalsha(_LEASE, [self._keys.snapshot_lease], [token, ttl_ms, mode]),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return reply == 1
+
+    async def save_snapshots(
+        self, snapshots: Mapping[str, bytes], gone: Sequence[str], timeout: float | None = None
+    ) -> None:
+        """Store engine stream snapshots by engine label and delete those of ``gone``."""
+        key = self._keys.snapshots
+
+        async def run() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            if snapshots:
+                pipe.hset(key, mapping=dict(snapshots))
+            if gone:
+                pipe.hdel(key, *gone)
+            await pipe.execute()
+
+        if snapshots or gone:
+            await self._call(run, self.admin_timeout if timeout is None else timeout)
+
+    async def load_snapshots(self, timeout: float | None = None) -> dict[str, bytes]:
+        """Every stored engine stream snapshot, by engine label."""
+        raw = await self._call(
+            lambda: self._client.hgetall(self._keys.snapshots),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+
+    async def load_snapshot_labels(self, timeout: float | None = None) -> list[str]:
+        """The engine labels stored snapshots are kept under."""
+        raw = await self._call(
+            lambda: self._client.hkeys(self._keys.snapshots),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return [k.decode() if isinstance(k, bytes) else k for k in raw]
 
     # ------------------------------------------------------------------ stored responses
 

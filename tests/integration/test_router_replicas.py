@@ -2,7 +2,9 @@
 
 Routers and engines run in this process; Redis is the session's throw-away server, or
 a server of the test's own where the test stops it. Everything is on loopback; every
-wait is a poll with a deadline.
+wait is a poll with a deadline. Tests marked with ``mode`` run in both ways of sharing:
+``redis`` (one index in Redis) and ``replicated`` (an index in each replica's memory,
+decisions shared through a Redis stream).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from router.events.subscriber import EventSource
 from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.redis import RedisIndex
+from router.index.replicated import decode_decisions, unpack_keys
 from router.indexer import Indexer
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey
@@ -112,12 +115,24 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
 
-def redis_index(url: str, namespace: str, budget_ms: float = 1000) -> dict[str, Any]:
+MODES = ["redis", "replicated"]
+"""The two ways replicas share what they know (``index.backend``)."""
+
+
+def redis_index(
+    url: str, namespace: str, budget_ms: float = 1000, mode: str = "redis"
+) -> dict[str, Any]:
     # Room for a loaded test machine: the outages here are made (Redis frozen or killed),
     # not timed. Three calls in a row over the budget (shared-load exchanges, every 0.1 s,
     # included) are an outage; at 100 ms a busy machine made outages of its own.
     redis = {"url": url, "namespace": namespace, "budget_ms": budget_ms}
-    return {"backend": "redis", "redis": redis}
+    return {"backend": mode, "redis": redis}
+
+
+def has_redis(app: RouterApp) -> bool:
+    """Whether the replica has Redis (the shared index, or the replicated mode's)."""
+    assert app.redis is not None
+    return app.redis.available
 
 
 def subscribed(*apps: RouterApp) -> bool:
@@ -175,7 +190,9 @@ async def ask_url(
 # --------------------------------------------------------------------------- the command
 
 
+@pytest.mark.parametrize("mode", MODES)
 async def test_kvroute_serve_selects_redis_from_the_index_section_of_its_config(
+    mode: str,
     fresh_fleet: list[EmulatedEngine],
     http: aiohttp.ClientSession,
     tmp_path: Path,
@@ -187,7 +204,7 @@ async def test_kvroute_serve_selects_redis_from_the_index_section_of_its_config(
         yaml.safe_dump(
             {
                 "index": {
-                    "backend": "redis",
+                    "backend": mode,
                     "redis": {"url": redis_url, "namespace": redis_namespace},
                 },
                 "engines": [{"url": e.url} for e in fresh_fleet],
@@ -211,8 +228,12 @@ async def test_kvroute_serve_selects_redis_from_the_index_section_of_its_config(
         assert answer.status == 200
         keys = block_keys(words_tokens(prompt), 16, seed_for(MODEL))
         engine = EngineKey.parse(answer.engine)
-        # The decision is in Redis, where any replica sees it.
-        await poll(lambda: _holds(index, keys, engine))
+        if mode == "redis":
+            # The decision is in Redis, where any replica sees it.
+            await poll(lambda: _holds(index, keys, engine))
+        else:
+            # The decision is on the stream, for every replica to record it.
+            await poll(lambda: _streamed(index, keys, engine))
         replicas = await index.client.hkeys(f"{{{redis_namespace}}}:load")
         assert len(replicas) == 1  # it shares its load
         proc.send_signal(signal.SIGTERM)
@@ -229,10 +250,21 @@ async def _holds(index: RedisIndex, keys: list[int], engine: EngineKey) -> bool:
     return (await index.lookup(keys, [engine])).get(engine) == Match(len(keys))
 
 
+async def _streamed(index: RedisIndex, keys: list[int], engine: EngineKey) -> bool:
+    entries = await index.client.xrange(index.key("decisions"))
+    return any(
+        (endpoint, rank) == (engine.endpoint, engine.rank) and list(unpack_keys(packed)) == keys
+        for _, fields in entries
+        for endpoint, rank, _, _, packed in decode_decisions(fields[b"d"])
+    )
+
+
 # --------------------------------------------------------------------------- affinity
 
 
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_conversation_alternating_between_replicas_stays_on_one_engine(
+    mode: str,
     fresh_fleet: list[EmulatedEngine],
     http: aiohttp.ClientSession,
     routers: StartRouter,
@@ -240,9 +272,10 @@ async def test_a_conversation_alternating_between_replicas_stays_on_one_engine(
     redis_namespace: str,
 ) -> None:
     urls = [e.url for e in fresh_fleet]
-    # Each replica follows the engines' KV events itself and writes them to Redis.
-    a = await routers(urls, index=redis_index(redis_url, redis_namespace))
-    b = await routers(urls, index=redis_index(redis_url, redis_namespace))
+    # Each replica follows the engines' KV events itself and writes them to Redis (or,
+    # replicated, keeps them in its own index).
+    a = await routers(urls, index=redis_index(redis_url, redis_namespace, mode=mode))
+    b = await routers(urls, index=redis_index(redis_url, redis_namespace, mode=mode))
     await poll(lambda: subscribed(a, b))
     messages = [
         {"role": "system", "content": words("policy", 300)},
@@ -343,8 +376,13 @@ async def test_replicas_fed_by_a_standalone_indexer_see_blocks_stored_and_evicte
 # --------------------------------------------------------------------------- shared load
 
 
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_replica_avoids_the_engines_another_replica_loaded(
-    http: aiohttp.ClientSession, routers: StartRouter, redis_url: str, redis_namespace: str
+    mode: str,
+    http: aiohttp.ClientSession,
+    routers: StartRouter,
+    redis_url: str,
+    redis_namespace: str,
 ) -> None:
     # Real-time engines: a long answer keeps its request in flight for seconds.
     engines = [
@@ -354,7 +392,10 @@ async def test_a_replica_avoids_the_engines_another_replica_loaded(
     streams: list[aiohttp.ClientResponse] = []
     try:
         urls = [e.url for e in engines]
-        settings = {"index": redis_index(redis_url, redis_namespace), "events": {"enabled": False}}
+        settings = {
+            "index": redis_index(redis_url, redis_namespace, mode=mode),
+            "events": {"enabled": False},
+        }
         a = await routers(urls, **settings)
         b = await routers(urls, **settings)
         loaded = set()
@@ -502,17 +543,19 @@ class Flow:
         return None
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("outage", ["frozen", "restarted"])
 async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
     outage: str,
+    mode: str,
     fresh_fleet: list[EmulatedEngine],
     http: aiohttp.ClientSession,
     routers: StartRouter,
     own_server: RedisServer,
 ) -> None:
     urls = [e.url for e in fresh_fleet]
-    a = await routers(urls, index=redis_index(own_server.url, "outage"))
-    b = await routers(urls, index=redis_index(own_server.url, "outage"))
+    a = await routers(urls, index=redis_index(own_server.url, "outage", mode=mode))
+    b = await routers(urls, index=redis_index(own_server.url, "outage", mode=mode))
     await poll(lambda: subscribed(a, b))
     flow = Flow(http, a, b)
     running = asyncio.ensure_future(flow.run(interval=0.02))
@@ -524,7 +567,7 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
         else:
             own_server.kill()
         stopped = time.monotonic()
-        await poll(lambda: not (a.shadowed.available or b.shadowed.available), timeout=5)
+        await poll(lambda: not (has_redis(a) or has_redis(b)), timeout=5)
         # Keep it down for a while, with requests flowing through both replicas.
         await poll(
             lambda: (
@@ -539,12 +582,20 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
         else:  # an empty Redis on the same port, as after a restart without persistence
             # Started from a thread: the routers keep running (and probing) meanwhile.
             replacement = await asyncio.to_thread(RedisServer, port=own_server.port)
-        await poll(lambda: a.shadowed.available and b.shadowed.available, timeout=10)
+        await poll(lambda: has_redis(a) and has_redis(b), timeout=10)
         available = time.monotonic() - back
         # A deadline, not a measurement: affinity comes back once the replicas have
         # rewritten the index from their engines' events (about a second here when the
         # machine is idle, several when it is loaded); the print says how long it took.
         await poll(lambda: flow.recovered_at(back, streak=5) is not None, timeout=30)
+        if mode == "replicated":
+            # Decisions flow between the replicas again once Redis is back.
+            sync_a, sync_b = a.replicated.sync, b.replicated.sync
+            published, applied = sync_a.counters.published, sync_b.counters.applied
+            probe = await ask(http, a, {"prompt": words("after-outage", 320), "max_tokens": 1})
+            assert probe.status == 200
+            await poll(lambda: sync_a.counters.published > published)
+            await poll(lambda: sync_b.counters.applied > applied)
     finally:
         flow.stop()
         await running
@@ -560,12 +611,17 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
         f"{recovered - back:.2f} s after it returned"
     )
     assert flow.failed == 0
+    if mode == "replicated":
+        # Lookups never need Redis: the engines' KV events, which every replica follows
+        # itself, kept conversations on their engine during the outage too.
+        assert any(p.affine for p in during), f"0/{len(during)} probes affine"
     for app in (a, b):
-        assert app.redis.counters.outages >= 1
-        assert app.shadowed.counters.fallbacks > 0
-        if outage == "restarted":
-            # Redis came back empty: every engine stream was rewritten from its events.
-            assert app.event_writer.stats.resnapshots >= 4
+        assert app.redis is not None and app.redis.counters.outages >= 1
+        if mode == "redis":
+            assert app.shadowed.counters.fallbacks > 0
+            if outage == "restarted":
+                # Redis came back empty: every engine stream was rewritten from its events.
+                assert app.event_writer.stats.resnapshots >= 4
 
 
 async def test_a_lookup_over_the_budget_says_so_in_the_reason_and_the_access_log(

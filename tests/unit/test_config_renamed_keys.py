@@ -55,6 +55,7 @@ def test_old_keys_still_work_and_each_is_reported_with_where_it_was_set(tmp_path
         "shadow_window_s",
         "shadow_max_keys",
         "redis",
+        "replicated",
     }
 
 

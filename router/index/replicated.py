@@ -1,0 +1,360 @@
+"""Replicated mode: an in-memory index per router replica, decisions shared through Redis.
+
+With ``index.backend: replicated`` every replica keeps the whole KV-block index in its
+own memory (a :class:`~router.index.memory.MemoryIndex`), fed by the KV events of every
+engine it follows, so a lookup never leaves the process. What replicas must see of each
+other travels through Redis off the request path:
+
+* **Decisions.** :class:`ReplicatedIndex` records a decision's provisional holder
+  locally at once, as the memory index does, and hands it to :class:`DecisionSync`,
+  which gathers the decisions of ``sync_interval_s`` and appends them to one stream
+  (``{ns}:v3:decisions``) as a single entry. Every replica reads the stream with a
+  blocking ``XREAD`` and records its peers' decisions in its own index with what is left
+  of their life. Entries older than ``window_s`` are trimmed as new ones are added.
+* **Load.** In-flight work per engine is exchanged as with the shared index
+  (:class:`~router.engines.shared_load.SharedLoad`).
+* **Warm start.** A replica that starts reads the stream from its oldest entry (the
+  decisions still live), and one replica, elected by a lease, writes a snapshot of each
+  engine stream's state (the engine-hash maps of what it holds, the last batch's sequence
+  number and digest) every ``snapshot_interval_s``
+  (:class:`~router.events.snapshots.SnapshotWriter`). A starting replica loads the
+  snapshots (:func:`~router.events.snapshots.load_snapshots`), puts their blocks in its index and
+  follows each engine from the snapshot's batch, replaying the rest from the engine's own
+  replay buffer, so it routes on the engines' caches before any new event arrives. A
+  replica back from a partition reads the stream on from where it stopped.
+
+Redis unavailable degrades, never fails: lookups are local anyway; decisions queue (at
+most ``max_pending``, oldest dropped first) and those still live are published when Redis
+answers; peers' decisions made meanwhile are read then (what the stream still holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from array import array
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from router.config import ReplicatedIndexConfig
+from router.index.base import IndexUnavailable
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex, pack_keys
+from router.types import EngineKey, Tier
+
+log = logging.getLogger("kvroute.index.replicated")
+
+_NATIVE_LE = sys.byteorder == "little"
+
+_Decision = tuple[str, int, int, float, bytes]
+"""(endpoint, rank, ttl ms, made at (wall clock, seconds), packed block keys)."""
+_encode = msgspec.msgpack.Encoder().encode
+_decode_decisions = msgspec.msgpack.Decoder(list[_Decision]).decode
+
+RETRY_S = 0.5
+"""Pause after a failed publish or read before trying again (while Redis is reachable)."""
+BLOCK_MS = 1000
+"""How long one blocking read of the decision stream waits for an entry."""
+READ_COUNT = 1024
+"""Stream entries one read returns at most."""
+
+
+def unpack_keys(raw: bytes) -> array[int]:
+    """The inverse of :func:`~router.index.redis.pack_keys`."""
+    if len(raw) % 8:
+        raise ValueError(f"packed keys of {len(raw)} bytes (not a multiple of 8)")
+    keys = array("Q")
+    keys.frombytes(raw)
+    if not _NATIVE_LE:
+        keys.byteswap()
+    return keys
+
+
+def encode_decisions(decisions: Iterable[_Decision]) -> bytes:
+    """A stream entry's payload."""
+    return _encode(list(decisions))
+
+
+def decode_decisions(payload: bytes) -> list[_Decision]:
+    """The inverse of :func:`encode_decisions` (``ValueError`` on a malformed payload)."""
+    try:
+        return _decode_decisions(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed decision entry: {exc}") from exc
+
+
+@dataclass(slots=True)
+class SyncCounters:
+    """What decision sharing did, for metrics (never reset)."""
+
+    published: int = 0
+    """Own decisions appended to the stream."""
+    entries: int = 0
+    """Stream entries appended (each holds up to ``max_batch`` decisions)."""
+    applied: int = 0
+    """Peers' decisions recorded in this replica's index."""
+    expired: int = 0
+    """Peers' decisions read after their records' life ended (not recorded)."""
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Own decisions never published, by reason: ``queue_full`` (Redis was away too long),
+    ``expired`` (their records' life ended before Redis answered)."""
+    malformed: int = 0
+    """Stream entries that could not be decoded (skipped)."""
+    read_errors: int = 0
+    publish_errors: int = 0
+    delay_s: float = 0.0
+    """How long the last applied peer decision took from its decision to this index (wall
+    clocks of two hosts: as good as their synchronization)."""
+
+
+class DecisionSync:
+    """Publishes this replica's decisions to the stream and applies its peers'."""
+
+    def __init__(
+        self,
+        index: MemoryIndex,
+        redis: RedisIndex,
+        config: ReplicatedIndexConfig,
+        replica: str,
+        *,
+        known: Callable[[EngineKey], bool] | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.index = index
+        self.redis = redis
+        self.config = config
+        self.replica = replica
+        self.known = known
+        """Whether an engine is in this replica's fleet (peers' decisions for engines it
+        does not serve are ignored); None: every engine."""
+        self.wall = wall
+        self.counters = SyncCounters()
+        self._pending: deque[tuple[float, _Decision]] = deque()
+        self._wake = asyncio.Event()
+        self._up = asyncio.Event()
+        self._up.set()
+        self._last_id = "0-0"
+        """The last stream entry read: reading starts from the oldest entry kept."""
+        self._min_id: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        redis.listeners.append(self._on_availability)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, catch_up_timeout: float = 2.0) -> None:
+        """Read what the stream holds (the decisions still live), then follow it and
+        publish in the background. A Redis that does not answer in time only delays the
+        catch-up: the background reader does it."""
+        with contextlib.suppress(IndexUnavailable, asyncio.TimeoutError):
+            await asyncio.wait_for(self.catch_up(), catch_up_timeout)
+        if not self._tasks:
+            self._tasks = [
+                asyncio.ensure_future(self._publish_forever()),
+                asyncio.ensure_future(self._read_forever()),
+            ]
+
+    async def stop(self, flush_timeout: float = 1.0) -> None:
+        """Publish what is queued (bounded), then stop."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        with contextlib.suppress(IndexUnavailable, asyncio.TimeoutError):
+            await asyncio.wait_for(self.flush(), flush_timeout)
+        with contextlib.suppress(ValueError):
+            self.redis.listeners.remove(self._on_availability)
+
+    @property
+    def pending(self) -> int:
+        """Own decisions waiting to be published."""
+        return len(self._pending)
+
+    def _on_availability(self, available: bool, data_lost: bool) -> None:
+        if available:
+            self._up.set()
+            self._wake.set()  # publish what queued up while it was away
+        else:
+            self._up.clear()
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, engine: EngineKey, keys: Sequence[int], ttl: float) -> None:
+        """Queue one decision (never waits)."""
+        pending = self._pending
+        if len(pending) >= self.config.max_pending:
+            pending.popleft()
+            self.counters.dropped["queue_full"] += 1
+        now = self.wall()
+        pending.append(
+            (now + ttl, (engine.endpoint, engine.rank, int(ttl * 1000), now, pack_keys(keys)))
+        )
+        self._wake.set()
+
+    async def _publish_forever(self) -> None:
+        interval = self.config.sync_interval_s
+        while True:
+            await self._wake.wait()
+            if interval:
+                await asyncio.sleep(interval)  # gather the decisions of one interval
+            self._wake.clear()
+            try:
+                await self.flush()
+            except IndexUnavailable as exc:
+                self.counters.publish_errors += 1
+                log.debug("publishing decisions failed: %s", exc)
+                if self.redis.available:
+                    await asyncio.sleep(RETRY_S)  # Redis answered with an error
+                    self._wake.set()
+            except Exception:  # a bug must not end sharing
+                log.exception("publishing decisions failed")
+                await asyncio.sleep(RETRY_S)
+
+    async def flush(self) -> None:
+        """Publish every queued decision still live, ``max_batch`` to a stream entry.
+        Raises :class:`IndexUnavailable` (the batch in hand is queued again)."""
+        pending = self._pending
+        while pending:
+            now = self.wall()
+            batch: list[tuple[float, _Decision]] = []
+            while pending and len(batch) < self.config.max_batch:
+                item = pending.popleft()
+                if item[0] <= now:
+                    self.counters.dropped["expired"] += 1
+                    continue
+                batch.append(item)
+            if not batch:
+                return
+            try:
+                entry = await self.redis.publish_decisions(
+                    self.replica,
+                    encode_decisions(d for _, d in batch),
+                    self._min_id,
+                    timeout=max(self.redis.budget, 0.25),
+                )
+            except IndexUnavailable:
+                pending.extendleft(reversed(batch))
+                while len(pending) > self.config.max_pending:
+                    pending.popleft()
+                    self.counters.dropped["queue_full"] += 1
+                raise
+            self.counters.entries += 1
+            self.counters.published += len(batch)
+            ms = int(entry.partition("-")[0])
+            self._min_id = f"{max(ms - int(self.config.window_s * 1000), 0)}-0"
+
+    # ------------------------------------------------------------------ reading
+
+    async def catch_up(self) -> int:
+        """Read and apply every entry after the last one read; returns how many."""
+        total = 0
+        while True:
+            entries = await self.redis.read_decisions(self._last_id, READ_COUNT, None)
+            self.apply(entries)
+            total += len(entries)
+            if len(entries) < READ_COUNT:
+                return total
+
+    async def _read_forever(self) -> None:
+        while True:
+            if not self._up.is_set():
+                await self._up.wait()
+            try:
+                entries = await self.redis.read_decisions(self._last_id, READ_COUNT, BLOCK_MS)
+            except IndexUnavailable as exc:
+                self.counters.read_errors += 1
+                log.debug("reading peers' decisions failed: %s", exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            except Exception:  # a bug must not end sharing
+                log.exception("reading peers' decisions failed")
+                await asyncio.sleep(RETRY_S)
+                continue
+            self.apply(entries)
+
+    def apply(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
+        """Record peers' decisions from stream entries (id, replica, payload)."""
+        if not entries:
+            return
+        self._last_id = entries[-1][0]
+        now = self.wall()
+        known = self.known
+        add = self.index.add_now
+        counters = self.counters
+        for _, replica, payload in entries:
+            if replica == self.replica:
+                continue
+            try:
+                decisions = decode_decisions(payload)
+            except ValueError:
+                counters.malformed += 1
+                continue
+            for endpoint, rank, ttl_ms, made_at, packed in decisions:
+                try:
+                    engine = EngineKey(endpoint, rank)
+                    keys = unpack_keys(packed)
+                except (TypeError, ValueError):
+                    counters.malformed += 1
+                    continue
+                if known is not None and not known(engine):
+                    continue
+                age = min(max(now - made_at, 0.0), 3600.0)
+                left = ttl_ms / 1000.0 - age
+                if left <= 0:
+                    counters.expired += 1
+                    continue
+                if keys:
+                    add(engine, keys, Tier.GPU, left)
+                counters.applied += 1
+                counters.delay_s = age
+
+
+class ReplicatedIndex(MemoryIndex):
+    """A :class:`MemoryIndex` whose decision records are shared with the other replicas.
+
+    Firm records (engines' KV events) stay local: every replica follows the engines
+    itself. Expiring records (``add`` with a ``ttl``: routing decisions) are recorded
+    locally and published through :attr:`sync`; peers' come back through it.
+    """
+
+    def __init__(
+        self,
+        redis: RedisIndex,
+        config: ReplicatedIndexConfig,
+        replica: str,
+        *,
+        max_entries: int = 0,
+        max_entries_per_engine: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            clock=clock, max_entries=max_entries, max_entries_per_engine=max_entries_per_engine
+        )
+        self.redis = redis
+        self.config = config
+        self.replica = replica
+        self.sync = DecisionSync(self, redis, config, replica)
+
+    async def add(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        self.add_now(engine, keys, tier, ttl)
+        if ttl is not None and keys:
+            self.sync.publish(engine, keys, ttl)
+
+    def describe(self) -> str:
+        return f"replicated (in memory; decisions through {self.redis.describe()})"
+
+    async def close(self) -> None:
+        await self.sync.stop()
+        await self.redis.close()
+        await super().close()

@@ -1,0 +1,327 @@
+"""The replicated mode (``index.backend: replicated``): an index in each replica's memory,
+decisions shared through a Redis stream, engine snapshots for a warm start.
+
+Routers and engines run in this process (a killed replica runs as a ``kvroute serve``
+process of its own); Redis is the session's throw-away server. Everything is on
+loopback; every wait is a poll with a deadline. test_router_replicas.py runs the tests
+both sharing modes have in common.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+from support.clients import post
+from support.engines import poll, start_test_engine
+from support.routers import start_router
+
+from router.app import RouterApp
+from router.emulator import EmulatedEngine
+from router.engine_model import EngineParams
+from router.events.snapshots import decode_snapshot, encode_snapshot
+from router.hashing import block_keys, seed_for
+from router.index import Match
+from router.index.redis import RedisIndex
+from router.index.replicated import decode_decisions, unpack_keys
+from router.tokenization.words import WordTokenizer
+from router.types import EngineKey
+
+MODEL = "kvroute-emulated"
+SMALL = EngineParams(num_gpu_blocks=400, max_model_len=4096)
+
+StartRouter = Callable[..., Awaitable[RouterApp]]
+
+
+@pytest_asyncio.fixture
+async def routers() -> AsyncIterator[StartRouter]:
+    started: list[RouterApp] = []
+
+    async def start(urls: list[str], **sections: Any) -> RouterApp:
+        app = await start_router(urls, **sections)
+        started.append(app)
+        return app
+
+    yield start
+    for app in started:
+        await app.stop()
+
+
+def replicated(url: str, namespace: str, **section: Any) -> dict[str, Any]:
+    return {
+        "backend": "replicated",
+        "redis": {"url": url, "namespace": namespace, "budget_ms": 1000},
+        "replicated": section,
+    }
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def keys_of(prompt: str) -> list[int]:
+    return block_keys(WordTokenizer().encode(prompt), 16, seed_for(MODEL))
+
+
+def key_of(engine: EmulatedEngine) -> EngineKey:
+    return EngineKey(f"127.0.0.1:{engine.port}")
+
+
+async def routed(http: aiohttp.ClientSession, app: RouterApp, prompt: str) -> tuple[str, str]:
+    async with http.post(
+        f"{app.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers["x-kvroute-engine"], resp.headers["x-kvroute-reason"]
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+async def test_a_decision_of_one_replica_is_in_the_others_index_within_milliseconds(
+    http: aiohttp.ClientSession,
+    routers: StartRouter,
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    engines = [await start_test_engine(engine_id=f"sync{i}", params=SMALL) for i in range(4)]
+    try:
+        urls = [e.url for e in engines]
+        # No KV events at all: B can learn where A sent a prompt only from the stream.
+        settings = {
+            "index": replicated(redis_url, redis_namespace),
+            "events": {"enabled": False},
+        }
+        a = await routers(urls, **settings)
+        b = await routers(urls, **settings)
+        assert a.replicated is not None and b.replicated is not None
+        fleet = [key_of(e) for e in engines]
+        for n in range(6):
+            prompt = words(f"burst{n}-", 160)
+            applied = b.replicated.sync.counters.applied
+            engine, _ = await routed(http, a, prompt)
+            await poll(lambda: b.replicated.sync.counters.applied > applied)  # noqa: B023
+            # The record is in B's own memory: no Redis call answers this lookup.
+            found = b.index.lookup_now(keys_of(prompt), fleet)
+            assert found == {EngineKey.parse(engine): Match(10)}
+            again, reason = await routed(http, b, prompt + " and more")
+            assert again == engine, reason
+            assert "prefix_hit" in reason
+        delay = b.replicated.sync.counters.delay_s
+        assert 0 <= delay < 1.0
+        # One stream entry per gathering interval, each decision's keys in it.
+        index = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+        try:
+            entries = await index.client.xrange(index.key("decisions"))
+        finally:
+            await index.close()
+        assert entries
+        decisions = [d for _, fields in entries for d in decode_decisions(fields[b"d"])]
+        assert len(decisions) == 12  # six through A, six through B
+        endpoint, rank, ttl_ms, _, packed = decisions[0]
+        assert (endpoint, rank) == (EngineKey.parse(engine).endpoint, 0) or ttl_ms > 0
+        assert list(unpack_keys(packed)) == keys_of(words("burst0-", 160))
+    finally:
+        for engine in engines:
+            await engine.stop()
+
+
+async def test_decisions_made_while_redis_is_away_reach_the_peer_when_it_returns(
+    http: aiohttp.ClientSession, routers: StartRouter, tmp_path: Path
+) -> None:
+    from support.redis import RedisServer
+
+    server = RedisServer()
+    engines = [await start_test_engine(engine_id=f"away{i}", params=SMALL) for i in range(2)]
+    try:
+        urls = [e.url for e in engines]
+        settings = {"index": replicated(server.url, "away"), "events": {"enabled": False}}
+        a = await routers(urls, **settings)
+        b = await routers(urls, **settings)
+        assert a.replicated is not None and b.replicated is not None
+        server.pause()
+        await poll(lambda: not a.redis.available, timeout=5)  # type: ignore[union-attr]
+        prompt = words("partition", 160)
+        engine, _ = await routed(http, a, prompt)  # routed without Redis
+        assert a.replicated.sync.pending >= 1
+        assert b.index.lookup_now(keys_of(prompt), [EngineKey.parse(engine)]) == {}
+        server.resume()
+        # A publishes what it decided meanwhile (still live), B reads it on.
+        await poll(
+            lambda: (
+                b.index.lookup_now(keys_of(prompt), [EngineKey.parse(engine)])
+                == {EngineKey.parse(engine): Match(10)}
+            ),
+            timeout=10,
+        )
+        assert a.replicated.sync.pending == 0
+    finally:
+        for engine in engines:
+            await engine.stop()
+        server.kill()
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+async def test_a_starting_replica_routes_on_the_engines_caches_from_a_snapshot(
+    http: aiohttp.ClientSession,
+    routers: StartRouter,
+    redis_url: str,
+    redis_namespace: str,
+    ipc_dir: Path,
+) -> None:
+    # Engines that keep only their last 4 batches for replay, as a long-running engine
+    # keeps only its last buffer_steps: a replica starting now cannot replay its history.
+    engines = [
+        await start_test_engine(
+            engine_id=f"warm{i}",
+            params=SMALL,
+            kv_events_endpoint=f"ipc://{ipc_dir}/warm{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+            kv_events_buffer_steps=4,
+        )
+        for i in range(2)
+    ]
+    try:
+        urls = [e.url for e in engines]
+        index = replicated(redis_url, redis_namespace, snapshot_interval_s=0.05)
+        a = await routers(urls, index=index)
+        assert a.subscriber is not None and a.snapshots is not None
+        await poll(lambda: a.subscriber.stats.replays["ok"] == 2)  # type: ignore[union-attr]
+        prompts = [words(f"warm{n}-", 320) for n in range(2)]
+        for engine, prompt in zip(engines, prompts, strict=True):
+            status, _ = await post(
+                http, f"{engine.url}/v1/completions", {"prompt": prompt, "max_tokens": 1}
+            )
+            assert status == 200
+        # Push the prompts' batches out of the engines' replay buffers.
+        for engine in engines:
+            for n in range(6):
+                status, _ = await post(
+                    http,
+                    f"{engine.url}/v1/completions",
+                    {"prompt": words(f"{engine.port}-filler{n}-", 40), "max_tokens": 1},
+                )
+                assert status == 200
+        fleet = [key_of(e) for e in engines]
+        expected = [{fleet[n]: Match(20)} for n in range(2)]
+        await poll(lambda: [a.index.lookup_now(keys_of(p), fleet) for p in prompts] == expected)
+
+        def snapshotted() -> bool:
+            states = {s.engine: s.last_seq for s in a.subscriber.states()}  # type: ignore[union-attr]
+            saved = a.snapshots._saved  # type: ignore[union-attr]
+            return all(saved.get(k.label) == states[k] for k in fleet)
+
+        await poll(snapshotted)
+        # A replica that starts now: warm from the snapshots at once.
+        c = await routers(urls, index=index)
+        assert [c.index.lookup_now(keys_of(p), fleet) for p in prompts] == expected
+        assert c.subscriber is not None
+        assert c.subscriber.stats.replays["uncovered"] == 0  # verified, nothing to rebuild
+        engine, reason = await routed(http, c, prompts[1] + " again")
+        assert engine == fleet[1].label and "prefix_hit" in reason
+        # Without snapshots, the same start knows nothing of the engines' caches: the
+        # replay cannot reach back far enough, and it rebuilds from new events.
+        cold = await routers(
+            urls, index=replicated(redis_url, redis_namespace, snapshot_interval_s=0)
+        )
+        assert [cold.index.lookup_now(keys_of(p), fleet) for p in prompts] == [{}, {}]
+        assert cold.subscriber is not None and cold.subscriber.stats.replays["uncovered"] == 2
+    finally:
+        for engine in engines:
+            await engine.stop()
+
+
+def test_a_snapshot_round_trips_and_garbage_is_refused() -> None:
+    from router.events.ingest import StreamState
+
+    state = StreamState(EngineKey("10.0.0.1:8000", 1), MODEL, 16)
+    state.hashes[0].update({11: 101, 12: 102})
+    state.hashes[1].update({13: 103})
+    state.ignored_groups = {2}
+    state.last_seq = 41
+    raw = encode_snapshot(state, digest=7, saved_at=1.5)
+    snap = decode_snapshot(raw)
+    assert snap.digest == 7 and snap.saved_at == 1.5
+    assert snap.state.engine == state.engine and snap.state.last_seq == 41
+    assert [dict(t.items()) for t in snap.state.hashes] == [{11: 101, 12: 102}, {13: 103}, {}]
+    assert snap.state.ignored_groups == {2} and snap.state.block_size == 16
+    for bad in (b"", b"\xc1", raw[:-3]):
+        with pytest.raises(ValueError):
+            decode_snapshot(bad)
+
+
+# --------------------------------------------------------------------------- a replica dies
+
+
+async def test_a_killed_replica_stops_counting_and_its_peer_serves_on(
+    http: aiohttp.ClientSession,
+    routers: StartRouter,
+    tmp_path: Path,
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    engines = [
+        await start_test_engine(engine_id=f"killed{i}", params=SMALL, time_scale=1.0)
+        for i in range(2)
+    ]
+    urls = [e.url for e in engines]
+    index = replicated(redis_url, redis_namespace)
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"index": index, "events": {"enabled": False}, "engines": [{"url": u} for u in urls]}
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "serve", "--config", str(config), "--port", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+    streams: list[aiohttp.ClientResponse] = []
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert line.startswith("kvroute serve listening on"), line
+        url = line.rsplit(" ", 1)[-1].strip()
+        b = await routers(urls, index=index, events={"enabled": False})
+        assert b.replicated is not None
+        prompt = words("dying", 160)
+        body = {"prompt": prompt, "max_tokens": 1500, "stream": True}
+        resp = await http.post(f"{url}/v1/completions", json=body)
+        assert resp.status == 200
+        await resp.content.readany()
+        streams.append(resp)
+        engine = EngineKey.parse(resp.headers["x-kvroute-engine"])
+
+        def peer_requests() -> int:
+            return sum(load.peer_requests for load in b.loads.view.values())
+
+        await poll(lambda: peer_requests() == 1)
+        # B has the dying replica's decision in its own index.
+        assert b.index.lookup_now(keys_of(prompt), [engine]) == {engine: Match(10)}
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        # Its published load lapses after index.redis.load_ttl_s; B routes on, alone.
+        await poll(lambda: peer_requests() == 0, timeout=5)
+        again, reason = await routed(http, b, prompt + " once more")
+        assert again == engine.label and "prefix_hit" in reason
+    finally:
+        for resp in streams:
+            resp.close()
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        for engine in engines:
+            await engine.stop()
