@@ -68,6 +68,7 @@ bench-disagg: venv
 bench-redis: venv
 	$(PY) -m router.bench.redis_index
 	$(PY) -m router.bench.redis_decisions
+	$(PY) -m router.bench.replica_consistency
 	$(PY) -m router.bench.redis_layouts
 
 bench-grpc: venv envoy

@@ -235,12 +235,13 @@ class ReplicatedIndexConfig(_Section):
     (``index.redis`` says which Redis; load is shared as with `redis`)."""
 
     sync_interval_s: float = Field(
-        0.002,
+        0.0,
         ge=0,
         le=1,
         description="Seconds a replica gathers its decisions before it publishes them in "
-        "one stream entry. Peers apply a decision about this long plus one Redis round trip "
-        "after it was made.",
+        "one stream entry; peers apply a decision about this long plus a Redis round trip "
+        "after it was made. 0: publish at once; decisions made while an append is in "
+        "flight share the next entry, so entries fill up as the rate grows.",
     )
     window_s: float = Field(
         10.0,
