@@ -286,6 +286,29 @@ async def bench_replicated(
         await group.close()
 
 
+async def bench_idle_append(url: str, count: int = 1000) -> dict[str, float]:
+    """Redis's time for one 4 KB stream append (an 8,192-token decision's entry), no
+    reader: back to back, and 2 ms apart (Redis idle in between, as at 500 decisions/s).
+    The difference is what an idle server costs per command, not work."""
+    index = RedisIndex(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000)
+    payload = bytes(8 * PROMPT_TOKENS // BLOCK)
+    key = index.key("decisions")
+    row: dict[str, float] = {}
+    try:
+        for label, pause in (("back_to_back", 0.0), ("paced_2ms", 0.002)):
+            await index.client.delete(key)
+            before = await _redis_usec(index)
+            for _ in range(count):
+                await index.client.xadd(key, {"r": "bench", "d": payload})
+                if pause:
+                    await asyncio.sleep(pause)
+            row[label] = (await _redis_usec(index) - before) / count
+        await index.client.delete(key)
+    finally:
+        await index.close()
+    return row
+
+
 def fit_replicas(rows: list[dict[str, Any]], measure: str) -> dict[str, Any] | None:
     """Least-squares ``a + b x N`` of one Redis time per decision (``measure``) over the
     replica counts measured, and the decisions per second one Redis sustains at larger N."""
@@ -324,6 +347,7 @@ async def run(url: str, decisions: int, rate: float) -> dict[str, Any]:
         "block_size": BLOCK,
         "decisions": rows,
         "replicated_fit": fits,
+        "idle_append_us": await bench_idle_append(url),
     }
 
 
@@ -362,6 +386,13 @@ def report(results: dict[str, Any]) -> None:
             "-" if not paced else f"{1e6 / paced:,.0f}",
         )
         print("  ".join(f"{c:>17}" for c in cells))
+    idle = results.get("idle_append_us")
+    if idle:
+        print(
+            f"one 4 KB stream append alone: {idle['back_to_back']:.1f} us of Redis time back "
+            f"to back, {idle['paced_2ms']:.1f} us when 2 ms apart (an idle Redis is slower "
+            "per command; the paced rows pay that)"
+        )
     for r in results["decisions"]:
         if "decisions_per_entry" in r:
             print(

@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from router.engine_model import EngineParams
 from router.events.snapshots import decode_snapshot, encode_snapshot
 from router.hashing import block_keys, seed_for
 from router.index import Match
+from router.index.base import IndexUnavailable
 from router.index.redis import RedisIndex
 from router.index.replicated import decode_decisions, unpack_keys
 from router.tokenization.words import WordTokenizer
@@ -325,3 +327,70 @@ async def test_a_killed_replica_stops_counting_and_its_peer_serves_on(
             await proc.wait()
         for engine in engines:
             await engine.stop()
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+async def test_a_malformed_stream_entry_is_counted_and_skipped(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.redis import pack_keys
+    from router.index.replicated import DecisionSync, encode_decisions
+
+    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    index = MemoryIndex()
+    sync = DecisionSync(index, redis, ReplicatedIndexConfig(), "reader")
+    engine = EngineKey("10.0.0.9:8000")
+    try:
+        stream = redis.key("decisions")
+        await redis.client.xadd(stream, {"r": "peer", "d": b"\xc1 not msgpack"})
+        await redis.client.xadd(stream, {"r": "peer", "d": encode_decisions([("x", 0)])})  # type: ignore[list-item]
+        good = [(engine.endpoint, engine.rank, 5000, time.time(), pack_keys([1, 2, 3]))]
+        await redis.client.xadd(stream, {"r": "peer", "d": encode_decisions(good)})
+        stale = [(engine.endpoint, engine.rank, 5000, time.time() - 60, pack_keys([4]))]
+        await redis.client.xadd(stream, {"r": "peer", "d": encode_decisions(stale)})
+        await redis.client.xadd(stream, {"r": "reader", "d": encode_decisions(stale)})
+        assert await sync.catch_up() == 5
+        assert sync.counters.malformed == 2
+        assert sync.counters.applied == 1 and sync.counters.expired == 1  # own entry skipped
+        assert index.lookup_now([1, 2, 3], [engine]) == {engine: Match(3)}
+        assert index.lookup_now([4], [engine]) == {}
+    finally:
+        await sync.stop()
+        await redis.close()
+
+
+async def test_decisions_queued_while_redis_is_away_are_bounded_newest_kept() -> None:
+    from support.redis import RedisServer
+
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.replicated import DecisionSync
+
+    server = RedisServer()
+    redis = RedisIndex(server.url, "bounded", budget_ms=200, slow_calls_to_outage=1)
+    config = ReplicatedIndexConfig(max_pending=3)
+    sync = DecisionSync(MemoryIndex(), redis, config, "writer")
+    engine = EngineKey("10.0.0.9:8000")
+    try:
+        server.pause()
+        for n in range(5):
+            sync.publish(engine, [100 + n], ttl=30)
+        assert sync.pending == 3 and sync.counters.dropped["queue_full"] == 2
+        with pytest.raises(IndexUnavailable):
+            await sync.flush()
+        assert sync.pending == 3  # put back, in order
+        server.resume()
+        await poll(lambda: redis.available, timeout=10)
+        await sync.flush()
+        assert sync.pending == 0 and sync.counters.published == 3
+        entries = await redis.client.xrange(redis.key("decisions"))
+        sent = [d for _, fields in entries for d in decode_decisions(fields[b"d"])]
+        assert [list(unpack_keys(d[4])) for d in sent] == [[102], [103], [104]]
+    finally:
+        await sync.stop()
+        await redis.close()
+        server.kill()
