@@ -13,6 +13,10 @@ Examples::
     kvroute simulate --workload shared-prefix --groups 2000 --prompts-per-group 10 \\
         --engines 1000 --concurrency 2000
 
+    # 1, 2 and 4 router replicas, their decisions reaching each other 0, 5 or 50 ms late
+    kvroute simulate --trace mooncake-conversation --requests 2000 --engines 8 \\
+        --preset dynamo-mocker --replicas 1,2,4 --sync-delay-ms 0,5,50
+
 Writes ``results.json`` and ``summary.md`` to ``--output`` (docs/simulator.md).
 """
 
@@ -36,7 +40,15 @@ from router.config import Config, ConfigError, load_config
 from router.engine_model import EngineParams
 from router.engine_model.flags import add_model_arguments, engine_params
 from router.policy import DEFAULT_POLICY, POLICY_NAMES
-from router.sim.cluster import LAYOUTS, ClusterSim, Fleet, Layout, SimRun, SimSettings
+from router.sim.cluster import (
+    LAYOUTS,
+    REPLICA_PICKS,
+    ClusterSim,
+    Fleet,
+    Layout,
+    SimRun,
+    SimSettings,
+)
 
 #: KV-cache capacity, in blocks, that ``--infinite-cache`` gives every engine. The block
 #: cache keeps state only for blocks in use, so this costs nothing until used.
@@ -65,6 +77,33 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("simulated time", "duration_s", "s", ""),
     ("wall time", "wall_s", "s", ""),
 ]
+
+#: Rows of runs with several router replicas (docs/simulator.md, "Several router
+#: replicas"), before the timing rows.
+REPLICA_ROWS: list[tuple[str, str, str, str]] = [
+    ("same-prefix pairs, two replicas", "replica_split.pairs_across", "int", ""),
+    ("  on different engines (replica split rate)", "replica_split.across", "pct", "lower"),
+    ("same-prefix pairs, one replica", "replica_split.pairs_within", "int", ""),
+    ("  on different engines", "replica_split.within", "pct", ""),
+]
+
+#: The row of workloads with conversations (follow-up turns).
+TURN_ROWS: list[tuple[str, str, str, str]] = [
+    ("follow-up turns on the previous turn's engine", "turn_stickiness", "pct", "higher"),
+]
+
+
+def rows_for(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """The table's rows: the replica rows when a run has several replicas, the turn row
+    when the workload has follow-up turns."""
+    extra: list[tuple[str, str, str, str]] = []
+    if any(s["replicas"] > 1 for s in summaries):
+        extra += REPLICA_ROWS
+    if any(s["turn_stickiness"] is not None for s in summaries):
+        extra += TURN_ROWS
+    at = next(n for n, row in enumerate(ROWS) if row[1] == "duration_s")
+    return [*ROWS[:at], *extra, *ROWS[at:]]
+
 
 _FLEET = re.compile(r"^\s*(?:(\d+)|(\d+)\s*[Pp]\s*\+\s*(\d+)\s*[Dd])\s*$")
 
@@ -99,6 +138,114 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="engines publish no KV events: the index knows only the router's decisions",
     )
+
+
+def _numbers(text: str, kind: type[int] | type[float], what: str) -> list[Any]:
+    """``1,2,4``: the values of a flag that takes one or several."""
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}: expected comma-separated numbers") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{what}: expected one or more numbers >= 0")
+    return values
+
+
+def _replica_counts(text: str) -> list[int]:
+    counts: list[int] = _numbers(text, int, "--replicas")
+    if 0 in counts:
+        raise argparse.ArgumentTypeError("--replicas: a fleet needs at least one replica")
+    return counts
+
+
+def _delays_ms(text: str) -> list[float]:
+    delays: list[float] = _numbers(text, float, "--sync-delay-ms")
+    return delays
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a number above 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a whole number above 0")
+    return value
+
+
+def _not_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a number >= 0")
+    return value
+
+
+def add_replica_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Several router replicas in front of the fleet (docs/simulator.md, "Several router
+    replicas")."""
+    group = parser.add_argument_group("router replicas")
+    group.add_argument(
+        "--replicas",
+        type=_replica_counts,
+        default=[1],
+        metavar="N[,N...]",
+        help="route through N router replicas, each with its own index, load view and policy "
+        "(several values: one run each; default 1)",
+    )
+    group.add_argument(
+        "--sync-delay-ms",
+        type=_delays_ms,
+        default=[0.0],
+        metavar="MS[,MS...]",
+        help="milliseconds before a replica's decision records reach the other replicas (in "
+        "the replicated index mode: index.replicated.sync_interval_s plus a Redis round trip; "
+        "several values: one run each, side by side; default 0)",
+    )
+    group.add_argument(
+        "--load-interval-ms",
+        type=_positive,
+        default=100.0,
+        metavar="MS",
+        help="milliseconds between the replicas' exchanges of in-flight load (default 100, "
+        "as index.redis.load_interval_s)",
+    )
+    group.add_argument(
+        "--replica-pick",
+        choices=REPLICA_PICKS,
+        default="random",
+        help="which replica routes a request: random (by request id, as a Kubernetes "
+        "Service) or round_robin",
+    )
+    group.add_argument(
+        "--group-prefix-tokens",
+        type=_positive_int,
+        default=1_024,
+        metavar="T",
+        help="replica split rate: requests whose first T tokens match form a prefix group",
+    )
+    group.add_argument(
+        "--burst-window-ms",
+        type=_not_negative,
+        default=1_000.0,
+        metavar="MS",
+        help="replica split rate: pair requests of a prefix group at most MS apart",
+    )
+    return group
+
+
+def replica_variants(args: argparse.Namespace) -> list[tuple[int, float]]:
+    """(replicas, sync delay in seconds) of each run the flags ask for; one replica has
+    nothing to sync, so it runs once."""
+    variants: list[tuple[int, float]] = []
+    for count in getattr(args, "replicas", [1]):
+        for delay_ms in getattr(args, "sync_delay_ms", [0.0]) if count > 1 else [0.0]:
+            if (count, delay_ms / 1e3) not in variants:
+                variants.append((count, delay_ms / 1e3))
+    return variants
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -167,6 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every engine's KV cache is unbounded (no eviction)",
     )
     add_router_arguments(parser)
+    add_replica_arguments(parser)
     add_layout_arguments(parser)
     add_workload_arguments(parser, trace_alias=True, prompt_format="tokens")
     out = parser.add_argument_group("output")
@@ -213,11 +361,24 @@ def settings_for(
     args: argparse.Namespace,
     concurrency: int,
     layout: Layout | None = None,
+    replicas: int = 1,
+    sync_delay_s: float = 0.0,
 ) -> SimSettings:
     """One run's settings: the router configuration with ``policy`` in it; ``layout``
-    (default: the flags') places a disaggregated fleet on racks."""
+    (default: the flags') places a disaggregated fleet on racks; ``replicas`` router
+    replicas whose decisions reach each other ``sync_delay_s`` late (the other replica
+    flags, where the command has them, say how they share load and how the replica
+    split rate groups requests)."""
     if layout is None and fleet.disaggregated and getattr(args, "racks", None) is not None:
         layout = layout_of(args)
+    shared: dict[str, Any] = {}
+    if hasattr(args, "load_interval_ms"):
+        shared = {
+            "load_interval_s": args.load_interval_ms / 1e3,
+            "replica_pick": args.replica_pick,
+            "group_prefix_tokens": args.group_prefix_tokens,
+            "burst_window_s": args.burst_window_ms / 1e3,
+        }
     return SimSettings(
         fleet=fleet,
         params=params,
@@ -229,7 +390,17 @@ def settings_for(
         concurrency=concurrency,
         duration_s=args.duration,
         layout=layout,
+        replicas=replicas,
+        sync_delay_s=sync_delay_s,
+        **shared,
     )
+
+
+def replica_label(replicas: int, sync_delay_s: float) -> str:
+    """The part of a run's name that says its replicas: `` x1``, `` x2 sync=5ms``."""
+    if replicas == 1:
+        return " x1"
+    return f" x{replicas} sync={sync_delay_s * 1e3:g}ms"
 
 
 def simulate(settings: SimSettings, specs: Sequence[RequestSpec], name: str) -> SimRun:
@@ -253,8 +424,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
     several = len(fleets) > 1
-    plan = [(fleet, policy) for fleet in fleets for policy in policies]
-    names = [f"{policy}@{fleet.describe()}" if several else policy for fleet, policy in plan]
+    variants = replica_variants(args)
+    replicated = variants != [(1, 0.0)]
+    plan = [
+        (fleet, policy, count, delay)
+        for fleet in fleets
+        for policy in policies
+        for count, delay in variants
+    ]
+    names = [
+        (f"{policy}@{fleet.describe()}" if several else policy)
+        + (replica_label(count, delay) if replicated else "")
+        for fleet, policy, count, delay in plan
+    ]
     baseline = args.baseline or names[0]
     if baseline not in names:
         print(f"kvroute simulate: --baseline {baseline} is not one of {', '.join(names)}")
@@ -267,10 +449,25 @@ def run(args: argparse.Namespace) -> int:
     )
     if layout is not None:
         print(f"racks     {layout.describe()}")
+    if replicated:
+        print(
+            f"replicas  {args.replica_pick} pick, in-flight load exchanged every "
+            f"{args.load_interval_ms:g} ms; prefix groups of {args.group_prefix_tokens:,} "
+            f"tokens, pairs at most {args.burst_window_ms:g} ms apart"
+        )
     print(f"runs      {', '.join(names)}\n")
     summaries = []
-    for (fleet, policy), name in zip(plan, names, strict=True):
-        settings = settings_for(fleet, policy, params, config, args, workload.concurrency)
+    for (fleet, policy, count, delay), name in zip(plan, names, strict=True):
+        settings = settings_for(
+            fleet,
+            policy,
+            params,
+            config,
+            args,
+            workload.concurrency,
+            replicas=count,
+            sync_delay_s=delay,
+        )
         result = simulate(settings, workload.specs, name)
         summary = result.summary()
         summaries.append(summary)
@@ -286,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
     oracle = workload.info.get("oracle_block_hit_rate")
-    rows = report.table_rows(summaries, baseline, ROWS)
+    rows = report.table_rows(summaries, baseline, rows_for(summaries))
     print()
     print(report.render_text(rows))
     if oracle is not None:

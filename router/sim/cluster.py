@@ -18,6 +18,16 @@ provisional holders with the live router's TTLs on the virtual clock; engine-rep
 load (waiting, running, KV usage) is refreshed every ``scrape_interval_s``, as the
 router's background scrape does. Routing itself takes no virtual time.
 
+With ``replicas`` above 1 the fleet sits behind that many router replicas of the
+replicated index mode, each request routed by one of them (``replica_pick``). Each
+replica has its own index, load tracker, policy and planner: the engines' KV events
+reach every replica after the same ``event_lag_s``; a replica's decisions are recorded
+in its own index at once and reach the others' ``sync_delay_s`` later, as the same
+expiring records with their ttl shortened by the delay; a replica knows its own
+in-flight load exactly and its peers' as they were at the last exchange, one every
+``load_interval_s``. What it costs shows in the run's replica split rate
+(:func:`replica_split`) and turn stickiness.
+
 A disaggregated request follows the NIXL dialect's timing: a prefill leg with
 ``max_tokens`` 1 on the prefill engine, whose blocks stay held; then the decode leg on
 the decode engine, which allocates the prompt, waits for the transfer (bytes per token
@@ -42,9 +52,11 @@ import statistics
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from router.bench.report import latency_stats
 from router.bench.workloads import RequestSpec, answer_tokens, ceiling_of_keys, spec_tokens
@@ -52,23 +64,23 @@ from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
 from router.engine_model import EngineModel, EngineParams
 from router.engine_model import RequestSpec as EngineRequest
-from router.engines.load import LoadTracker, Ticket
+from router.engines.load import InFlight, LoadTracker, Ticket
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
 from router.hashing import block_keys, seed_for
-from router.index.base import footprint
+from router.index.base import IndexStats, KVIndex, Match, footprint
 from router.index.memory import MemoryIndex
 from router.plan import Planner
 from router.policy import make_decode_policy, make_policy
-from router.policy.base import Decision, RouteRequest
+from router.policy.base import RouteRequest
 from router.tokenization.words import WordTokenizer
 from router.topology import Topology, link_between
-from router.types import EngineKey
+from router.types import EngineKey, Tier
 
 #: The model name requests carry (seeds the block keys, as in the live router).
 MODEL = "kvroute-emulated"
 
-_ARRIVE, _STEP, _DELIVER, _WAKE = range(4)
+_ARRIVE, _STEP, _DELIVER, _WAKE, _SYNC = range(5)
 _words = WordTokenizer()
 
 
@@ -148,6 +160,10 @@ class Layout:
         return f"{self.style} on {self.racks} racks ({self.uplink_gb_s:g} GB/s uplinks)"
 
 
+#: How :class:`SimSettings` ``replica_pick`` spreads requests over router replicas.
+REPLICA_PICKS = ("random", "round_robin")
+
+
 @dataclass(frozen=True, slots=True)
 class SimSettings:
     """Everything one simulated run depends on besides the workload."""
@@ -168,6 +184,36 @@ class SimSettings:
     duration_s: float | None = None
     #: Racks and where the engines sit on them; None: no topology (one flat link).
     layout: Layout | None = None
+    #: Router replicas in front of the fleet (the replicated index mode), each request
+    #: routed by one of them.
+    replicas: int = 1
+    #: Seconds before a replica's decision records reach the other replicas' indexes.
+    sync_delay_s: float = 0.0
+    #: Seconds between the replicas' exchanges of their in-flight load per engine.
+    load_interval_s: float = 0.1
+    #: Which replica routes a request: ``random`` (a hash of the request id, as a
+    #: Kubernetes Service spreads connections) or ``round_robin`` (in arrival order).
+    replica_pick: str = "random"
+    #: The replica split rate's prefix group: the prompt's blocks that cover this many
+    #: leading tokens (all of a shorter prompt's whole blocks).
+    group_prefix_tokens: int = 1_024
+    #: The replica split rate pairs requests of one prefix group at most this many
+    #: seconds apart.
+    burst_window_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("a fleet needs at least one router replica")
+        if self.sync_delay_s < 0:
+            raise ValueError("the replicas' sync delay must not be negative")
+        if not self.load_interval_s > 0:
+            raise ValueError("the replicas' load interval must be positive")
+        if self.replica_pick not in REPLICA_PICKS:
+            raise ValueError(
+                f"replica pick {self.replica_pick!r}: choose one of {', '.join(REPLICA_PICKS)}"
+            )
+        if self.group_prefix_tokens < 1 or self.burst_window_s < 0:
+            raise ValueError("the prefix group needs a token and the burst window >= 0 s")
 
 
 @dataclass(slots=True)
@@ -190,6 +236,15 @@ class RequestRecord:
     group: str = ""
     link: str = ""
     """Split requests with a layout: the locality of the prefill-to-decode link."""
+    replica: int = 0
+    """The router replica that routed it (0 with one router)."""
+    order: int = 0
+    """Its place in routing order (requests arriving at one moment are routed in turn)."""
+    prefix_group: int | None = None
+    """The block key of its first ``group_prefix_tokens`` tokens (chained: it names the
+    whole prefix); None for a prompt shorter than one block."""
+    previous_engine: str | None = None
+    """A conversation's follow-up turn: the engine that served the previous turn."""
 
 
 @dataclass(eq=False, slots=True)
@@ -206,6 +261,84 @@ class _Engine:
     """Prompt tokens this engine computed (not served from cache): its prefill work."""
 
 
+class _SharedDecisions(MemoryIndex):
+    """One replica's index, whose expiring records (the routing core's decisions, the
+    only ones it writes with a ttl) also go to the other replicas: ``share`` is called
+    with each, as the replicated mode publishes them."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        share: Callable[[MemoryIndex, EngineKey, Sequence[int], Tier, float], None],
+    ) -> None:
+        super().__init__(clock=clock)
+        self._share = share
+
+    async def add(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        self.add_now(engine, keys, tier, ttl)
+        if ttl is not None:
+            self._share(self, engine, keys, tier, ttl)
+
+
+class _EveryReplica(KVIndex):
+    """The replicas' indexes as the event ingestor writes them.
+
+    Every replica follows every engine's KV events itself, and they reach all of them
+    after the same lag, so every replica's stream state (engine hash to block key) would
+    be the same: one ingestor and one :class:`StreamState` per engine stand for them all,
+    and each firm write lands in every replica's index. That is the per-replica ingest,
+    with the block keys of each event computed once instead of once per replica.
+    """
+
+    def __init__(self, indexes: Sequence[MemoryIndex]) -> None:
+        self.indexes = indexes
+
+    async def lookup(
+        self, keys: Sequence[int], candidates: Sequence[EngineKey]
+    ) -> Mapping[EngineKey, Match]:
+        return await self.indexes[0].lookup(keys, candidates)
+
+    async def add(
+        self,
+        engine: EngineKey,
+        keys: Sequence[int],
+        tier: Tier = Tier.GPU,
+        ttl: float | None = None,
+    ) -> None:
+        for index in self.indexes:
+            index.add_now(engine, keys, tier, ttl)
+
+    async def remove(
+        self, engine: EngineKey, keys: Sequence[int], tier: Tier | None = None
+    ) -> None:
+        for index in self.indexes:
+            index.remove_now(engine, keys, tier)
+
+    async def clear(self, engine: EngineKey) -> None:
+        for index in self.indexes:
+            index.clear_now(engine)
+
+    async def stats(self) -> IndexStats:
+        return self.indexes[0].stats_now()
+
+
+@dataclass(eq=False, slots=True)
+class _Replica:
+    """One router replica: what one ``kvroute serve`` process decides with."""
+
+    number: int
+    index: MemoryIndex
+    loads: LoadTracker
+    core: RoutingCore
+    planner: Planner
+
+
 @dataclass(eq=False, slots=True)
 class _Flight:
     """One request on its way through the fleet."""
@@ -218,6 +351,11 @@ class _Flight:
     reason: str
     serve: _Engine
     ticket: Ticket
+    router: _Replica
+    """The replica that routed it: its tickets live in that replica's load tracker."""
+    order: int = 0
+    previous: str | None = None
+    """A follow-up turn: the engine that served the previous turn."""
     prefill: _Engine | None = None
     prefill_ticket: Ticket | None = None
     keys: Sequence[int] = ()
@@ -308,6 +446,13 @@ class SimRun:
                     self.router_bytes / self.router_entries if self.router_entries else None
                 ),
             },
+            "replicas": self.settings.replicas,
+            "sync_delay_s": self.settings.sync_delay_s if self.settings.replicas > 1 else None,
+            "load_interval_s": (
+                self.settings.load_interval_s if self.settings.replicas > 1 else None
+            ),
+            "replica_split": replica_split(recs, self.settings.burst_window_s),
+            **turn_stickiness(recs),
             "engines": self.engines,
         }
 
@@ -353,13 +498,59 @@ def _cross_rack_share(records: Sequence[RequestRecord]) -> float | None:
     )
 
 
+def replica_split(records: Sequence[RequestRecord], window_s: float) -> dict[str, Any]:
+    """How often requests of one prefix group arriving close together went to different
+    engines, apart for pairs that two replicas routed and pairs that one did.
+
+    Requests are taken in routing order; each is paired with the previous request of its
+    prefix group (:attr:`RequestRecord.prefix_group`) when that one arrived at most
+    ``window_s`` earlier. ``across`` is the share of the pairs routed by two different
+    replicas that were served by different engines: the replica split rate, what replicas
+    that had not yet heard of each other's decisions cost. ``within`` is the same share
+    for pairs one replica routed: what the policy does anyway (load may spread a group),
+    the baseline ``across`` is to be read against.
+    """
+    last: dict[int, RequestRecord] = {}
+    across = across_moved = within = within_moved = 0
+    for r in sorted(records, key=lambda r: r.order):
+        group = r.prefix_group
+        if group is None:
+            continue
+        prev = last.get(group)
+        last[group] = r
+        if prev is None or r.arrival - prev.arrival > window_s:
+            continue
+        moved = r.engine != prev.engine
+        if r.replica != prev.replica:
+            across += 1
+            across_moved += moved
+        else:
+            within += 1
+            within_moved += moved
+    return {
+        "pairs_across": across,
+        "across": across_moved / across if across else None,
+        "pairs_within": within,
+        "within": within_moved / within if within else None,
+    }
+
+
+def turn_stickiness(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The share of conversations' follow-up turns served by the engine that served the
+    previous turn (None without follow-up turns: traces carry no conversation)."""
+    turns = [r for r in records if r.previous_engine is not None]
+    same = sum(r.engine == r.previous_engine for r in turns)
+    return {"follow_up_turns": len(turns), "turn_stickiness": same / len(turns) if turns else None}
+
+
 def _imbalance(values: Sequence[float]) -> float | None:
     mean = statistics.fmean(values) if values else 0.0
     return max(values) / mean if mean > 0 else None
 
 
 class ClusterSim:
-    """One simulated fleet behind one router; :meth:`run` replays a workload once."""
+    """One simulated fleet behind one router (or ``replicas`` of it); :meth:`run`
+    replays a workload once."""
 
     def __init__(
         self, settings: SimSettings, name: str | None = None, endpoints: Sequence[str] = ()
@@ -373,31 +564,29 @@ class ClusterSim:
         self.settings = settings
         self.name = name or settings.policy.name
         self.now = 0.0
-        clock = self._clock
         p = settings.params
         self.block_size = p.block_size
-        self.index = MemoryIndex(clock=clock)
-        self.loads = LoadTracker(block_size=p.block_size)
-        policy = make_policy(settings.policy, clock)
-        self.core = RoutingCore(
-            self.index,
-            policy,
-            settings.policy,
-            self.loads,
-            has_events=lambda engine: settings.events,
-            clock=clock,
-        )
-        decode_policy = make_decode_policy(settings.policy, settings.disaggregation, policy, clock)
         self.pools = SimPools(settings.fleet.disaggregated)
-        self.planner = Planner(
-            self.pools,
-            self.core,
-            decode_policy,
-            settings.disaggregation,
-            lambda model: settings.disaggregation.handoff,
-            locate=self.pools.topology_of if settings.layout else None,
+        self.replicas = [self._replica(n) for n in range(settings.replicas)]
+        # The first replica under the names the single router has always had.
+        first = self.replicas[0]
+        self.index, self.loads, self.core, self.planner = (
+            first.index,
+            first.loads,
+            first.core,
+            first.planner,
         )
-        self.ingestor = EventIngestor(self.index)
+        self._several = len(self.replicas) > 1
+        self.ingestor = EventIngestor(
+            _EveryReplica([r.index for r in self.replicas]) if self._several else self.index
+        )
+        self._turn = 0
+        """Requests routed so far (the ``round_robin`` replica pick)."""
+        self._next_exchange = 0.0
+        """When the replicas next exchange their in-flight load."""
+        self._group_blocks = max(1, math.ceil(settings.group_prefix_tokens / p.block_size))
+        self._previous: dict[int, str] = {}
+        """Follow-up turns not yet arrived (by ``id``) -> the engine of the previous turn."""
         self.seed = seed_for(MODEL)
         fleet = settings.fleet
         roles = (
@@ -441,6 +630,96 @@ class ClusterSim:
     def _clock(self) -> float:
         return self.now
 
+    def _replica(self, number: int) -> _Replica:
+        """A router replica: the index, load tracker, policies and planner of one
+        ``kvroute serve`` (a policy's own state, as cache_aware_sglang's tree, is each
+        replica's). With one replica, the plain index of the single router."""
+        settings = self.settings
+        clock = self._clock
+        index = (
+            MemoryIndex(clock=clock)
+            if settings.replicas == 1
+            else _SharedDecisions(clock, self._share_record)
+        )
+        loads = LoadTracker(block_size=self.block_size)
+        policy = make_policy(settings.policy, clock)
+        core = RoutingCore(
+            index,
+            policy,
+            settings.policy,
+            loads,
+            has_events=lambda engine: settings.events,
+            clock=clock,
+        )
+        decode_policy = make_decode_policy(settings.policy, settings.disaggregation, policy, clock)
+        planner = Planner(
+            self.pools,
+            core,
+            decode_policy,
+            settings.disaggregation,
+            lambda model: settings.disaggregation.handoff,
+            locate=self.pools.topology_of if settings.layout else None,
+        )
+        return _Replica(number, index, loads, core, planner)
+
+    def _share_record(
+        self, origin: MemoryIndex, engine: EngineKey, keys: Sequence[int], tier: Tier, ttl: float
+    ) -> None:
+        """A replica recorded a decision: the others get the same expiring record
+        ``sync_delay_s`` later, with what is left of its ttl (none, if it expired on the
+        way); at once without a delay."""
+        delay = self.settings.sync_delay_s
+        if delay <= 0:
+            self._apply_record((origin, engine, keys, tier, ttl))
+        elif ttl > delay:
+            self._push(self.now + delay, _SYNC, (origin, engine, keys, tier, ttl - delay))
+
+    def _apply_record(
+        self, record: tuple[MemoryIndex, EngineKey, Sequence[int], Tier, float]
+    ) -> None:
+        origin, engine, keys, tier, ttl = record
+        for replica in self.replicas:
+            if replica.index is not origin:
+                replica.index.add_now(engine, keys, tier, ttl)
+
+    def _exchange_loads(self) -> None:
+        """The replicas' exchange of in-flight load, due at every multiple of
+        ``load_interval_s``: each replica's peers' part becomes the others' own work.
+
+        Called before anything reads or changes a load tracker (an arrival, a step's
+        end), it catches up with the exchanges since the last call: the trackers have not
+        changed since then, so the last exchange due would have copied what they hold now.
+        """
+        now = self.now
+        if now < self._next_exchange:
+            return
+        interval = self.settings.load_interval_s
+        self._next_exchange = (math.floor(now / interval) + 1) * interval
+        own = [r.loads.own() for r in self.replicas]
+        for replica in self.replicas:
+            peers: dict[EngineKey, InFlight] = {}
+            for other, work in zip(self.replicas, own, strict=True):
+                if other is replica:
+                    continue
+                for engine, mine in work.items():
+                    have = peers.get(engine)
+                    peers[engine] = (
+                        mine
+                        if have is None
+                        else InFlight(*(a + b for a, b in zip(have, mine, strict=True)))
+                    )
+            replica.loads.set_peers(peers)
+
+    def _pick_replica(self, rid: str) -> _Replica:
+        """The replica that routes request ``rid``."""
+        replicas = self.replicas
+        if self.settings.replica_pick == "round_robin":
+            turn = self._turn
+            self._turn += 1
+            return replicas[turn % len(replicas)]
+        # Salted: random policies seed their own draws with the bare request id.
+        return replicas[xxhash.xxh3_64_intdigest(f"replica\x00{rid}".encode()) % len(replicas)]
+
     # ------------------------------------------------------------------ running
 
     async def run(self, specs: Iterable[RequestSpec]) -> SimRun:
@@ -466,6 +745,8 @@ class ClusterSim:
                 await self.ingestor.apply(engine.stream, EventBatch(now, events, None))
             elif kind == _ARRIVE:
                 await self._arrive(item)
+            elif kind == _SYNC:
+                self._apply_record(item)
             elif item.wake_at == now:
                 item.wake_at = None
                 self._kick(item)
@@ -490,30 +771,37 @@ class ClusterSim:
             self._push(engine.wake_at, _WAKE, engine)
 
     def _scrape(self) -> None:
-        """Engine-reported load, as the router's background scrape sees it."""
+        """Engine-reported load, as the router's background scrape sees it (every
+        replica's scrape reads the same values)."""
         if self.now - self._scraped_at < self.settings.scrape_interval_s:
             return
         self._scraped_at = self.now
         for engine in self.engines:
             stats = engine.model.stats()
-            self.loads.report(
-                engine.key,
-                self.now,
-                waiting=float(stats.num_waiting),
-                running=float(stats.num_running),
-                kv_usage=stats.kv_cache_usage,
-            )
+            for replica in self.replicas:
+                replica.loads.report(
+                    engine.key,
+                    self.now,
+                    waiting=float(stats.num_waiting),
+                    running=float(stats.num_running),
+                    kv_usage=stats.kv_cache_usage,
+                )
 
     async def _arrive(self, spec: RequestSpec) -> None:
         now = self.now
+        previous = self._previous.pop(id(spec), None) if self._previous else None
         if self._closed_loop and spec.at is None:
             limit = self.settings.duration_s
             if limit is not None and now > limit:
                 return
+        if self._several:
+            self._exchange_loads()
         self._scrape()
         tokens = spec_tokens(spec)
         bs = self.block_size
-        rid = f"sim-{next(self._ids)}"
+        order = next(self._ids)
+        rid = f"sim-{order}"
+        router = self._pick_replica(rid) if self._several else self.replicas[0]
         route = RouteRequest(
             rid,
             block_keys(tokens, bs, self.seed),
@@ -522,12 +810,31 @@ class ClusterSim:
             spec.max_tokens,
             session=spec.group or None,
         )
-        plan = await self.planner.plan(MODEL, route, len(tokens))
+        plan = await router.planner.plan(MODEL, route, len(tokens))
         if plan.prefill is None:
-            self._start(rid, spec, tokens, route.keys, plan.decode, plan.mode, plan.reason)
+            serve = self._by_key[plan.decode.engine]
+            ticket = router.loads.begin(
+                serve.key, len(tokens), plan.decode.cached_tokens, spec.max_tokens
+            )
+            flight = _Flight(
+                rid,
+                spec,
+                tokens,
+                now,
+                plan.mode,
+                plan.reason,
+                serve,
+                ticket,
+                router,
+                order,
+                previous,
+                keys=route.keys,
+            )
+            self._submit(serve, flight, EngineRequest(rid, tokens, spec.max_tokens))
             return
         serve = self._by_key[plan.decode.engine]
         engine = self._by_key[plan.prefill.engine]
+        loads = router.loads
         flight = _Flight(
             rid,
             spec,
@@ -536,27 +843,15 @@ class ClusterSim:
             "split",
             plan.reason,
             serve,
-            self.loads.begin(serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens),
+            loads.begin(serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens),
+            router,
+            order,
+            previous,
             prefill=engine,
-            prefill_ticket=self.loads.begin(engine.key, len(tokens), plan.prefill.cached_tokens, 1),
+            prefill_ticket=loads.begin(engine.key, len(tokens), plan.prefill.cached_tokens, 1),
             keys=route.keys,
         )
         self._submit(engine, flight, EngineRequest(rid, tokens, 1, remote_decode=True))
-
-    def _start(
-        self,
-        rid: str,
-        spec: RequestSpec,
-        tokens: list[int],
-        keys: Sequence[int],
-        decision: Decision,
-        mode: str,
-        reason: str,
-    ) -> None:
-        serve = self._by_key[decision.engine]
-        ticket = self.loads.begin(serve.key, len(tokens), decision.cached_tokens, spec.max_tokens)
-        flight = _Flight(rid, spec, tokens, self.now, mode, reason, serve, ticket, keys=keys)
-        self._submit(serve, flight, EngineRequest(rid, tokens, spec.max_tokens))
 
     def _submit(self, engine: _Engine, flight: _Flight, request: EngineRequest) -> None:
         try:
@@ -571,13 +866,16 @@ class ClusterSim:
 
     def _refuse(self, flight: _Flight, reason: str) -> None:
         self._transferred(flight)
-        self.loads.end(flight.ticket)
+        loads = flight.router.loads
+        loads.end(flight.ticket)
         if flight.prefill_ticket is not None:
-            self.loads.end(flight.prefill_ticket)
+            loads.end(flight.prefill_ticket)
         self._errors[reason.split(".")[0]] += 1
         self._next_closed_loop(flight.spec)
 
     def _step_done(self, engine: _Engine) -> None:
+        if self._several and self.now >= self._next_exchange:
+            self._exchange_loads()
         engine.busy = False
         now = self.now
         result = engine.model.finish_step(now)
@@ -605,7 +903,7 @@ class ClusterSim:
 
     def _first_token(self, flight: _Flight, engine: _Engine, prompt: int, cached: int) -> None:
         flight.first_at = self.now
-        self.loads.prefilled(flight.ticket)
+        flight.router.loads.prefilled(flight.ticket)
         if flight.prefill is None:
             flight.cached = cached
             engine.prefill_tokens += prompt - cached
@@ -620,7 +918,7 @@ class ClusterSim:
         """The prefill leg finished: its blocks are held; the decode leg starts."""
         del self._flights[(id(engine), flight.rid)]
         assert flight.prefill_ticket is not None
-        self.loads.end(flight.prefill_ticket)
+        flight.router.loads.end(flight.prefill_ticket)
         engine.model.claim_hold(flight.rid, None, self.now)
         bandwidth, latency = self._link(flight, engine)
         request = EngineRequest(
@@ -659,7 +957,7 @@ class ClusterSim:
 
     def _finish(self, flight: _Flight, engine: _Engine, last: list[int]) -> None:
         del self._flights[(id(engine), flight.rid)]
-        self.loads.end(flight.ticket)
+        flight.router.loads.end(flight.ticket)
         engine.requests += 1
         now = self.now
         first = flight.first_at if flight.first_at is not None else now
@@ -678,6 +976,10 @@ class ClusterSim:
                 e2e=now - flight.arrival,
                 group=flight.spec.group,
                 link=flight.link,
+                replica=flight.router.number,
+                order=flight.order,
+                prefix_group=self._prefix_group(flight.keys),
+                previous_engine=flight.previous,
             )
         )
         spec = flight.spec
@@ -691,9 +993,15 @@ class ClusterSim:
         if spec.then is not None:
             following = spec.then(answer)
             if following is not None:
+                self._previous[id(following)] = engine.key.label
                 self._push(now + following.delay, _ARRIVE, following)
                 return
         self._next_closed_loop(spec)
+
+    def _prefix_group(self, keys: Sequence[int]) -> int | None:
+        """The key of the prompt's first ``group_prefix_tokens`` (its last whole block
+        when shorter): block keys are chained, so one key names the whole prefix."""
+        return keys[min(self._group_blocks, len(keys)) - 1] if keys else None
 
     def _next_closed_loop(self, ended: RequestSpec) -> None:
         """A closed-loop slot is free: the next waiting request takes it."""
@@ -720,9 +1028,10 @@ class ClusterSim:
                     "preemptions": stats.num_preemptions,
                 }
             )
-        decisions: dict[str, int] = {}
-        for (policy, reason), count in self.core.counters.decisions.items():
-            decisions[f"{policy}:{reason}"] = count
+        decisions: Counter[str] = Counter()
+        for replica in self.replicas:
+            for (policy, reason), count in replica.core.counters.decisions.items():
+                decisions[f"{policy}:{reason}"] += count
         return SimRun(
             self.name,
             self.settings,
@@ -730,7 +1039,7 @@ class ClusterSim:
             self._itl,
             engines,
             ceiling,
-            decisions,
+            dict(decisions),
             preemptions,
             sum(self.ingestor.counters.skipped.values()),
             dict(self._errors),
@@ -738,7 +1047,8 @@ class ClusterSim:
         )
 
     def _router_memory(self) -> dict[str, Any]:
-        """The router's index and engine-hash maps as the run leaves them."""
+        """The router's index and engine-hash maps as the run leaves them (the first
+        replica's, with several: each holds as much)."""
         started = time.perf_counter()
         seen: set[int] = set()
         used = self.index.footprint(seen)
