@@ -35,7 +35,9 @@ It reports:
   decisions for the prompt (where off-path records of a shared prefix are written once);
   ``decisions/s per Redis`` is one second of Redis time over the paced figure;
 * the process's CPU time per decision back to back (all replicas, with the background
-  writes, reads and peers' records).
+  writes, reads and peers' records), and the Redis server's (``INFO cpu``: its commands
+  and its network I/O, which ``commandstats`` leaves out; it includes Redis's own
+  housekeeping, so it is an upper bound).
 
 The replicated rows also fit Redis time per decision to ``a + b x N`` (one append, one
 read per replica) and print the decisions per second one Redis sustains at larger N.
@@ -82,6 +84,13 @@ async def _redis_usec(index: RedisIndex) -> float:
     return float(sum(v.get("usec", 0) for k, v in stats.items() if k.startswith("cmdstat_")))
 
 
+async def _redis_cpu_us(index: RedisIndex) -> float:
+    """Microseconds of CPU the Redis server process has used so far (``INFO cpu``: its
+    commands and its network I/O, which ``commandstats`` leaves out)."""
+    cpu = await index.client.info("cpu")
+    return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])) * 1e6
+
+
 async def _drop(index: RedisIndex) -> None:
     keys = [k async for k in index.client.scan_iter(match=f"{{{index.namespace}}}:*", count=1000)]
     for start in range(0, len(keys), 1000):
@@ -126,6 +135,7 @@ async def bench_mode(
         paced_usec = (await _redis_usec(redis) - usec) / decisions if redis is not None else None
         # Back to back: throughput, and Redis's time per decision.
         usec = await _redis_usec(redis) if redis is not None else 0.0
+        redis_cpu = await _redis_cpu_us(redis) if redis is not None else 0.0
         started = time.perf_counter()
         cpu = time.process_time()
         for i in range(decisions):
@@ -146,6 +156,7 @@ async def bench_mode(
         if redis is not None:
             row["redis_us_per_decision_paced"] = paced_usec
             row["redis_us_per_decision"] = (await _redis_usec(redis) - usec) / decisions
+            row["redis_cpu_us_per_decision"] = (await _redis_cpu_us(redis) - redis_cpu) / decisions
             # Bursts of 8 concurrent decisions for one prompt (a group sharing a prefix).
             usec = await _redis_usec(redis)
             bursts = decisions // 8
@@ -246,6 +257,7 @@ async def bench_replicated(
         await group.settle()
         paced_usec = (await _redis_usec(redis) - usec) / decisions
         usec = await _redis_usec(redis)
+        redis_cpu = await _redis_cpu_us(redis)
         started = time.perf_counter()
         cpu = time.process_time()
         for i in range(decisions):
@@ -256,6 +268,7 @@ async def bench_replicated(
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu
         back_usec = (await _redis_usec(redis) - usec) / decisions
+        back_cpu = (await _redis_cpu_us(redis) - redis_cpu) / decisions
         usec = await _redis_usec(redis)
         bursts = decisions // 8
         for b in range(bursts):
@@ -279,6 +292,7 @@ async def bench_replicated(
             "cpu_us_per_decision": cpu / decisions * 1e6,
             "redis_us_per_decision_paced": paced_usec,
             "redis_us_per_decision": back_usec,
+            "redis_cpu_us_per_decision": back_cpu,
             "redis_us_per_decision_in_bursts": burst_usec,
             "decisions_per_entry": published / max(entries, 1),
         }
@@ -364,6 +378,7 @@ def report(results: dict[str, Any]) -> None:
         "CPU us",
         "Redis us paced",
         "back to back",
+        "Redis CPU",
         "in bursts",
         "decisions/s/Redis",
     )
@@ -382,6 +397,7 @@ def report(results: dict[str, Any]) -> None:
             f"{r['cpu_us_per_decision']:.0f}",
             us(paced),
             us(r.get("redis_us_per_decision")),
+            us(r.get("redis_cpu_us_per_decision")),
             us(r.get("redis_us_per_decision_in_bursts")),
             "-" if not paced else f"{1e6 / paced:,.0f}",
         )
