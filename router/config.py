@@ -235,13 +235,14 @@ class ReplicatedIndexConfig(_Section):
     (``index.redis`` says which Redis; load is shared as with `redis`)."""
 
     sync_interval_s: float = Field(
-        0.0,
+        0.001,
         ge=0,
         le=1,
-        description="Seconds a replica gathers its decisions before it publishes them in "
-        "one stream entry; peers apply a decision about this long plus a Redis round trip "
-        "after it was made. 0: publish at once; decisions made while an append is in "
-        "flight share the next entry, so entries fill up as the rate grows.",
+        description="Least time between two appends of one replica to the decision "
+        "stream. A decision made after a quiet interval is published at once (peers have "
+        "it about a Redis round trip later); under load the decisions of one interval "
+        "share an entry, so each replica appends at most 1/interval times a second "
+        "whatever the decision rate. 0: append whenever the previous append is done.",
     )
     window_s: float = Field(
         10.0,

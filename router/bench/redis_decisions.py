@@ -39,8 +39,9 @@ It reports:
   and its network I/O, which ``commandstats`` leaves out; it includes Redis's own
   housekeeping, so it is an upper bound).
 
-The replicated rows also fit Redis time per decision to ``a + b x N`` (one append, one
-read per replica) and print the decisions per second one Redis sustains at larger N.
+The replicated rows also split the back-to-back Redis time into one append's share
+``a`` and one read's share ``b`` per replica (every replica reads every entry), and
+print the decisions per second one Redis sustains at larger N from ``a + b x N``.
 
 It starts a throw-away ``redis-server`` unless ``--redis-url`` names one. On uvloop,
 like ``kvroute serve``.
@@ -54,6 +55,7 @@ import json
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,16 +67,22 @@ from router.engines.load import LoadTracker
 from router.index.base import KVIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex
-from router.index.replicated import ReplicatedIndex
+from router.index.replicated import DecisionSync, ReplicatedIndex
 from router.index.shadow import ShadowedIndex
 from router.policy.base import RouteRequest
 from router.policy.kv_cost import KVCostPolicy
+from router.types import EngineKey
 
 PROMPT_TOKENS = 8192
 BLOCK = 16
 MODES = ("memory", "redis_awaited", "redis_offpath")
 REPLICAS = (1, 2, 4)
 """Replica counts of the replicated mode's rows."""
+STREAM_RUNS = ((1, 2_000), (1, 10_000), (1, 50_000), (2, 2_000), (2, 10_000), (2, 50_000))
+STREAM_RUNS += ((4, 2_000), (4, 10_000), (4, 25_000))
+"""(replicas, total decisions per second) of the decision stream's capacity rows. Four
+readers of 50,000 decisions a second (800 MB/s of entries) are more than this one
+Python process can decode; in a fleet each replica is a process of its own."""
 
 
 async def _redis_usec(index: RedisIndex) -> float:
@@ -82,6 +90,15 @@ async def _redis_usec(index: RedisIndex) -> float:
     appends and reads)."""
     stats = await index.client.info("commandstats")
     return float(sum(v.get("usec", 0) for k, v in stats.items() if k.startswith("cmdstat_")))
+
+
+async def _redis_stream_usec(index: RedisIndex) -> tuple[float, float]:
+    """Microseconds Redis has spent so far in stream appends and in stream reads."""
+    stats = await index.client.info("commandstats")
+    return (
+        float(stats.get("cmdstat_xadd", {}).get("usec", 0)),
+        float(stats.get("cmdstat_xread", {}).get("usec", 0)),
+    )
 
 
 async def _redis_cpu_us(index: RedisIndex) -> float:
@@ -257,18 +274,23 @@ async def bench_replicated(
         await group.settle()
         paced_usec = (await _redis_usec(redis) - usec) / decisions
         usec = await _redis_usec(redis)
+        stream = await _redis_stream_usec(redis)
         redis_cpu = await _redis_cpu_us(redis)
         started = time.perf_counter()
         cpu = time.process_time()
         for i in range(decisions):
             await group.route(request(i), fleet.engines)
-            if i % 64 == 63:
-                await asyncio.sleep(0)  # let the background tasks run, as a server would
+            # Let the background tasks run between decisions, as a server's event loop
+            # does between requests: entries then carry the decisions made during one
+            # append's round trip, not a backlog (the least batching a busy Redis sees).
+            await asyncio.sleep(0)
         await group.settle()
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu
         back_usec = (await _redis_usec(redis) - usec) / decisions
         back_cpu = (await _redis_cpu_us(redis) - redis_cpu) / decisions
+        after = await _redis_stream_usec(redis)
+        appends, reads = (b - a for a, b in zip(stream, after, strict=True))
         usec = await _redis_usec(redis)
         bursts = decisions // 8
         for b in range(bursts):
@@ -295,9 +317,87 @@ async def bench_replicated(
             "redis_cpu_us_per_decision": back_cpu,
             "redis_us_per_decision_in_bursts": burst_usec,
             "decisions_per_entry": published / max(entries, 1),
+            # Back to back, split by command: one append's share and one read's share
+            # per replica (every replica reads every entry).
+            "append_us_per_decision": appends / decisions,
+            "read_us_per_decision_per_replica": reads / decisions / replicas,
         }
     finally:
         await group.close()
+
+
+async def bench_stream_capacity(
+    url: str, replicas: int, rate: float, seconds: float = 2.0
+) -> dict[str, Any]:
+    """The decision stream alone at a fixed total decision rate: ``replicas``
+    :class:`DecisionSync` instances (each with its own connection and blocking reader)
+    publish the 8,192-token prompt's 512 keys at ``rate`` decisions per second in all for
+    ``seconds``, with the default ``sync_interval_s``, and read each other's. Readers
+    decode every entry but record nothing (the engine is not theirs): Redis's work is
+    the same, and this process could not record tens of thousands of 512-block
+    decisions a second. Redis's share is both ``commandstats`` and its process's CPU
+    (``INFO cpu``: with the network I/O that moving the entries costs)."""
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    config = ReplicatedIndexConfig()
+    syncs = [
+        DecisionSync(
+            MemoryIndex(),
+            RedisIndex(url, namespace, budget_ms=1000),
+            config,
+            f"capacity-{i}",
+            known=lambda engine: False,
+        )
+        for i in range(replicas)
+    ]
+    keys = Fleet(16).query
+    engine = EngineKey("10.0.0.1:8000")
+    redis = syncs[0].redis
+    try:
+        for sync in syncs:
+            await sync.start()
+        loop = asyncio.get_running_loop()
+        usec = await _redis_usec(redis)
+        cpu = await _redis_cpu_us(redis)
+        started = loop.time()
+        sent = 0
+        credit = 0.0
+        tick = 0.001
+        while (now := loop.time()) < started + seconds:
+            credit = rate * (now - started) - sent
+            for n in range(int(credit)):
+                syncs[n % replicas].publish(engine, keys, ttl=5.0)
+                sent += 1
+            await asyncio.sleep(tick)
+        elapsed = loop.time() - started
+
+        def settled() -> bool:
+            published = sum(s.counters.published for s in syncs)
+            return all(s.pending == 0 for s in syncs) and all(
+                s.counters.foreign == published - s.counters.published for s in syncs
+            )
+
+        for _ in range(3000):  # 30 s at most
+            if settled():
+                break
+            await asyncio.sleep(0.01)
+        drained = loop.time() - started
+        entries = sum(s.counters.entries for s in syncs)
+        row = {
+            "replicas": replicas,
+            "target_per_s": rate,
+            "sent_per_s": sent / elapsed,
+            "drained_s": drained,
+            "decisions_per_entry": sent / max(entries, 1),
+            "redis_us_per_decision": (await _redis_usec(redis) - usec) / max(sent, 1),
+            "redis_cpu_us_per_decision": (await _redis_cpu_us(redis) - cpu) / max(sent, 1),
+            "settled": settled(),
+        }
+        await _drop(redis)
+        return row
+    finally:
+        for sync in syncs:
+            await sync.stop()
+            await sync.redis.close()
 
 
 async def bench_idle_append(url: str, count: int = 1000) -> dict[str, float]:
@@ -323,22 +423,17 @@ async def bench_idle_append(url: str, count: int = 1000) -> dict[str, float]:
     return row
 
 
-def fit_replicas(rows: list[dict[str, Any]], measure: str) -> dict[str, Any] | None:
-    """Least-squares ``a + b x N`` of one Redis time per decision (``measure``) over the
-    replica counts measured, and the decisions per second one Redis sustains at larger N."""
-    points = [(r["replicas"], r[measure]) for r in rows if "replicas" in r]
-    if len(points) < 2:
-        return None
-    xs, ys = zip(*points, strict=True)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
-    return {
-        "measure": measure,
-        "append_us": a,
-        "read_us_per_replica": b,
-        "decisions_per_s": {n: 1e6 / max(a + b * n, 1e-3) for n in (1, 2, 4, 8, 16, 32)},
-    }
+def capacity(
+    row: dict[str, Any], replicas: Sequence[int] = (1, 2, 4, 8, 16, 32)
+) -> dict[int, float]:
+    """Decisions per second one Redis sustains for N replicas, from one run's back-to-back
+    split of Redis time: one append's share plus N reads' shares per decision (every
+    replica reads every entry), and the rest of the commands (the load exchange) as
+    measured."""
+    a = row["append_us_per_decision"]
+    b = row["read_us_per_decision_per_replica"]
+    rest = max(row["redis_us_per_decision"] - a - b * row["replicas"], 0.0)
+    return {n: 1e6 / max(a + b * n + rest, 1e-3) for n in replicas}
 
 
 async def run(url: str, decisions: int, rate: float) -> dict[str, Any]:
@@ -346,22 +441,16 @@ async def run(url: str, decisions: int, rate: float) -> dict[str, Any]:
     for engines in (16, 64):
         rows += [await bench_mode(url, engines, mode, decisions, rate) for mode in MODES]
         rows += [await bench_replicated(url, engines, n, decisions, rate) for n in REPLICAS]
-    fits = {
-        f"{engines} engines, {label}": fit_replicas(
-            [r for r in rows if r["engines"] == engines], measure
-        )
-        for engines in (16, 64)
-        for label, measure in (
-            ("back to back", "redis_us_per_decision"),
-            ("paced", "redis_us_per_decision_paced"),
-        )
-    }
+    for row in rows:
+        if "replicas" in row:
+            row["decisions_per_s_per_redis"] = capacity(row)
+    stream = [await bench_stream_capacity(url, n, rate) for n, rate in STREAM_RUNS]
     return {
         "prompt_tokens": PROMPT_TOKENS,
         "block_size": BLOCK,
         "decisions": rows,
-        "replicated_fit": fits,
         "idle_append_us": await bench_idle_append(url),
+        "stream_capacity": stream,
     }
 
 
@@ -402,6 +491,21 @@ def report(results: dict[str, Any]) -> None:
             "-" if not paced else f"{1e6 / paced:,.0f}",
         )
         print("  ".join(f"{c:>17}" for c in cells))
+    stream = results.get("stream_capacity")
+    if stream:
+        print(
+            "the decision stream alone, 512 keys a decision, at a fixed rate for 2 s "
+            "(Redis time and Redis process CPU per decision):"
+        )
+        for r in stream:
+            print(
+                f"  {r['replicas']} replica(s), {r['target_per_s']:>6,.0f}/s "
+                f"(sent {r['sent_per_s']:,.0f}/s, read by all after {r['drained_s']:.2f} s): "
+                f"{r['decisions_per_entry']:.1f} decisions per entry, "
+                f"{r['redis_us_per_decision']:.1f} us commandstats, "
+                f"{r['redis_cpu_us_per_decision']:.1f} us Redis CPU"
+                + ("" if r["settled"] else " (readers did not catch up)")
+            )
     idle = results.get("idle_append_us")
     if idle:
         print(
@@ -415,15 +519,15 @@ def report(results: dict[str, Any]) -> None:
                 f"{r['mode']}, {r['engines']} engines: {r['decisions_per_entry']:.1f} "
                 "decisions per stream entry (all three runs)"
             )
-    for what, fit in results.get("replicated_fit", {}).items():
-        if fit is None:
-            continue
-        sustained = ", ".join(f"N={n}: {v:,.0f}" for n, v in fit["decisions_per_s"].items())
-        print(
-            f"replicated, {what}: Redis us per decision ~ "
-            f"{fit['append_us']:.1f} + {fit['read_us_per_replica']:.1f} x N replicas; "
-            f"decisions/s one Redis sustains: {sustained}"
-        )
+    for r in results["decisions"]:
+        sustained = r.get("decisions_per_s_per_redis")
+        if sustained:
+            print(
+                f"{r['mode']}, {r['engines']} engines, back to back: Redis us per decision "
+                f"{r['append_us_per_decision']:.2f} (append) + "
+                f"{r['read_us_per_decision_per_replica']:.2f} x N (reads); one Redis "
+                "sustains " + ", ".join(f"N={n}: {v:,.0f}/s" for n, v in sustained.items())
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,9 @@ other travels through Redis off the request path:
 
 * **Decisions.** :class:`ReplicatedIndex` records a decision's provisional holder
   locally at once, as the memory index does, and hands it to :class:`DecisionSync`,
-  which gathers the decisions of ``sync_interval_s`` and appends them to one stream
-  (``{ns}:v3:decisions``) as a single entry. Every replica reads the stream with a
+  which appends them to one stream (``{ns}:v3:decisions``), at most one entry per
+  ``sync_interval_s``: a decision after a quiet interval goes out at once, and under
+  load the decisions of one interval share an entry. Every replica reads the stream with a
   blocking ``XREAD`` and records its peers' decisions in its own index with what is left
   of their life. Entries older than ``window_s`` are trimmed as new ones are added.
 * **Load.** In-flight work per engine is exchanged as with the shared index
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sys
 import time
 from array import array
@@ -106,6 +108,8 @@ class SyncCounters:
     ``expired`` (their records' life ended before Redis answered)."""
     malformed: int = 0
     """Stream entries that could not be decoded (skipped)."""
+    foreign: int = 0
+    """Peers' decisions for engines this replica does not serve (not recorded)."""
     read_errors: int = 0
     publish_errors: int = 0
     delay_s: float = 0.0
@@ -198,10 +202,17 @@ class DecisionSync:
 
     async def _publish_forever(self) -> None:
         interval = self.config.sync_interval_s
+        loop = asyncio.get_running_loop()
+        last = -math.inf
         while True:
             await self._wake.wait()
-            if interval:
-                await asyncio.sleep(interval)  # gather the decisions of one interval
+            # At most one append per interval: after a quiet interval a decision goes
+            # out at once; under load the decisions of one interval share an entry, so
+            # Redis sees at most 1/interval appends per replica whatever the rate.
+            wait = last + interval - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            last = loop.time()
             self._wake.clear()
             try:
                 await self.flush()
@@ -295,13 +306,14 @@ class DecisionSync:
                 counters.malformed += 1
                 continue
             for endpoint, rank, ttl_ms, made_at, packed in decisions:
-                try:
-                    engine = EngineKey(endpoint, rank)
-                    keys = unpack_keys(packed)
-                except (TypeError, ValueError):
-                    counters.malformed += 1
-                    continue
+                engine = EngineKey(endpoint, rank)
                 if known is not None and not known(engine):
+                    counters.foreign += 1
+                    continue
+                try:
+                    keys = unpack_keys(packed)
+                except ValueError:
+                    counters.malformed += 1
                     continue
                 age = min(max(now - made_at, 0.0), 3600.0)
                 left = ttl_ms / 1000.0 - age
