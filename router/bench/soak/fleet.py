@@ -90,7 +90,10 @@ class Fleet:
         engine_args: Sequence[str],
         start_timeout: float,
         index_options: dict[str, Any] | None = None,
+        index_backend: str = "redis",
     ) -> None:
+        self.index_backend = index_backend
+        """``index.backend`` of the router: ``redis`` or ``replicated``."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-soak-")
         self.workdir = Path(self._tmp.name)
         self.engine_args = list(engine_args)
@@ -128,7 +131,7 @@ class Fleet:
         assert self.redis is not None
         # index_options: keys of the router's index.redis section (budget_ms).
         redis = {"url": self.redis.url, "namespace": self.namespace, **self.index_options}
-        return {"index": {"backend": "redis", "redis": redis}, **ROUTER_CONFIG}
+        return {"index": {"backend": self.index_backend, "redis": redis}, **ROUTER_CONFIG}
 
     def start(self) -> None:
         self.redis = RedisServer()

@@ -164,6 +164,13 @@ def parser() -> argparse.ArgumentParser:
         help=f"the router's index.redis.budget_ms (default {REDIS_BUDGET_MS:.0f}; 0: the router's "
         "own default)",
     )
+    parser.add_argument(
+        "--index",
+        choices=("redis", "replicated"),
+        default="redis",
+        help="the router's index.backend: the shared Redis index (default) or the "
+        "replicated mode (an index in memory, decisions through a Redis stream)",
+    )
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="bench-results/soak.json")
@@ -183,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         *ENGINE_ARGS,
     ]  # fmt: skip
     index_options = {"budget_ms": args.redis_budget_ms} if args.redis_budget_ms else {}
-    fleet = Fleet(ENGINES, engine_args, start_timeout=60.0, index_options=index_options)
+    fleet = Fleet(
+        ENGINES,
+        engine_args,
+        start_timeout=60.0,
+        index_options=index_options,
+        index_backend=args.index,
+    )
     try:
         fleet.start()
         print(
