@@ -394,3 +394,32 @@ async def test_decisions_queued_while_redis_is_away_are_bounded_newest_kept() ->
         await sync.stop()
         await redis.close()
         server.kill()
+
+
+async def test_a_replica_appends_at_most_once_per_sync_interval(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.replicated import DecisionSync
+
+    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    config = ReplicatedIndexConfig(sync_interval_s=0.5)
+    sync = DecisionSync(MemoryIndex(), redis, config, "paced")
+    engine = EngineKey("10.0.0.9:8000")
+    try:
+        await sync.start()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        sync.publish(engine, [1], ttl=30)
+        await poll(lambda: sync.counters.published == 1)
+        first = loop.time() - started
+        for n in range(9):  # within the interval: one entry for all of them, after it
+            sync.publish(engine, [2 + n], ttl=30)
+        await poll(lambda: sync.counters.published == 10)
+        second = loop.time() - started
+        assert sync.counters.entries == 2
+        assert first < 0.5 <= second  # the first went at once, the rest waited
+    finally:
+        await sync.stop()
+        await redis.close()
