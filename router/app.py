@@ -192,7 +192,7 @@ class RouterApp:
             max_blocks_per_engine=_map_bound(config.index, self.index),
         )
         if self.replicated is not None:
-            self.replicated.sync.known = lambda key: self.registry.engine_of(key) is not None
+            self.replicated.sync.known = self._serves
         self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
         """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""
         self.responses = ResponseStore(config.responses, self.redis)
@@ -785,6 +785,8 @@ class RouterApp:
             self.discovery = KubernetesDiscovery(self, self.config.discovery.kubernetes)
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
             await self.discovery.start()
+        if self.replicated is not None and self.redis is not None:
+            await self._start_replicated(self.replicated, self.redis)
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         if self.server_tls is not None:
             self._spawn(self.server_tls.watch())
@@ -840,29 +842,43 @@ class RouterApp:
             self.shared_load.start()
             self.metrics.state.sources.shared_load = self.shared_load
         if self.replicated is not None:
-            await self._start_replicated(self.replicated, redis)
+            await self._load_snapshots(redis)
+
+    async def _load_snapshots(self, redis: RedisIndex) -> None:
+        """Replicated mode, before any engine is subscribed: the engine streams'
+        snapshots, taken as each engine is subscribed during start."""
+        from router.events.snapshots import load_snapshots
+
+        if not self.subscribes or self.config.index.replicated.snapshot_interval_s <= 0:
+            return
+        try:
+            self._warm = await load_snapshots(redis)
+        except Exception as exc:  # no snapshot is no reason not to start: start cold
+            log.warning("replicated index: no engine snapshots to start from (%s)", exc)
+        else:
+            log.info("replicated index: %d engine snapshot(s) to start from", len(self._warm))
 
     async def _start_replicated(self, index: ReplicatedIndex, redis: RedisIndex) -> None:
-        """Load the engine streams' snapshots (taken as each engine is subscribed), read
-        the peers' decisions still live, then follow the decision stream and write
-        snapshots in the background."""
-        from router.events.snapshots import SnapshotWriter, load_snapshots
+        """Once the engines are subscribed (and known, for peers' decisions about them):
+        read the peers' decisions still live, then follow the decision stream and write
+        snapshots in the background. Snapshots not taken by now are dropped: a later
+        engine starts from its own events, not from a snapshot of unknown age."""
+        from router.events.snapshots import SnapshotWriter
 
-        cfg = self.config.index.replicated
-        if self.subscribes and cfg.snapshot_interval_s > 0:
-            try:
-                self._warm = await load_snapshots(redis)
-            except IndexUnavailable as exc:
-                log.warning("replicated index: no engine snapshots to start from (%s)", exc)
-            else:
-                log.info("replicated index: %d engine snapshot(s) to start from", len(self._warm))
+        self._warm.clear()
         await index.sync.start(catch_up_timeout=max(redis.admin_timeout, 1.0))
+        cfg = self.config.index.replicated
         if self.subscribes and cfg.snapshot_interval_s > 0:
             self.snapshots = SnapshotWriter(
                 redis, index.replica, cfg.snapshot_interval_s, self._stream_states
             )
             self.snapshots.start()
             self.metrics.state.sources.snapshots = self.snapshots
+
+    def _serves(self, key: EngineKey) -> bool:
+        """Whether ``key`` (an endpoint and its DP rank) is an engine of this fleet."""
+        engine = self.registry.engine_of(key)
+        return engine is not None and key in engine.keys
 
     def _stream_states(self) -> list[tuple[StreamState, int | None]]:
         subscriber = self.subscriber
@@ -872,6 +888,10 @@ class RouterApp:
 
     async def stop(self) -> None:
         self.begin_drain()
+        if self.snapshots is not None:
+            # First, while every stream is still followed: a writer stopped later would
+            # see none.
+            await self.snapshots.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -896,8 +916,6 @@ class RouterApp:
             await self.upstream.close()
         if self.shared_load is not None:
             await self.shared_load.stop()
-        if self.snapshots is not None:
-            await self.snapshots.stop()
         if self.remote is not None and self._on_index_availability in self.remote.listeners:
             self.remote.listeners.remove(self._on_index_availability)
         if self.event_writer is not None:

@@ -238,11 +238,12 @@ class ReplicatedIndexConfig(_Section):
         0.001,
         ge=0,
         le=1,
-        description="Least time between two appends of one replica to the decision "
-        "stream. A decision made after a quiet interval is published at once (peers have "
-        "it about a Redis round trip later); under load the decisions of one interval "
-        "share an entry, so each replica appends at most 1/interval times a second "
-        "whatever the decision rate. 0: append whenever the previous append is done.",
+        description="Least time between two rounds of appends of one replica to the "
+        "decision stream. A decision made after a quiet interval is published at once "
+        "(peers have it about a Redis round trip later); under load the decisions of one "
+        "interval share an entry (`max_batch` at most), so each replica appends about "
+        "1/interval times a second whatever the decision rate. 0: append whenever the "
+        "previous append is done.",
     )
     window_s: float = Field(
         10.0,
@@ -1022,7 +1023,7 @@ class ResponsesConfig(_Section):
         gt=0,
         description="How long the router remembers the engine that produced a response "
         "(for `previous_response_id`, `GET /v1/responses/{id}` and `/cancel`); in Redis too "
-        "when `index.backend` is `redis`, so every replica finds it.",
+        "when `index.backend` is `redis` or `replicated`, so every replica finds it.",
     )
     max_remembered: int = Field(
         100_000,

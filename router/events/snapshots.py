@@ -94,9 +94,13 @@ def decode_snapshot(raw: bytes) -> Snapshot:
 async def load_snapshots(
     redis: RedisIndex, timeout: float | None = None
 ) -> dict[EngineKey, Snapshot]:
-    """Every engine stream snapshot Redis holds (malformed ones are skipped)."""
+    """Every engine stream snapshot Redis holds (malformed ones are skipped), read one
+    engine at a time."""
     found: dict[EngineKey, Snapshot] = {}
-    for label, raw in (await redis.load_snapshots(timeout)).items():
+    for label in await redis.load_snapshot_labels(timeout):
+        raw = await redis.load_snapshot(label, timeout)
+        if raw is None:
+            continue  # deleted meanwhile
         try:
             snap = decode_snapshot(raw)
         except (ValueError, TypeError) as exc:
@@ -104,6 +108,12 @@ async def load_snapshots(
             continue
         found[snap.state.engine] = snap
     return found
+
+
+STALE_INTERVALS = 10
+"""A stored snapshot whose engine no lease holder has followed for this many intervals
+(and at least :data:`STALE_MIN_S`) is deleted: the engine left the fleet."""
+STALE_MIN_S = 600.0
 
 
 class SnapshotWriter:
@@ -158,31 +168,32 @@ class SnapshotWriter:
             await asyncio.sleep(self.interval)
 
     async def write_once(self) -> int:
-        """Claim (or keep) the lease and write the streams that moved; returns how many."""
+        """Claim (or keep) the lease, write the streams that moved, note the engines
+        followed and delete the snapshots of engines nobody has followed for long;
+        returns how many snapshots it wrote."""
         ttl_ms = max(int(self.interval * 3000), 1000)
         self.holder = await self.redis.claim_snapshots(self.replica, ttl_ms)
         if not self.holder:
             self._saved.clear()  # another replica writes; start afresh if it ever lapses
             return 0
-        written: dict[str, bytes] = {}
-        followed: set[str] = set()
+        # What Redis holds now: after it lost its data, every stream is written again.
+        stored = set(await self.redis.load_snapshot_labels())
+        self._saved = {k: v for k, v in self._saved.items() if k in stored}
+        followed: list[str] = []
+        written = 0
         for state, digest in self.streams():
             label = state.engine.label
-            followed.add(label)
+            followed.append(label)
             if state.last_seq is None or digest is None or self._saved.get(label) == state.last_seq:
                 continue
-            written[label] = encode_snapshot(state, digest, self.wall())
-            self._saved[label] = state.last_seq
-            await asyncio.sleep(0)  # one engine at a time: never hold the loop long
-        stored = await self.redis.load_snapshot_labels()
-        gone = [label for label in stored if label not in followed]
-        try:
-            await self.redis.save_snapshots(written, gone)
-        except IndexUnavailable:
-            for label in written:
-                self._saved.pop(label, None)
-            raise
-        for label in gone:
+            seq = state.last_seq
+            await self.redis.save_snapshot(label, encode_snapshot(state, digest, self.wall()))
+            self._saved[label] = seq
+            written += 1
+        now_ms = int(self.wall() * 1000)
+        await self.redis.mark_snapshots_seen(followed, now_ms)
+        stale_s = max(self.interval * STALE_INTERVALS, STALE_MIN_S)
+        for label in await self.redis.drop_stale_snapshots(now_ms - int(stale_s * 1000)):
             self._saved.pop(label, None)
-        self.written += len(written)
-        return len(written)
+        self.written += written
+        return written

@@ -111,6 +111,12 @@ else:
         return await asyncio.wait_for(aw, timeout)
 
 
+def _text(raw: bytes | str) -> str:
+    """A Redis reply as text (invalid UTF-8 replaced: names read back are only compared
+    and logged)."""
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
 def replica_id() -> str:
     """A name for this router process, unique among replicas (host, pid, random)."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -222,6 +228,7 @@ class _Keys:
         # stream snapshots and the lease of the replica that writes them.
         self.decisions = f"{p}decisions"
         self.snapshots = f"{p}snapshots"
+        self.snapshots_seen = f"{p}snapshots-seen"
         self.snapshot_lease = f"{p}snapshot-lease"
         self._engine: dict[EngineKey, tuple[str, ...]] = {}
 
@@ -379,7 +386,9 @@ class RedisIndex(FencedIndex):
 
     # ------------------------------------------------------------------ calls
 
-    async def _call(self, fn: Callable[[], Awaitable[T]], timeout: float) -> T:
+    async def _call(
+        self, fn: Callable[[], Awaitable[T]], timeout: float, reset_slow: bool = True
+    ) -> T:
         if not self._up:
             self.counters.fast_failures += 1
             raise IndexUnavailable("Redis is unreachable; routing without the index", "unreachable")
@@ -402,7 +411,8 @@ class RedisIndex(FencedIndex):
         except (RedisError, OSError) as exc:
             self._lost(str(exc) or type(exc).__name__)
             raise IndexUnavailable(f"Redis is unreachable: {exc}", "unreachable") from exc
-        self._slow_in_a_row = 0
+        if reset_slow:
+            self._slow_in_a_row = 0
         return answer
 
     def _lost(self, reason: str) -> None:
@@ -691,23 +701,24 @@ class RedisIndex(FencedIndex):
 
     async def read_decisions(
         self, after: str, count: int, block_ms: int | None
-    ) -> list[tuple[str, str, bytes]]:
+    ) -> list[tuple[str, bytes, bytes]]:
         """Entries of the decision stream after id ``after``, oldest first, as (id,
-        replica, payload); with ``block_ms``, waits that long for one to arrive. Bounded
-        by the wait plus ``admin_timeout``."""
+        replica (bytes, as stored), payload); with ``block_ms``, waits that long for one
+        to arrive. Bounded by the wait plus ``admin_timeout``; a blocking read's answer
+        does not reset the count of slow calls (:attr:`slow_calls_to_outage`)."""
         wait = (block_ms or 0) / 1000.0
         reply = await self._call(
             lambda: self._client.xread({self._keys.decisions: after}, count=count, block=block_ms),
             wait + self.admin_timeout,
+            reset_slow=not block_ms,
         )
-        entries: list[tuple[str, str, bytes]] = []
+        entries: list[tuple[str, bytes, bytes]] = []
         for _, items in reply or ():
             for entry_id, fields in items:
-                replica = fields.get(b"r", b"")
                 entries.append(
                     (
                         entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
-                        replica.decode() if isinstance(replica, bytes) else replica,
+                        fields.get(b"r", b""),
                         fields.get(b"d", b""),
                     )
                 )
@@ -725,30 +736,59 @@ class RedisIndex(FencedIndex):
         )
         return reply == 1
 
-    async def save_snapshots(
-        self, snapshots: Mapping[str, bytes], gone: Sequence[str], timeout: float | None = None
+    async def save_snapshot(
+        self, label: str, snapshot: bytes, timeout: float | None = None
     ) -> None:
-        """Store engine stream snapshots by engine label and delete those of ``gone``."""
-        key = self._keys.snapshots
-
-        async def run() -> None:
-            pipe = self._client.pipeline(transaction=False)
-            if snapshots:
-                pipe.hset(key, mapping=dict(snapshots))
-            if gone:
-                pipe.hdel(key, *gone)
-            await pipe.execute()
-
-        if snapshots or gone:
-            await self._call(run, self.admin_timeout if timeout is None else timeout)
-
-    async def load_snapshots(self, timeout: float | None = None) -> dict[str, bytes]:
-        """Every stored engine stream snapshot, by engine label."""
-        raw = await self._call(
-            lambda: self._client.hgetall(self._keys.snapshots),
+        """Store one engine stream's snapshot (one call per engine: a fleet's snapshots
+        in one command would hold Redis for as long as copying them takes)."""
+        await self._call(
+            lambda: self._client.hset(self._keys.snapshots, label, snapshot),
             self.admin_timeout if timeout is None else timeout,
         )
-        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+
+    async def mark_snapshots_seen(
+        self, labels: Sequence[str], now_ms: int, timeout: float | None = None
+    ) -> None:
+        """Note that the engines ``labels`` are followed now (their snapshots stay)."""
+        if labels:
+            await self._call(
+                lambda: self._client.hset(
+                    self._keys.snapshots_seen, mapping=dict.fromkeys(labels, now_ms)
+                ),
+                self.admin_timeout if timeout is None else timeout,
+            )
+
+    async def drop_stale_snapshots(self, before_ms: int, timeout: float | None = None) -> list[str]:
+        """Delete the snapshots of engines no replica has followed since ``before_ms``
+        (wall clock); returns their labels."""
+        timeout = self.admin_timeout if timeout is None else timeout
+        seen = await self._call(lambda: self._client.hgetall(self._keys.snapshots_seen), timeout)
+        stored = await self.load_snapshot_labels(timeout)
+        stale = {
+            _text(label)
+            for label, at in seen.items()
+            if not _text(at).isdigit() or int(at) < before_ms
+        }
+        stale |= {label for label in stored if label.encode() not in seen}
+        if stale:
+            gone = sorted(stale)
+
+            async def run() -> None:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.hdel(self._keys.snapshots, *gone)
+                pipe.hdel(self._keys.snapshots_seen, *gone)
+                await pipe.execute()
+
+            await self._call(run, timeout)
+        return sorted(stale)
+
+    async def load_snapshot(self, label: str, timeout: float | None = None) -> bytes | None:
+        """One engine stream's stored snapshot (None: none)."""
+        raw = await self._call(
+            lambda: self._client.hget(self._keys.snapshots, label),
+            self.admin_timeout if timeout is None else timeout,
+        )
+        return None if raw is None else bytes(raw)
 
     async def load_snapshot_labels(self, timeout: float | None = None) -> list[str]:
         """The engine labels stored snapshots are kept under."""
@@ -756,7 +796,7 @@ class RedisIndex(FencedIndex):
             lambda: self._client.hkeys(self._keys.snapshots),
             self.admin_timeout if timeout is None else timeout,
         )
-        return [k.decode() if isinstance(k, bytes) else k for k in raw]
+        return [_text(k) for k in raw]
 
     # ------------------------------------------------------------------ stored responses
 

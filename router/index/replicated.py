@@ -59,6 +59,9 @@ _Decision = tuple[str, int, int, float, bytes]
 _encode = msgspec.msgpack.Encoder().encode
 _decode_decisions = msgspec.msgpack.Decoder(list[_Decision]).decode
 
+MAX_TTL_S = 86_400.0
+"""A peer decision claiming a longer life than this is malformed (records live seconds
+to minutes: ``policy.provisional_ttl_s``, ``policy.approximate_ttl_s``)."""
 RETRY_S = 0.5
 """Pause after a failed publish or read before trying again (while Redis is reachable)."""
 BLOCK_MS = 1000
@@ -138,6 +141,8 @@ class DecisionSync:
         """Whether an engine is in this replica's fleet (peers' decisions for engines it
         does not serve are ignored); None: every engine."""
         self.wall = wall
+        self._me = replica.encode()
+        """This replica's id as the stream stores it (entries are compared as bytes)."""
         self.counters = SyncCounters()
         self._pending: deque[tuple[float, _Decision]] = deque()
         self._wake = asyncio.Event()
@@ -181,6 +186,12 @@ class DecisionSync:
 
     def _on_availability(self, available: bool, data_lost: bool) -> None:
         if available:
+            if data_lost:
+                # A new stream, maybe on a host whose clock is behind: ids restart
+                # wherever its clock says, so read it from its start and trim nothing by
+                # the old stream's ids.
+                self._last_id = "0-0"
+                self._min_id = None
             self._up.set()
             self._wake.set()  # publish what queued up while it was away
         else:
@@ -227,13 +238,16 @@ class DecisionSync:
                 await asyncio.sleep(RETRY_S)
 
     async def flush(self) -> None:
-        """Publish every queued decision still live, ``max_batch`` to a stream entry.
-        Raises :class:`IndexUnavailable` (the batch in hand is queued again)."""
+        """Publish the decisions queued now that are still live, ``max_batch`` to a
+        stream entry (those queued meanwhile wait for the next call). Raises
+        :class:`IndexUnavailable` (the batch in hand is queued again)."""
         pending = self._pending
-        while pending:
+        left = len(pending)
+        while pending and left > 0:
             now = self.wall()
             batch: list[tuple[float, _Decision]] = []
-            while pending and len(batch) < self.config.max_batch:
+            while pending and left > 0 and len(batch) < self.config.max_batch:
+                left -= 1
                 item = pending.popleft()
                 if item[0] <= now:
                     self.counters.dropped["expired"] += 1
@@ -248,7 +262,7 @@ class DecisionSync:
                     self._min_id,
                     timeout=max(self.redis.budget, 0.25),
                 )
-            except IndexUnavailable:
+            except BaseException:  # unavailable, or cancelled mid-append by stop()
                 pending.extendleft(reversed(batch))
                 while len(pending) > self.config.max_pending:
                     pending.popleft()
@@ -266,10 +280,20 @@ class DecisionSync:
         total = 0
         while True:
             entries = await self.redis.read_decisions(self._last_id, READ_COUNT, None)
-            self.apply(entries)
+            await self._apply_yielding(entries)
             total += len(entries)
             if len(entries) < READ_COUNT:
                 return total
+
+    async def _apply_yielding(self, entries: Sequence[tuple[str, bytes, bytes]]) -> None:
+        """:meth:`apply`, an entry at a time, letting requests run in between (a replica
+        back from a partition may have thousands of peers' decisions to record)."""
+        if len(entries) <= 1:
+            self.apply(entries)
+            return
+        for entry in entries:
+            self.apply((entry,))
+            await asyncio.sleep(0)
 
     async def _read_forever(self) -> None:
         while True:
@@ -286,9 +310,12 @@ class DecisionSync:
                 log.exception("reading peers' decisions failed")
                 await asyncio.sleep(RETRY_S)
                 continue
-            self.apply(entries)
+            try:
+                await self._apply_yielding(entries)
+            except Exception:  # a bug must not end sharing; the entries are passed
+                log.exception("recording peers' decisions failed")
 
-    def apply(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
+    def apply(self, entries: Sequence[tuple[str, bytes, bytes]]) -> None:
         """Record peers' decisions from stream entries (id, replica, payload)."""
         if not entries:
             return
@@ -298,7 +325,7 @@ class DecisionSync:
         add = self.index.add_now
         counters = self.counters
         for _, replica, payload in entries:
-            if replica == self.replica:
+            if replica == self._me:
                 continue
             try:
                 decisions = decode_decisions(payload)
@@ -315,7 +342,10 @@ class DecisionSync:
                 except ValueError:
                     counters.malformed += 1
                     continue
-                age = min(max(now - made_at, 0.0), 3600.0)
+                if not (math.isfinite(made_at) and 0 < ttl_ms <= MAX_TTL_S * 1000):
+                    counters.malformed += 1
+                    continue
+                age = min(max(now - made_at, 0.0), MAX_TTL_S)
                 left = ttl_ms / 1000.0 - age
                 if left <= 0:
                     counters.expired += 1

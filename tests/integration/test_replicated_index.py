@@ -233,11 +233,15 @@ async def test_a_starting_replica_routes_on_the_engines_caches_from_a_snapshot(
         engine, reason = await routed(http, c, prompts[1] + " again")
         assert engine == fleet[1].label and "prefix_hit" in reason
         # Without snapshots, the same start knows nothing of the engines' caches: the
-        # replay cannot reach back far enough, and it rebuilds from new events.
+        # replay cannot reach back far enough, and it rebuilds from new events. It knows
+        # only C's decision, from the decision stream (read once its engines are
+        # followed, so the rebuild did not erase it).
         cold = await routers(
             urls, index=replicated(redis_url, redis_namespace, snapshot_interval_s=0)
         )
-        assert [cold.index.lookup_now(keys_of(p), fleet) for p in prompts] == [{}, {}]
+        assert cold.index.lookup_now(keys_of(prompts[0]), fleet) == {}
+        again = keys_of(prompts[1] + " again")
+        assert cold.index.lookup_now(again, fleet) == {fleet[1]: Match(len(again))}
         assert cold.subscriber is not None and cold.subscriber.stats.replays["uncovered"] == 2
     finally:
         for engine in engines:
@@ -422,4 +426,97 @@ async def test_a_replica_appends_at_most_once_per_sync_interval(
         assert first < 0.5 <= second  # the first went at once, the rest waited
     finally:
         await sync.stop()
+        await redis.close()
+
+
+async def test_under_steady_load_a_replica_appends_once_per_interval(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.replicated import DecisionSync
+
+    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    sync = DecisionSync(MemoryIndex(), redis, ReplicatedIndexConfig(sync_interval_s=0.1), "busy")
+    engine = EngineKey("10.0.0.9:8000")
+    try:
+        await sync.start()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        sent = 0
+        while loop.time() - started < 0.5:  # a decision every 5 ms, appends far faster
+            sync.publish(engine, [sent + 1], ttl=30)
+            sent += 1
+            await asyncio.sleep(0.005)
+        await poll(lambda: sync.counters.published == sent)
+        elapsed = loop.time() - started
+        # One append per 100 ms at most (the first at once), however fast Redis answers.
+        assert sync.counters.entries <= elapsed / 0.1 + 1, (sync.counters.entries, elapsed)
+        assert sync.counters.entries >= 2
+    finally:
+        await sync.stop()
+        await redis.close()
+
+
+async def test_a_malformed_decision_never_becomes_a_record(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.redis import pack_keys
+    from router.index.replicated import DecisionSync, encode_decisions
+
+    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    index = MemoryIndex()
+    sync = DecisionSync(index, redis, ReplicatedIndexConfig(), "reader")
+    engine = EngineKey("10.0.0.9:8000")
+    now = time.time()
+    try:
+        stream = redis.key("decisions")
+        bad = [
+            (engine.endpoint, 0, 5000, float("nan"), pack_keys([1])),  # no age: no expiry
+            (engine.endpoint, 0, 10**12, now, pack_keys([2])),  # a record for ever
+            (engine.endpoint, 0, 0, now, pack_keys([3])),
+            (engine.endpoint, 0, 5000, now, b"\x01\x02"),  # not 8-byte keys
+        ]
+        await redis.client.xadd(stream, {"r": b"\xff\xfe", "d": encode_decisions(bad)})
+        assert await sync.catch_up() == 1
+        assert sync.counters.malformed == 4 and sync.counters.applied == 0
+        assert index.lookup_now([1], [engine]) == index.lookup_now([2], [engine]) == {}
+    finally:
+        await sync.stop()
+        await redis.close()
+
+
+async def test_a_new_snapshot_writer_keeps_fresh_snapshots_and_drops_stale_ones(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from router.events.ingest import StreamState
+    from router.events.snapshots import STALE_MIN_S, SnapshotWriter, load_snapshots
+
+    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    clock = [1_000_000.0]
+    states = []
+    for n in range(2):
+        state = StreamState(EngineKey(f"10.0.0.{n}:8000"), MODEL, 16)
+        state.hashes[0].update({n + 1: n + 100})
+        state.last_seq = 5
+        states.append(state)
+    following: list[tuple[StreamState, int | None]] = [(s, 9) for s in states]
+    first = SnapshotWriter(redis, "first", 1.0, lambda: following, wall=lambda: clock[0])
+    # The next writer follows nothing yet (it is starting, or its engines were not
+    # discovered): it must not take the others' snapshots for engines that left.
+    second = SnapshotWriter(redis, "second", 1.0, lambda: [], wall=lambda: clock[0])
+    try:
+        assert await first.write_once() == 2
+        assert await first.write_once() == 0  # nothing moved
+        await first.stop()  # releases the lease
+        clock[0] += 60
+        assert await second.write_once() == 0 and second.holder
+        assert set(await load_snapshots(redis)) == {s.engine for s in states}
+        clock[0] += STALE_MIN_S + 1  # nobody followed them for that long: gone
+        await second.write_once()
+        assert await load_snapshots(redis) == {}
+    finally:
+        await second.stop()
         await redis.close()
