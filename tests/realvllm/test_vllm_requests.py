@@ -117,8 +117,11 @@ async def test_a_client_that_leaves_makes_vllm_abort_the_request(
     _, b = vllm_pair
     app = await start_vllm_router([b.url])
     try:
+        # Thousands of tokens: generation lasts far longer than it takes to see it
+        # running, however slowly a loaded machine serves vLLM's /metrics, and a request
+        # that is not aborted could not end on its own before the test looks.
         body = completion(
-            text(30, f"abandoned-{streaming}"), 300, ignore_eos=True, stream=streaming
+            text(30, f"abandoned-{streaming}"), 3000, ignore_eos=True, stream=streaming
         )
 
         async def leave() -> None:
@@ -137,10 +140,12 @@ async def test_a_client_that_leaves_makes_vllm_abort_the_request(
                 raise AssertionError(f"the request ended before it was seen running: {task!r}")
             return await running(http, b) > 0
 
-        await poll(started, timeout=30)
+        # Polled every 0.1 s: each /metrics costs vLLM's API server real CPU, and polling
+        # it flat out starved the generation it was waiting to see on two busy cores.
+        await poll(started, timeout=30, interval=0.1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await poll(lambda: zero(running(http, b)), timeout=30)
+        await poll(lambda: zero(running(http, b)), timeout=30, interval=0.1)
         await poll(lambda: app.loads.in_flight == 0, timeout=10)
     finally:
         await app.stop()
@@ -163,7 +168,7 @@ async def test_load_signals_come_from_vllms_own_metrics(
         await asyncio.gather(task, return_exceptions=True)
     finally:
         await app.stop()
-    await poll(lambda: zero(running(http, a)), timeout=30)
+    await poll(lambda: zero(running(http, a)), timeout=30, interval=0.1)
 
 
 async def test_vllm_tokenize_and_the_routers_hf_tokenizer_agree_on_a_chat(
