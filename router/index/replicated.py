@@ -160,8 +160,12 @@ class DecisionSync:
         """Read what the stream holds (the decisions still live), then follow it and
         publish in the background. A Redis that does not answer in time only delays the
         catch-up: the background reader does it."""
-        with contextlib.suppress(IndexUnavailable, asyncio.TimeoutError):
+        try:
             await asyncio.wait_for(self.catch_up(), catch_up_timeout)
+        except (IndexUnavailable, asyncio.TimeoutError):
+            pass  # the background reader goes on from where it got
+        except Exception:  # a bug must not keep the router from starting
+            log.exception("reading peers' decisions failed")
         if not self._tasks:
             self._tasks = [
                 asyncio.ensure_future(self._publish_forever()),
@@ -254,7 +258,7 @@ class DecisionSync:
                     continue
                 batch.append(item)
             if not batch:
-                return
+                continue  # everything left in the round had expired
             try:
                 entry = await self.redis.publish_decisions(
                     self.replica,

@@ -520,3 +520,30 @@ async def test_a_new_snapshot_writer_keeps_fresh_snapshots_and_drops_stale_ones(
     finally:
         await second.stop()
         await redis.close()
+
+
+async def test_expired_decisions_are_dropped_and_the_live_ones_still_go_out(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.replicated import DecisionSync
+
+    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    clock = [1_000.0]
+    config = ReplicatedIndexConfig(max_batch=2)
+    sync = DecisionSync(MemoryIndex(), redis, config, "late", wall=lambda: clock[0])
+    engine = EngineKey("10.0.0.9:8000")
+    try:
+        for n in range(2):
+            sync.publish(engine, [n + 1], ttl=1)  # queued while Redis was away, say
+        for n in range(2):
+            sync.publish(engine, [n + 10], ttl=60)
+        clock[0] += 5  # the first two have expired, a whole entry's worth
+        await sync.flush()
+        assert sync.pending == 0
+        assert sync.counters.dropped["expired"] == 2 and sync.counters.published == 2
+        assert sync.counters.entries == 1  # the expired ones took no room in the entry
+    finally:
+        await sync.stop()
+        await redis.close()
