@@ -140,7 +140,8 @@ class SnapshotWriter:
         """Whether this replica held the lease at its last attempt."""
         self.written = 0
         """Engine snapshots written (for metrics and tests)."""
-        self._saved: dict[str, int] = {}
+        self._saved: dict[str, tuple[int, int]] = {}
+        """Engine label -> (sequence number, digest) of the snapshot this writer stored."""
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -179,19 +180,23 @@ class SnapshotWriter:
         # What Redis holds now: after it lost its data, every stream is written again.
         stored = set(await self.redis.load_snapshot_labels())
         self._saved = {k: v for k, v in self._saved.items() if k in stored}
-        followed: list[str] = []
-        written = 0
-        for state, digest in self.streams():
-            label = state.engine.label
-            followed.append(label)
-            if state.last_seq is None or digest is None or self._saved.get(label) == state.last_seq:
-                continue
-            seq = state.last_seq
-            await self.redis.save_snapshot(label, encode_snapshot(state, digest, self.wall()))
-            self._saved[label] = seq
-            written += 1
+        streams = list(self.streams())
+        # Marked before written: a snapshot stored is never without its mark, even if
+        # this round fails halfway or another replica takes the lease meanwhile.
         now_ms = int(self.wall() * 1000)
-        await self.redis.mark_snapshots_seen(followed, now_ms)
+        await self.redis.mark_snapshots_seen([s.engine.label for s, _ in streams], now_ms)
+        written = 0
+        for state, digest in streams:
+            label = state.engine.label
+            if state.last_seq is None or digest is None:
+                continue
+            # The digest too: an engine that restarted may reach the same number again.
+            position = (state.last_seq, digest)
+            if self._saved.get(label) == position:
+                continue
+            await self.redis.save_snapshot(label, encode_snapshot(state, digest, self.wall()))
+            self._saved[label] = position
+            written += 1
         stale_s = max(self.interval * STALE_INTERVALS, STALE_MIN_S)
         for label in await self.redis.drop_stale_snapshots(now_ms - int(stale_s * 1000)):
             self._saved.pop(label, None)

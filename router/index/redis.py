@@ -762,14 +762,13 @@ class RedisIndex(FencedIndex):
         """Delete the snapshots of engines no replica has followed since ``before_ms``
         (wall clock); returns their labels."""
         timeout = self.admin_timeout if timeout is None else timeout
-        seen = await self._call(lambda: self._client.hgetall(self._keys.snapshots_seen), timeout)
+        # Stored first, marks second: a snapshot stored in between has its mark already
+        # (writers mark before they store), so it is never taken for an unmarked one.
         stored = await self.load_snapshot_labels(timeout)
-        stale = {
-            _text(label)
-            for label, at in seen.items()
-            if not _text(at).isdigit() or int(at) < before_ms
-        }
-        stale |= {label for label in stored if label.encode() not in seen}
+        seen = await self._call(lambda: self._client.hgetall(self._keys.snapshots_seen), timeout)
+        marks = {_text(label): _text(at) for label, at in seen.items()}
+        stale = {label for label, at in marks.items() if not at.isdigit() or int(at) < before_ms}
+        stale |= {label for label in stored if label not in marks}
         if stale:
             gone = sorted(stale)
 

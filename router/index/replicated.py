@@ -151,6 +151,9 @@ class DecisionSync:
         self._last_id = "0-0"
         """The last stream entry read: reading starts from the oldest entry kept."""
         self._min_id: str | None = None
+        self._epoch = 0
+        """Changes when Redis comes back without its data: reads and appends begun before
+        must not move the position or the trim point of the new stream."""
         self._tasks: list[asyncio.Task[None]] = []
         redis.listeners.append(self._on_availability)
 
@@ -194,6 +197,7 @@ class DecisionSync:
                 # A new stream, maybe on a host whose clock is behind: ids restart
                 # wherever its clock says, so read it from its start and trim nothing by
                 # the old stream's ids.
+                self._epoch += 1
                 self._last_id = "0-0"
                 self._min_id = None
             self._up.set()
@@ -227,6 +231,8 @@ class DecisionSync:
             wait = last + interval - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            if not self._up.is_set():
+                await self._up.wait()  # nothing to gain from failing fast in a loop
             last = loop.time()
             self._wake.clear()
             try:
@@ -240,12 +246,14 @@ class DecisionSync:
             except Exception:  # a bug must not end sharing
                 log.exception("publishing decisions failed")
                 await asyncio.sleep(RETRY_S)
+                self._wake.set()
 
     async def flush(self) -> None:
         """Publish the decisions queued now that are still live, ``max_batch`` to a
         stream entry (those queued meanwhile wait for the next call). Raises
         :class:`IndexUnavailable` (the batch in hand is queued again)."""
         pending = self._pending
+        epoch = self._epoch
         left = len(pending)
         while pending and left > 0:
             now = self.wall()
@@ -274,8 +282,9 @@ class DecisionSync:
                 raise
             self.counters.entries += 1
             self.counters.published += len(batch)
-            ms = int(entry.partition("-")[0])
-            self._min_id = f"{max(ms - int(self.config.window_s * 1000), 0)}-0"
+            if epoch == self._epoch:  # else the id is the lost stream's
+                ms = int(entry.partition("-")[0])
+                self._min_id = f"{max(ms - int(self.config.window_s * 1000), 0)}-0"
 
     # ------------------------------------------------------------------ reading
 
@@ -283,26 +292,31 @@ class DecisionSync:
         """Read and apply every entry after the last one read; returns how many."""
         total = 0
         while True:
+            epoch = self._epoch
             entries = await self.redis.read_decisions(self._last_id, READ_COUNT, None)
-            await self._apply_yielding(entries)
+            await self._apply_yielding(entries, epoch)
             total += len(entries)
             if len(entries) < READ_COUNT:
                 return total
 
-    async def _apply_yielding(self, entries: Sequence[tuple[str, bytes, bytes]]) -> None:
+    async def _apply_yielding(
+        self, entries: Sequence[tuple[str, bytes, bytes]], epoch: int
+    ) -> None:
         """:meth:`apply`, an entry at a time, letting requests run in between (a replica
-        back from a partition may have thousands of peers' decisions to record)."""
-        if len(entries) <= 1:
-            self.apply(entries)
-            return
-        for entry in entries:
+        back from a partition may have thousands of peers' decisions to record); stops
+        if Redis came back without its data meanwhile (``epoch`` is the read's)."""
+        for n, entry in enumerate(entries):
+            if epoch != self._epoch:
+                return  # entries of the lost stream: reading starts over
             self.apply((entry,))
-            await asyncio.sleep(0)
+            if n + 1 < len(entries):
+                await asyncio.sleep(0)
 
     async def _read_forever(self) -> None:
         while True:
             if not self._up.is_set():
                 await self._up.wait()
+            epoch = self._epoch
             try:
                 entries = await self.redis.read_decisions(self._last_id, READ_COUNT, BLOCK_MS)
             except IndexUnavailable as exc:
@@ -315,7 +329,7 @@ class DecisionSync:
                 await asyncio.sleep(RETRY_S)
                 continue
             try:
-                await self._apply_yielding(entries)
+                await self._apply_yielding(entries, epoch)
             except Exception:  # a bug must not end sharing; the entries are passed
                 log.exception("recording peers' decisions failed")
 

@@ -222,7 +222,7 @@ async def test_a_starting_replica_routes_on_the_engines_caches_from_a_snapshot(
         def snapshotted() -> bool:
             states = {s.engine: s.last_seq for s in a.subscriber.states()}  # type: ignore[union-attr]
             saved = a.snapshots._saved  # type: ignore[union-attr]
-            return all(saved.get(k.label) == states[k] for k in fleet)
+            return all(saved.get(k.label, (None,))[0] == states[k] for k in fleet)
 
         await poll(snapshotted)
         # A replica that starts now: warm from the snapshots at once.
@@ -546,4 +546,28 @@ async def test_expired_decisions_are_dropped_and_the_live_ones_still_go_out(
         assert sync.counters.entries == 1  # the expired ones took no room in the entry
     finally:
         await sync.stop()
+        await redis.close()
+
+
+async def test_entries_of_a_lost_stream_do_not_move_the_new_streams_position() -> None:
+    from router.config import ReplicatedIndexConfig
+    from router.index.memory import MemoryIndex
+    from router.index.redis import pack_keys
+    from router.index.replicated import DecisionSync, encode_decisions
+
+    # No Redis is contacted: the entries are handed over as a read would return them.
+    redis = RedisIndex("redis://127.0.0.1:1/0", "unused")
+    index = MemoryIndex()
+    sync = DecisionSync(index, redis, ReplicatedIndexConfig(), "me")
+    engine = EngineKey("10.0.0.9:8000")
+    payload = encode_decisions([(engine.endpoint, 0, 5000, time.time(), pack_keys([7]))])
+    entries = [(f"900000000000{n}-0", b"peer", payload) for n in range(3)]
+    try:
+        applying = asyncio.ensure_future(sync._apply_yielding(entries, sync._epoch))
+        await asyncio.sleep(0)  # the first entry is applied, the task yields
+        sync._on_availability(True, True)  # Redis is back, without its data
+        await applying
+        assert sync._last_id == "0-0"  # the new stream is read from its start
+        assert sync.counters.applied == 1
+    finally:
         await redis.close()
