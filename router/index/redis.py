@@ -350,6 +350,8 @@ class RedisIndex(FencedIndex):
         self._probe: asyncio.Task[None] | None = None
         self._candidates: dict[tuple[EngineKey, ...], _CandidateIds] = {}
         self._incarnation: str | None = None
+        self.outage_note = "routing on load and this process's recent decisions until it answers"
+        """What routing does while Redis is away, for the outage's log line."""
         self.listeners: list[AvailabilityListener] = []
         """Told of every availability transition (see :data:`AvailabilityListener`)."""
 
@@ -422,11 +424,7 @@ class RedisIndex(FencedIndex):
             return
         self._up = False
         self.counters.outages += 1
-        log.warning(
-            "Redis index unavailable (%s); routing on load and this process's recent "
-            "decisions until it answers",
-            reason,
-        )
+        log.warning("Redis index unavailable (%s); %s", reason, self.outage_note)
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._probe_until_up())
         self._tell(False, False)

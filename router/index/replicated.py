@@ -396,6 +396,9 @@ class ReplicatedIndex(MemoryIndex):
             clock=clock, max_entries=max_entries, max_entries_per_engine=max_entries_per_engine
         )
         self.redis = redis
+        redis.outage_note = (
+            "lookups go on from this replica's memory; decisions are shared again when it answers"
+        )
         self.config = config
         self.replica = replica
         self.sync = DecisionSync(self, redis, config, replica)
