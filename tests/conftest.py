@@ -1,4 +1,5 @@
-"""Fixtures shared by every suite: an HTTP client and a session-wide emulated engine."""
+"""Fixtures shared by every suite: an HTTP client, a session-wide emulated engine and
+routers stopped when the test ends."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -15,7 +17,9 @@ from support.clients import post
 from support.engines import start_test_engine
 from support.hf_tokenizer import train_tiny_tokenizer
 from support.redis import delete_namespace, random_namespace, session_redis_url
+from support.routers import StartRouter, start_router
 
+from router.app import RouterApp
 from router.emulator import EmulatedEngine
 
 # Property-based tests: a bounded profile in `make test`, a long one in `make fuzz`. The
@@ -98,3 +102,18 @@ def redis_namespace(redis_url: str) -> Iterator[str]:
     namespace = random_namespace()
     yield namespace
     delete_namespace(redis_url, namespace)
+
+
+@pytest_asyncio.fixture
+async def routers() -> AsyncIterator[StartRouter]:
+    """Start routers (``start_router``'s arguments); they are stopped afterwards."""
+    started: list[RouterApp] = []
+
+    async def start(urls: list[str], **sections: Any) -> RouterApp:
+        app = await start_router(urls, **sections)
+        started.append(app)
+        return app
+
+    yield start
+    for app in started:
+        await app.stop()

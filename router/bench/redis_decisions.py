@@ -51,16 +51,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from router.bench.redis_index import Fleet
-from router.bench.throwaway_redis import RedisServer
+from router.bench.report import save_results
+from router.bench.throwaway_redis import run_on_redis
 from router.config import PolicyConfig, ReplicatedIndexConfig
 from router.core import RoutingCore
 from router.engines.load import LoadTracker
@@ -537,23 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decisions", type=int, default=3000, help="decisions per mode")
     parser.add_argument("--rate", type=float, default=500, help="paced decisions per second")
     args = parser.parse_args(argv)
-    server = None if args.redis_url else RedisServer()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
-    try:
-        try:
-            import uvloop
-        except ImportError:
-            results = asyncio.run(run(url, args.decisions, args.rate))
-        else:
-            results = uvloop.run(run(url, args.decisions, args.rate))
-    finally:
-        if server is not None:
-            server.kill()
+    results = run_on_redis(args.redis_url, lambda url: run(url, args.decisions, args.rate))
     report(results)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_results(args.output, results)
     return 0
 
 

@@ -21,18 +21,16 @@ a random namespace and deletes it). Lookups run on uvloop, like ``kvroute serve`
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import random
 import statistics
 import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from router.bench.throwaway_redis import RedisServer, monitored_commands
+from router.bench.report import save_results
+from router.bench.throwaway_redis import monitored_commands, run_on_redis
 from router.events.ingest import StreamState
 from router.events.types import BlockRemoved, BlockStored, EventBatch
 from router.events.writer import RemoteEventWriter
@@ -361,23 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3000, help="lookups per measurement")
     args = parser.parse_args(argv)
 
-    server = None if args.redis_url else RedisServer()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
-    try:
-        try:
-            import uvloop
-        except ImportError:
-            results = asyncio.run(run(url, args.repeat))
-        else:
-            results = uvloop.run(run(url, args.repeat))
-    finally:
-        if server is not None:
-            server.kill()
+    results = run_on_redis(args.redis_url, lambda url: run(url, args.repeat))
     report(results)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_results(args.output, results)
     return 0
 
 

@@ -31,18 +31,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import tempfile
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from router.app import RouterApp
-from router.bench.throwaway_redis import RedisServer
+from router.bench.report import save_results
+from router.bench.throwaway_redis import run_on_redis
 from router.config import load_config
 from router.emulator import EmulatedEngine, EmulatorConfig
 from router.emulator.server import start_engine
@@ -264,29 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gaps = [float(g) for g in args.gaps_ms.split(",") if g.strip()]
     logging.basicConfig(level=logging.ERROR)
-    server = None if args.redis_url else RedisServer()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
-    try:
-        results = asyncio.run(
-            run(
-                url,
-                args.groups,
-                args.burst,
-                gaps,
-                args.conversations,
-                args.turns,
-                args.think_ms / 1000,
-                args.budget_ms,
-            )
-        )
-    finally:
-        if server is not None:
-            server.kill()
+    results = run_on_redis(
+        args.redis_url,
+        lambda url: run(
+            url,
+            args.groups,
+            args.burst,
+            gaps,
+            args.conversations,
+            args.turns,
+            args.think_ms / 1000,
+            args.budget_ms,
+        ),
+    )
     report(results)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_results(args.output, results)
     return 0
 
 

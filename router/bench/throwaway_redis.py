@@ -17,8 +17,9 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -157,6 +158,26 @@ def make_tls_files(directory: Path) -> dict[str, str]:
         "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(cert),
     )  # fmt: skip
     return {"ca": str(ca), "cert": str(cert), "key": str(key)}
+
+
+T = TypeVar("T")
+
+
+def run_on_redis(redis_url: str | None, run: Callable[[str], Coroutine[Any, Any, T]]) -> T:
+    """``run(url)`` to completion against ``redis_url``, or against a throw-away server
+    started for it and killed afterwards; on uvloop where it is installed, as
+    ``kvroute serve`` runs."""
+    server = None if redis_url else RedisServer()
+    url = redis_url or server.url  # type: ignore[union-attr]
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(run(url))
+        return uvloop.run(run(url))
+    finally:
+        if server is not None:
+            server.kill()
 
 
 async def monitored_commands(

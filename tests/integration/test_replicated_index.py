@@ -10,52 +10,46 @@ both sharing modes have in common.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 import yaml
 from support.clients import post
 from support.engines import poll, start_test_engine
-from support.routers import start_router
+from support.redis import RedisServer
+from support.routers import StartRouter
 
 from router.app import RouterApp
+from router.config import ReplicatedIndexConfig
 from router.emulator import EmulatedEngine
 from router.engine_model import EngineParams
-from router.events.snapshots import decode_snapshot, encode_snapshot
+from router.events.ingest import StreamState
+from router.events.snapshots import (
+    STALE_MIN_S,
+    SnapshotWriter,
+    decode_snapshot,
+    encode_snapshot,
+    load_snapshots,
+)
 from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.base import IndexUnavailable
-from router.index.redis import RedisIndex
-from router.index.replicated import decode_decisions, unpack_keys
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex, pack_keys
+from router.index.replicated import DecisionSync, decode_decisions, encode_decisions, unpack_keys
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey
 
 MODEL = "kvroute-emulated"
 SMALL = EngineParams(num_gpu_blocks=400, max_model_len=4096)
-
-StartRouter = Callable[..., Awaitable[RouterApp]]
-
-
-@pytest_asyncio.fixture
-async def routers() -> AsyncIterator[StartRouter]:
-    started: list[RouterApp] = []
-
-    async def start(urls: list[str], **sections: Any) -> RouterApp:
-        app = await start_router(urls, **sections)
-        started.append(app)
-        return app
-
-    yield start
-    for app in started:
-        await app.stop()
 
 
 def replicated(url: str, namespace: str, **section: Any) -> dict[str, Any]:
@@ -140,8 +134,6 @@ async def test_a_decision_of_one_replica_is_in_the_others_index_within_milliseco
 async def test_decisions_made_while_redis_is_away_reach_the_peer_when_it_returns(
     http: aiohttp.ClientSession, routers: StartRouter, tmp_path: Path
 ) -> None:
-    from support.redis import RedisServer
-
     server = RedisServer()
     engines = [await start_test_engine(engine_id=f"away{i}", params=SMALL) for i in range(2)]
     try:
@@ -249,8 +241,6 @@ async def test_a_starting_replica_routes_on_the_engines_caches_from_a_snapshot(
 
 
 def test_a_snapshot_round_trips_and_garbage_is_refused() -> None:
-    from router.events.ingest import StreamState
-
     state = StreamState(EngineKey("10.0.0.1:8000", 1), MODEL, 16)
     state.hashes[0].update({11: 101, 12: 102})
     state.hashes[1].update({13: 103})
@@ -335,117 +325,111 @@ async def test_a_killed_replica_stops_counting_and_its_peer_serves_on(
 
 # --------------------------------------------------------------------------- the stream
 
+PEER = EngineKey("10.0.0.9:8000")
+"""The engine of the decisions these tests put on the stream."""
+
+
+@contextlib.asynccontextmanager
+async def decision_sync(
+    url: str,
+    namespace: str,
+    replica: str,
+    *,
+    wall: Callable[[], float] | None = None,
+    redis_options: dict[str, Any] | None = None,
+    **config: Any,
+) -> AsyncIterator[DecisionSync]:
+    """One replica's :class:`DecisionSync` over a fresh memory index (``sync.index``) and
+    its own Redis client (``sync.redis``), stopped and closed afterwards; ``config``:
+    ``index.replicated`` keys."""
+    redis = RedisIndex(url, namespace, **{"budget_ms": 2000, **(redis_options or {})})
+    extra = {} if wall is None else {"wall": wall}
+    sync = DecisionSync(MemoryIndex(), redis, ReplicatedIndexConfig(**config), replica, **extra)
+    try:
+        yield sync
+    finally:
+        await sync.stop()
+        await redis.close()
+
+
+def decision(keys: list[int], made_at: float, ttl_ms: int = 5000) -> tuple[Any, ...]:
+    """A decision for :data:`PEER` as an entry carries it."""
+    return (PEER.endpoint, PEER.rank, ttl_ms, made_at, pack_keys(keys))
+
 
 async def test_a_malformed_stream_entry_is_counted_and_skipped(
     redis_url: str, redis_namespace: str
 ) -> None:
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.redis import pack_keys
-    from router.index.replicated import DecisionSync, encode_decisions
-
-    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
-    index = MemoryIndex()
-    sync = DecisionSync(index, redis, ReplicatedIndexConfig(), "reader")
-    engine = EngineKey("10.0.0.9:8000")
-    try:
-        stream = redis.key("decisions")
-        await redis.client.xadd(stream, {"r": "peer", "d": b"\xc1 not msgpack"})
-        await redis.client.xadd(stream, {"r": "peer", "d": encode_decisions([("x", 0)])})  # type: ignore[list-item]
-        good = [(engine.endpoint, engine.rank, 5000, time.time(), pack_keys([1, 2, 3]))]
-        await redis.client.xadd(stream, {"r": "peer", "d": encode_decisions(good)})
-        stale = [(engine.endpoint, engine.rank, 5000, time.time() - 60, pack_keys([4]))]
-        await redis.client.xadd(stream, {"r": "peer", "d": encode_decisions(stale)})
-        await redis.client.xadd(stream, {"r": "reader", "d": encode_decisions(stale)})
+    async with decision_sync(redis_url, redis_namespace, "reader") as sync:
+        stream, client = sync.redis.key("decisions"), sync.redis.client
+        await client.xadd(stream, {"r": "peer", "d": b"\xc1 not msgpack"})
+        await client.xadd(stream, {"r": "peer", "d": encode_decisions([("x", 0)])})  # type: ignore[list-item]
+        await client.xadd(
+            stream, {"r": "peer", "d": encode_decisions([decision([1, 2, 3], time.time())])}
+        )
+        stale = encode_decisions([decision([4], time.time() - 60)])
+        await client.xadd(stream, {"r": "peer", "d": stale})
+        await client.xadd(stream, {"r": "reader", "d": stale})
         assert await sync.catch_up() == 5
         assert sync.counters.malformed == 2
         assert sync.counters.applied == 1 and sync.counters.expired == 1  # own entry skipped
-        assert index.lookup_now([1, 2, 3], [engine]) == {engine: Match(3)}
-        assert index.lookup_now([4], [engine]) == {}
-    finally:
-        await sync.stop()
-        await redis.close()
+        assert sync.index.lookup_now([1, 2, 3], [PEER]) == {PEER: Match(3)}
+        assert sync.index.lookup_now([4], [PEER]) == {}
 
 
 async def test_decisions_queued_while_redis_is_away_are_bounded_newest_kept() -> None:
-    from support.redis import RedisServer
-
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.replicated import DecisionSync
-
     server = RedisServer()
-    redis = RedisIndex(server.url, "bounded", budget_ms=200, slow_calls_to_outage=1)
-    config = ReplicatedIndexConfig(max_pending=3)
-    sync = DecisionSync(MemoryIndex(), redis, config, "writer")
-    engine = EngineKey("10.0.0.9:8000")
     try:
-        server.pause()
-        for n in range(5):
-            sync.publish(engine, [100 + n], ttl=30)
-        assert sync.pending == 3 and sync.counters.dropped["queue_full"] == 2
-        with pytest.raises(IndexUnavailable):
+        options = {"budget_ms": 200, "slow_calls_to_outage": 1}
+        async with decision_sync(
+            server.url, "bounded", "writer", redis_options=options, max_pending=3
+        ) as sync:
+            server.pause()
+            for n in range(5):
+                sync.publish(PEER, [100 + n], ttl=30)
+            assert sync.pending == 3 and sync.counters.dropped["queue_full"] == 2
+            with pytest.raises(IndexUnavailable):
+                await sync.flush()
+            assert sync.pending == 3  # put back, in order
+            server.resume()
+            await poll(lambda: sync.redis.available, timeout=10)
             await sync.flush()
-        assert sync.pending == 3  # put back, in order
-        server.resume()
-        await poll(lambda: redis.available, timeout=10)
-        await sync.flush()
-        assert sync.pending == 0 and sync.counters.published == 3
-        entries = await redis.client.xrange(redis.key("decisions"))
-        sent = [d for _, fields in entries for d in decode_decisions(fields[b"d"])]
-        assert [list(unpack_keys(d[4])) for d in sent] == [[102], [103], [104]]
+            assert sync.pending == 0 and sync.counters.published == 3
+            entries = await sync.redis.client.xrange(sync.redis.key("decisions"))
+            sent = [d for _, fields in entries for d in decode_decisions(fields[b"d"])]
+            assert [list(unpack_keys(d[4])) for d in sent] == [[102], [103], [104]]
     finally:
-        await sync.stop()
-        await redis.close()
         server.kill()
 
 
 async def test_a_replica_appends_at_most_once_per_sync_interval(
     redis_url: str, redis_namespace: str
 ) -> None:
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.replicated import DecisionSync
-
-    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
-    config = ReplicatedIndexConfig(sync_interval_s=0.5)
-    sync = DecisionSync(MemoryIndex(), redis, config, "paced")
-    engine = EngineKey("10.0.0.9:8000")
-    try:
+    async with decision_sync(redis_url, redis_namespace, "paced", sync_interval_s=0.5) as sync:
         await sync.start()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        sync.publish(engine, [1], ttl=30)
+        sync.publish(PEER, [1], ttl=30)
         await poll(lambda: sync.counters.published == 1)
         first = loop.time() - started
         for n in range(9):  # within the interval: one entry for all of them, after it
-            sync.publish(engine, [2 + n], ttl=30)
+            sync.publish(PEER, [2 + n], ttl=30)
         await poll(lambda: sync.counters.published == 10)
         second = loop.time() - started
         assert sync.counters.entries == 2
         assert first < 0.5 <= second  # the first went at once, the rest waited
-    finally:
-        await sync.stop()
-        await redis.close()
 
 
 async def test_under_steady_load_a_replica_appends_once_per_interval(
     redis_url: str, redis_namespace: str
 ) -> None:
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.replicated import DecisionSync
-
-    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
-    sync = DecisionSync(MemoryIndex(), redis, ReplicatedIndexConfig(sync_interval_s=0.1), "busy")
-    engine = EngineKey("10.0.0.9:8000")
-    try:
+    async with decision_sync(redis_url, redis_namespace, "busy", sync_interval_s=0.1) as sync:
         await sync.start()
         loop = asyncio.get_running_loop()
         started = loop.time()
         sent = 0
         while loop.time() - started < 0.5:  # a decision every 5 ms, appends far faster
-            sync.publish(engine, [sent + 1], ttl=30)
+            sync.publish(PEER, [sent + 1], ttl=30)
             sent += 1
             await asyncio.sleep(0.005)
         await poll(lambda: sync.counters.published == sent)
@@ -453,47 +437,30 @@ async def test_under_steady_load_a_replica_appends_once_per_interval(
         # One append per 100 ms at most (the first at once), however fast Redis answers.
         assert sync.counters.entries <= elapsed / 0.1 + 1, (sync.counters.entries, elapsed)
         assert sync.counters.entries >= 2
-    finally:
-        await sync.stop()
-        await redis.close()
 
 
 async def test_a_malformed_decision_never_becomes_a_record(
     redis_url: str, redis_namespace: str
 ) -> None:
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.redis import pack_keys
-    from router.index.replicated import DecisionSync, encode_decisions
-
-    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
-    index = MemoryIndex()
-    sync = DecisionSync(index, redis, ReplicatedIndexConfig(), "reader")
-    engine = EngineKey("10.0.0.9:8000")
     now = time.time()
-    try:
-        stream = redis.key("decisions")
+    async with decision_sync(redis_url, redis_namespace, "reader") as sync:
         bad = [
-            (engine.endpoint, 0, 5000, float("nan"), pack_keys([1])),  # no age: no expiry
-            (engine.endpoint, 0, 10**12, now, pack_keys([2])),  # a record for ever
-            (engine.endpoint, 0, 0, now, pack_keys([3])),
-            (engine.endpoint, 0, 5000, now, b"\x01\x02"),  # not 8-byte keys
+            decision([1], float("nan")),  # no age: no expiry
+            decision([2], now, ttl_ms=10**12),  # a record for ever
+            decision([3], now, ttl_ms=0),
+            (PEER.endpoint, 0, 5000, now, b"\x01\x02"),  # not 8-byte keys
         ]
-        await redis.client.xadd(stream, {"r": b"\xff\xfe", "d": encode_decisions(bad)})
+        await sync.redis.client.xadd(
+            sync.redis.key("decisions"), {"r": b"\xff\xfe", "d": encode_decisions(bad)}
+        )
         assert await sync.catch_up() == 1
         assert sync.counters.malformed == 4 and sync.counters.applied == 0
-        assert index.lookup_now([1], [engine]) == index.lookup_now([2], [engine]) == {}
-    finally:
-        await sync.stop()
-        await redis.close()
+        assert sync.index.lookup_now([1], [PEER]) == sync.index.lookup_now([2], [PEER]) == {}
 
 
 async def test_a_new_snapshot_writer_keeps_fresh_snapshots_and_drops_stale_ones(
     redis_url: str, redis_namespace: str
 ) -> None:
-    from router.events.ingest import StreamState
-    from router.events.snapshots import STALE_MIN_S, SnapshotWriter, load_snapshots
-
     redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
     clock = [1_000_000.0]
     states = []
@@ -525,49 +492,29 @@ async def test_a_new_snapshot_writer_keeps_fresh_snapshots_and_drops_stale_ones(
 async def test_expired_decisions_are_dropped_and_the_live_ones_still_go_out(
     redis_url: str, redis_namespace: str
 ) -> None:
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.replicated import DecisionSync
-
-    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
     clock = [1_000.0]
-    config = ReplicatedIndexConfig(max_batch=2)
-    sync = DecisionSync(MemoryIndex(), redis, config, "late", wall=lambda: clock[0])
-    engine = EngineKey("10.0.0.9:8000")
-    try:
+    async with decision_sync(
+        redis_url, redis_namespace, "late", wall=lambda: clock[0], max_batch=2
+    ) as sync:
         for n in range(2):
-            sync.publish(engine, [n + 1], ttl=1)  # queued while Redis was away, say
+            sync.publish(PEER, [n + 1], ttl=1)  # queued while Redis was away, say
         for n in range(2):
-            sync.publish(engine, [n + 10], ttl=60)
+            sync.publish(PEER, [n + 10], ttl=60)
         clock[0] += 5  # the first two have expired, a whole entry's worth
         await sync.flush()
         assert sync.pending == 0
         assert sync.counters.dropped["expired"] == 2 and sync.counters.published == 2
         assert sync.counters.entries == 1  # the expired ones took no room in the entry
-    finally:
-        await sync.stop()
-        await redis.close()
 
 
 async def test_entries_of_a_lost_stream_do_not_move_the_new_streams_position() -> None:
-    from router.config import ReplicatedIndexConfig
-    from router.index.memory import MemoryIndex
-    from router.index.redis import pack_keys
-    from router.index.replicated import DecisionSync, encode_decisions
-
     # No Redis is contacted: the entries are handed over as a read would return them.
-    redis = RedisIndex("redis://127.0.0.1:1/0", "unused")
-    index = MemoryIndex()
-    sync = DecisionSync(index, redis, ReplicatedIndexConfig(), "me")
-    engine = EngineKey("10.0.0.9:8000")
-    payload = encode_decisions([(engine.endpoint, 0, 5000, time.time(), pack_keys([7]))])
-    entries = [(f"900000000000{n}-0", b"peer", payload) for n in range(3)]
-    try:
+    async with decision_sync("redis://127.0.0.1:1/0", "unused", "me") as sync:
+        payload = encode_decisions([decision([7], time.time())])
+        entries = [(f"900000000000{n}-0", b"peer", payload) for n in range(3)]
         applying = asyncio.ensure_future(sync._apply_yielding(entries, sync._epoch))
         await asyncio.sleep(0)  # the first entry is applied, the task yields
         sync._on_availability(True, True)  # Redis is back, without its data
         await applying
         assert sync._last_id == "0-0"  # the new stream is read from its start
         assert sync.counters.applied == 1
-    finally:
-        await redis.close()

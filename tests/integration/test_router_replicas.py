@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from support.clients import post
 from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
 from support.redis import RedisServer
-from support.routers import start_router
+from support.routers import StartRouter
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
@@ -46,8 +46,6 @@ from router.types import EngineKey
 MODEL = "kvroute-emulated"
 #: Small caches, so that a few prompts evict older ones.
 SMALL = EngineParams(num_gpu_blocks=160, max_model_len=2048)
-
-StartRouter = Callable[..., Awaitable[RouterApp]]
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -74,21 +72,6 @@ async def fresh_fleet(
         status, _ = await post(http, f"{engine.url}/reset_prefix_cache", {})
         assert status == 200
     return fleet
-
-
-@pytest_asyncio.fixture
-async def routers() -> AsyncIterator[StartRouter]:
-    """Start routers (``start_router``'s arguments); they are stopped afterwards."""
-    started: list[RouterApp] = []
-
-    async def start(urls: list[str], **sections: Any) -> RouterApp:
-        app = await start_router(urls, **sections)
-        started.append(app)
-        return app
-
-    yield start
-    for app in started:
-        await app.stop()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router.app import RouterApp
@@ -33,3 +34,8 @@ async def start_router(urls: list[str], **sections: Any) -> RouterApp:
     app = RouterApp(router_config(urls, **sections))
     await app.start()
     return app
+
+
+StartRouter = Callable[..., Awaitable[RouterApp]]
+"""The ``routers`` fixture: start a router (``start_router``'s arguments), stopped when
+the test ends."""
