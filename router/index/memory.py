@@ -113,6 +113,10 @@ class MemoryIndex(KVIndex):
         self._ids: dict[EngineKey, int] = {}
         self._names: list[EngineKey | None] = []
         self._free: list[int] = []
+        self.on_record: Callable[[EngineKey, Sequence[int], float], None] | None = None
+        """Told of each expiring record written through :meth:`add` (a routing decision's:
+        engine, keys, ttl), once it is recorded: the replicated mode publishes them to
+        the other replicas (the simulator likewise)."""
         self._ids_generation = 0
         """Changes whenever an engine's id is retired: the compiled table caches the
         candidates' ids by object identity until it does."""
@@ -175,6 +179,8 @@ class MemoryIndex(KVIndex):
         ttl: float | None = None,
     ) -> None:
         self.add_now(engine, keys, tier, ttl)
+        if ttl is not None and self.on_record is not None:
+            self.on_record(engine, keys, ttl)
 
     def add_now(
         self,

@@ -209,6 +209,8 @@ class DecisionSync:
 
     def publish(self, engine: EngineKey, keys: Sequence[int], ttl: float) -> None:
         """Queue one decision (never waits)."""
+        if not keys:
+            return
         pending = self._pending
         if len(pending) >= self.config.max_pending:
             pending.popleft()
@@ -379,7 +381,8 @@ class ReplicatedIndex(MemoryIndex):
 
     Firm records (engines' KV events) stay local: every replica follows the engines
     itself. Expiring records (``add`` with a ``ttl``: routing decisions) are recorded
-    locally and published through :attr:`sync`; peers' come back through it.
+    locally and published through :attr:`sync` (:attr:`MemoryIndex.on_record`); peers'
+    come back through it.
     """
 
     def __init__(
@@ -402,17 +405,7 @@ class ReplicatedIndex(MemoryIndex):
         self.config = config
         self.replica = replica
         self.sync = DecisionSync(self, redis, config, replica)
-
-    async def add(
-        self,
-        engine: EngineKey,
-        keys: Sequence[int],
-        tier: Tier = Tier.GPU,
-        ttl: float | None = None,
-    ) -> None:
-        self.add_now(engine, keys, tier, ttl)
-        if ttl is not None and keys:
-            self.sync.publish(engine, keys, ttl)
+        self.on_record = self.sync.publish
 
     def describe(self) -> str:
         return f"replicated (in memory; decisions through {self.redis.describe()})"

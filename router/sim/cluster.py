@@ -45,6 +45,7 @@ only the simulated links pay it.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -52,7 +53,7 @@ import statistics
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,31 +260,6 @@ class _Engine:
     requests: int = 0
     prefill_tokens: int = 0
     """Prompt tokens this engine computed (not served from cache): its prefill work."""
-
-
-class _SharedDecisions(MemoryIndex):
-    """One replica's index, whose expiring records (the routing core's decisions, the
-    only ones it writes with a ttl) also go to the other replicas: ``share`` is called
-    with each, as the replicated mode publishes them."""
-
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        share: Callable[[MemoryIndex, EngineKey, Sequence[int], Tier, float], None],
-    ) -> None:
-        super().__init__(clock=clock)
-        self._share = share
-
-    async def add(
-        self,
-        engine: EngineKey,
-        keys: Sequence[int],
-        tier: Tier = Tier.GPU,
-        ttl: float | None = None,
-    ) -> None:
-        self.add_now(engine, keys, tier, ttl)
-        if ttl is not None:
-            self._share(self, engine, keys, tier, ttl)
 
 
 class _EveryReplica(KVIndex):
@@ -636,11 +612,11 @@ class ClusterSim:
         replica's). With one replica, the plain index of the single router."""
         settings = self.settings
         clock = self._clock
-        index = (
-            MemoryIndex(clock=clock)
-            if settings.replicas == 1
-            else _SharedDecisions(clock, self._share_record)
-        )
+        index = MemoryIndex(clock=clock)
+        if settings.replicas > 1:
+            # Its decisions' records also go to the other replicas, as the replicated
+            # mode publishes them.
+            index.on_record = functools.partial(self._share_record, index)
         loads = LoadTracker(block_size=self.block_size)
         policy = make_policy(settings.policy, clock)
         core = RoutingCore(
@@ -663,24 +639,22 @@ class ClusterSim:
         return _Replica(number, index, loads, core, planner)
 
     def _share_record(
-        self, origin: MemoryIndex, engine: EngineKey, keys: Sequence[int], tier: Tier, ttl: float
+        self, origin: MemoryIndex, engine: EngineKey, keys: Sequence[int], ttl: float
     ) -> None:
         """A replica recorded a decision: the others get the same expiring record
         ``sync_delay_s`` later, with what is left of its ttl (none, if it expired on the
         way); at once without a delay."""
         delay = self.settings.sync_delay_s
         if delay <= 0:
-            self._apply_record((origin, engine, keys, tier, ttl))
+            self._apply_record((origin, engine, keys, ttl))
         elif ttl > delay:
-            self._push(self.now + delay, _SYNC, (origin, engine, keys, tier, ttl - delay))
+            self._push(self.now + delay, _SYNC, (origin, engine, keys, ttl - delay))
 
-    def _apply_record(
-        self, record: tuple[MemoryIndex, EngineKey, Sequence[int], Tier, float]
-    ) -> None:
-        origin, engine, keys, tier, ttl = record
+    def _apply_record(self, record: tuple[MemoryIndex, EngineKey, Sequence[int], float]) -> None:
+        origin, engine, keys, ttl = record
         for replica in self.replicas:
             if replica.index is not origin:
-                replica.index.add_now(engine, keys, tier, ttl)
+                replica.index.add_now(engine, keys, Tier.GPU, ttl)
 
     def _exchange_loads(self) -> None:
         """The replicas' exchange of in-flight load, due at every multiple of
