@@ -54,7 +54,7 @@ import asyncio
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from router.bench.redis_index import Fleet
@@ -137,16 +137,8 @@ async def bench_mode(
             await core.route(request(i), fleet.engines)
         await _settle(index)
         # Paced: the request path's latency.
-        loop = asyncio.get_running_loop()
-        samples = []
-        next_at = loop.time()
         usec = await _redis_usec(redis) if redis is not None else 0.0
-        for i in range(decisions):
-            next_at += 1 / rate
-            await asyncio.sleep(max(next_at - loop.time(), 0.0))
-            t0 = time.perf_counter()
-            await core.route(request(i), fleet.engines)
-            samples.append((time.perf_counter() - t0) * 1e6)
+        samples = await _paced(lambda i: core.route(request(i), fleet.engines), decisions, rate)
         await _settle(index)
         paced_usec = (await _redis_usec(redis) - usec) / decisions if redis is not None else None
         # Back to back: throughput, and Redis's time per decision.
@@ -188,6 +180,23 @@ async def bench_mode(
         return row
     finally:
         await index.close()
+
+
+async def _paced(
+    route: Callable[[int], Awaitable[object]], decisions: int, rate: float
+) -> list[float]:
+    """``route(i)`` for ``decisions`` decisions at ``rate`` a second; each one's
+    microseconds."""
+    loop = asyncio.get_running_loop()
+    samples = []
+    next_at = loop.time()
+    for i in range(decisions):
+        next_at += 1 / rate
+        await asyncio.sleep(max(next_at - loop.time(), 0.0))
+        t0 = time.perf_counter()
+        await route(i)
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return samples
 
 
 async def _settle(index: KVIndex) -> None:
@@ -260,16 +269,8 @@ async def bench_replicated(
         for i in range(min(decisions // 10, 200)):
             await group.route(request(i), fleet.engines)
         await group.settle()
-        loop = asyncio.get_running_loop()
-        samples = []
         usec = await _redis_usec(redis)
-        next_at = loop.time()
-        for i in range(decisions):
-            next_at += 1 / rate
-            await asyncio.sleep(max(next_at - loop.time(), 0.0))
-            t0 = time.perf_counter()
-            await group.route(request(i), fleet.engines)
-            samples.append((time.perf_counter() - t0) * 1e6)
+        samples = await _paced(lambda i: group.route(request(i), fleet.engines), decisions, rate)
         await group.settle()
         paced_usec = (await _redis_usec(redis) - usec) / decisions
         usec = await _redis_usec(redis)
