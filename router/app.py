@@ -47,6 +47,7 @@ from router.api.picks import PickLedger
 from router.api.services import RunState, Services
 from router.config import Config, EngineConfig, IndexConfig
 from router.core import RoutingCore
+from router.engines.latency import LatencyModel
 from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
@@ -60,6 +61,8 @@ from router.index.shadow import DecisionShadow, ShadowedIndex
 from router.live_config import LiveConfig
 from router.metrics import RouterMetrics, StateSources
 from router.policy import make_policy
+from router.policy.latency import priors_of
+from router.policy.sessions import SessionMap
 from router.proxy import Upstream, UpstreamError
 from router.response_store import ResponseStore
 from router.security import AuthError, Credentials, ServerTLS
@@ -73,7 +76,7 @@ if TYPE_CHECKING:
     from router.events.writer import RemoteEventWriter
     from router.grpc.server import GrpcServers
     from router.index.redis import RedisIndex
-    from router.index.replicated import ReplicatedIndex
+    from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.reload import Reloader
 
 log = logging.getLogger("kvroute")
@@ -155,7 +158,7 @@ class RouterApp:
         self._warm: dict[EngineKey, Snapshot] = {}
         """Replicated mode: snapshots loaded at start, taken by each engine's first
         subscription."""
-        self.loads = LoadTracker(config.block_size)
+        self.loads = LoadTracker(config.block_size, latency=LatencyModel(priors_of(config.policy)))
         self._adopted_block_sizes: dict[str, int] = {}
         """Block sizes pools without a configured one took from their first engine."""
         self.registry = Registry(config.health)
@@ -200,6 +203,9 @@ class RouterApp:
         when the index is)."""
         self.subscriber: KVEventSubscriber | None = None
         self.shared_load: SharedLoad | None = None
+        self.session_sync: DecisionSync | None = None
+        """The shared index's exchange of session pins (the replicated mode's decision
+        stream carries them itself)."""
         self._unsynced: set[EngineKey] = set()
         """Engine streams some of whose event batches never reached Redis."""
         self._mismatch_warned: set[EngineKey] = set()
@@ -299,6 +305,7 @@ class RouterApp:
             lambda new, _: self.core.reconfigure(new.policy, new.limits.max_inflight_per_engine),
         )
         live.subscribe("decider", ("policy", "disaggregation"), self._new_decider)
+        live.subscribe("session sharing", ("policy",), self._share_sessions)
         live.subscribe("registry", ("health",), self._new_health)
         live.subscribe("admission", ("limits",), self._new_limits)
         live.subscribe("request observer", ("server",), self._new_server)
@@ -787,6 +794,7 @@ class RouterApp:
             await self.discovery.start()
         if self.replicated is not None and self.redis is not None:
             await self._start_replicated(self.replicated, self.redis)
+        self._share_sessions()
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         if self.server_tls is not None:
             self._spawn(self.server_tls.watch())
@@ -875,6 +883,29 @@ class RouterApp:
             self.snapshots.start()
             self.metrics.state.sources.snapshots = self.snapshots
 
+    def _share_sessions(self, *_: Any) -> None:
+        """With Redis (either mode) and a policy that keeps sessions (``latency``): its
+        session pins go to the other replicas on the decision stream and theirs come
+        back, so a conversation's next turn finds its engine whichever replica it
+        reaches. Called at start and when a reload changes the policy."""
+        from router.index.redis import replica_id
+        from router.index.replicated import DecisionSync
+
+        sessions = getattr(self.core.policy, "sessions", None)
+        redis = self.redis
+        if not isinstance(sessions, SessionMap) or redis is None:
+            return
+        sync = self.replicated.sync if self.replicated is not None else self.session_sync
+        if sync is None:
+            replica = self.shared_load.replica if self.shared_load is not None else replica_id()
+            sync = self.session_sync = DecisionSync(
+                None, redis, self.config.index.replicated, replica, known=self._serves
+            )
+            self._spawn(sync.start(catch_up_timeout=max(redis.admin_timeout, 1.0)))
+        sessions.on_note = sync.publish_session
+        sync.sessions = sessions
+        self.metrics.state.sources.session_sync = sync
+
     def _serves(self, key: EngineKey) -> bool:
         """Whether ``key`` (an endpoint and its DP rank) is an engine of this fleet."""
         engine = self.registry.engine_of(key)
@@ -916,6 +947,8 @@ class RouterApp:
             await self.upstream.close()
         if self.shared_load is not None:
             await self.shared_load.stop()
+        if self.session_sync is not None:
+            await self.session_sync.stop()
         if self.remote is not None and self._on_index_availability in self.remote.listeners:
             self.remote.listeners.remove(self._on_index_availability)
         if self.event_writer is not None:

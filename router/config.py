@@ -70,6 +70,96 @@ class SGLangCacheAwareConfig(_Section):
     eviction_interval_s: float = Field(120.0, gt=0)
 
 
+class SLOConfig(_Section):
+    """Latency objectives of a request (``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` override)."""
+
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, ms.")
+    tpot_ms: float | None = Field(None, gt=0, description="Time per output token, ms.")
+
+
+class LatencyPolicyConfig(_Section):
+    """The ``latency`` policy and the online latency model it reads (router/engines/latency.py).
+
+    The model's priors are what an engine is assumed to do before the router has timed
+    it; the fitted lines replace them as first tokens and output pace are observed.
+    """
+
+    itl_weight: float = Field(
+        0.05,
+        ge=0,
+        description="Cost, in seconds of this request's TTFT, of one second added to one "
+        "other request's steps: the request's prefill time times the requests on the "
+        "engine (`harm_counts`) whose inter-token latency it lengthens is weighed by it. "
+        'Higher trades TTFT for ITL tails (docs/simulator.md, "The latency policy").',
+    )
+    queue_model: Literal["backlog", "tokens"] = Field(
+        "tokens",
+        description="How the wait for queued prefill is predicted: `backlog` (each request "
+        "sent extends the engine's predicted prefill backlog at its fitted speed; each first "
+        "token re-anchors it, so work in progress counts what is left of it) or `tokens` "
+        "(queued prefill tokens times the fitted speed, as kv_cost counts them).",
+    )
+    harm_counts: Literal["requests", "decoding"] = Field(
+        "requests",
+        description="Whose steps a prefill lengthens: `requests` (every request in flight "
+        "there: those queued ahead decode by the time its chunks run) or `decoding` (only "
+        "the sequences decoding now).",
+    )
+    speed_tolerance: float = Field(
+        1.0,
+        ge=0,
+        description="A fitted coefficient within this fraction of the candidates' median "
+        "counts as the median (fits of alike engines differ by noise); an engine further "
+        "off is priced at its own speed.",
+    )
+    prefill_us_per_token: float = Field(
+        50.0, gt=0, description="Prior: microseconds of prefill per uncached prompt token."
+    )
+    ttft_overhead_ms: float = Field(
+        20.0, ge=0, description="Prior: milliseconds to a first token with nothing to prefill."
+    )
+    tpot_base_ms: float = Field(
+        10.0, ge=0, description="Prior: milliseconds per output token of a lone sequence."
+    )
+    tpot_us_per_seq: float = Field(
+        200.0, ge=0, description="Prior: microseconds each other decoding sequence adds per token."
+    )
+    prior_weight: float = Field(
+        8.0, gt=0, description="How many observations the priors are worth (they never decay)."
+    )
+    half_life_s: float = Field(
+        60.0,
+        gt=0,
+        description="An observation weighs half as much after this many seconds (how fast "
+        "an engine that slows down is noticed).",
+    )
+    slo: dict[str, SLOConfig] = Field(
+        default_factory=dict,
+        description='Default SLOs per model (`"*"`: every model); the request headers '
+        "`x-slo-ttft-ms` and `x-slo-tpot-ms` override them.",
+    )
+    session_bonus_ms: float = Field(
+        5.0,
+        ge=0,
+        description="Cost taken off the engine that served the request's session last "
+        "(0: no session affinity in the cost).",
+    )
+    session_max_wait_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="The bonus shrinks by the predicted queue wait on that engine and is "
+        "gone at this much: it never pulls a session onto a saturated engine.",
+    )
+    session_ttl_s: float = Field(
+        600.0, gt=0, description="A session's engine is forgotten after this idle time."
+    )
+    max_sessions: int = Field(100_000, gt=0, description="Sessions remembered (LRU).")
+
+    def slo_for(self, model: str) -> SLOConfig | None:
+        """The default SLOs of ``model`` (its own entry, else ``*``)."""
+        return self.slo.get(model) or self.slo.get("*")
+
+
 #: Every routing policy ``policy.name`` (``--policy``) accepts, as ``name: "module:Class"``
 #: (imported when chosen; ``default`` is an alias of ``kv_cost``). The class builds
 #: itself from this section with ``Policy.from_config``; a policy with parameters keeps
@@ -77,6 +167,7 @@ class SGLangCacheAwareConfig(_Section):
 #: is its module and one line here (tests/unit/test_policies.py builds each).
 POLICIES: dict[str, str] = {
     "kv_cost": "router.policy.kv_cost:KVCostPolicy",
+    "latency": "router.policy.latency:LatencyPolicy",
     "round_robin": "router.policy.baselines:RoundRobin",
     "random": "router.policy.baselines:RandomChoice",
     "least_loaded": "router.policy.baselines:LeastLoaded",
@@ -154,6 +245,19 @@ class PolicyConfig(_Section):
         120.0, gt=0, description="Lifetime of decision-based entries for engines without KV events."
     )
     sglang: SGLangCacheAwareConfig = Field(default_factory=SGLangCacheAwareConfig)
+    latency: LatencyPolicyConfig = Field(default_factory=LatencyPolicyConfig)
+    session_header: str = Field(
+        "x-session-id",
+        pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
+        description="Request header (gRPC: metadata or `headers` entry) holding the session "
+        "key of the `session` policy and of the `latency` policy's affinity; without it, "
+        "the body's `user` (Anthropic: `metadata.user_id`).",
+    )
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower_header(cls, name: str) -> str:
+        return name.lower()
 
     @field_validator("name")
     @classmethod

@@ -30,6 +30,7 @@ from router.index.base import FallbackMatches, IndexUnavailable, KVIndex, Match
 from router.policy import make_policy
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest
 from router.policy.kv_cost import KVCostPolicy
+from router.policy.latency import priors_of
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class RoutingCore:
             elif isinstance(self.policy, KVCostPolicy):
                 self.policy.config = config  # its weights are read per decision
             self.config = config
+            if self.loads.latency is not None:
+                self.loads.latency.reconfigure(priors_of(config))  # keeps what it learnt
         self.max_per_engine = max_per_engine
 
     async def lookup(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from router.engines.latency import EngineLatency, LatencyModel
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -56,6 +57,16 @@ class EngineLoad:
     peer_prefill_tokens: int = 0
     peer_decode_tokens: int = 0
     peer_decode_blocks: int = 0
+    decoding: int = 0
+    """This router's in-flight requests there whose first token has arrived (sequences
+    decoding; not exchanged with peers)."""
+    backlog_until: float = 0.0
+    """When this router's queued prefill there is predicted to be done (tracker clock):
+    each request sent extends it by its prefill at the fitted speed, each first token
+    re-anchors it to what the engine really did. Kept with a latency model."""
+    latency: EngineLatency | None = None
+    """The engine's fitted latency lines (:mod:`router.engines.latency`), when the
+    tracker keeps a model."""
 
     def copy(self) -> EngineLoad:
         return dataclasses.replace(self)
@@ -120,6 +131,19 @@ class Ticket:
     estimated: bool = False
     """Its first token may never be seen (a non-streamed answer, a gateway's pick): prefill
     isolation estimates when its prefill ends."""
+    sent_at: float = 0.0
+    """When it was sent (the tracker's clock)."""
+    ahead: int = 0
+    """Prefill tokens queued on the engine when it was sent (the latency model's x)."""
+    timed: bool = False
+    """Its first-token time and output pace teach the latency model."""
+    first_at: float = 0.0
+    decoding_at_first: int = 0
+    """Sequences decoding on the engine when its first token arrived (itself included)."""
+    done_by: float = 0.0
+    """When its prefill was predicted to be done (the backlog after it)."""
+    output_tokens: int | None = None
+    """Output tokens it produced, when the caller counted them (the TPOT observation)."""
 
 
 @dataclass(slots=True)
@@ -141,6 +165,9 @@ class LoadTracker:
     prefilling: dict[EngineKey, dict[int, Ticket]] = field(default_factory=dict)
     """Engine -> tickets with a flow ticket whose first token has not arrived (prefill
     isolation, :mod:`router.flow.isolation`); engines with none are left out."""
+    latency: LatencyModel | None = None
+    """The online latency model (:mod:`router.engines.latency`) the tracker feeds with
+    first-token times and output pace; None keeps none."""
     _loads: dict[EngineKey, EngineLoad] = field(default_factory=dict)
     _open: dict[int, Ticket] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -153,6 +180,8 @@ class LoadTracker:
         load = self._loads.get(engine)
         if load is None:
             load = self._loads[engine] = EngineLoad()
+            if self.latency is not None:
+                load.latency = self.latency.of(engine)
         return load
 
     def begin(
@@ -164,10 +193,14 @@ class LoadTracker:
         flow: FlowTicket | None = None,
         *,
         sees_first_token: bool = True,
+        timed: bool | None = None,
     ) -> Ticket:
         """``flow``: the request's flow-control ticket, if flow control admitted it;
         ``sees_first_token``: whether :meth:`prefilled` will be called when the first
-        token arrives (a streamed answer), rather than only at the end."""
+        token arrives (a streamed answer), rather than only at the end; ``timed``:
+        whether its first-token time is the engine's own prefill, to teach the latency
+        model (default ``sees_first_token``; False for a decode leg whose KV another
+        engine prefilled)."""
         uncached = max(prompt_tokens - cached_tokens, 0)
         bs = self.block_size
         blocks = -(-uncached // bs) + -(-max(max_tokens, 0) // bs)
@@ -178,6 +211,14 @@ class LoadTracker:
             ticket.estimated = not sees_first_token
             self.prefilling.setdefault(engine, {})[ticket.id] = ticket
         load = self._load(engine)
+        if self.latency is not None:
+            ticket.timed = sees_first_token if timed is None else timed
+            now = ticket.sent_at = self.clock()
+            ticket.ahead = load.prefill_tokens
+            if load.latency is not None:
+                start = max(now, load.backlog_until)
+                ticket.done_by = start + load.latency.prefill_s_per_token * uncached
+                load.backlog_until = ticket.done_by
         load.requests += 1
         load.routed = ticket.id + 1
         load.prefill_tokens += ticket.prefill_tokens
@@ -197,6 +238,22 @@ class LoadTracker:
             return
         load.prefill_tokens -= ticket.prefill_tokens
         load.decode_blocks += ticket.blocks
+        load.decoding += 1
+        if load.latency is not None:
+            now = self.clock()
+            # Everything queued behind it is as late (or early) as it was.
+            load.backlog_until = (
+                max(now, load.backlog_until + now - ticket.done_by)
+                if load.prefill_tokens > load.peer_prefill_tokens
+                else now
+            )
+        if ticket.timed and load.latency is not None:
+            now = self.clock()
+            ticket.first_at = now
+            ticket.decoding_at_first = load.decoding
+            load.latency.observe_ttft(
+                now, ticket.ahead + ticket.prefill_tokens, max(now - ticket.sent_at, 0.0)
+            )
 
     def end(self, ticket: Ticket) -> None:
         if ticket.released:
@@ -211,10 +268,31 @@ class LoadTracker:
             load.decode_tokens -= ticket.decode_tokens
             if ticket.prefilled:
                 load.decode_blocks -= ticket.blocks
+                if ticket.timed and load.latency is not None:
+                    self._observe_pace(ticket, load)
+                load.decoding -= 1
             else:
                 load.prefill_tokens -= ticket.prefill_tokens
+                if load.latency is not None:  # its prefill will not be done there
+                    now = self.clock()
+                    if load.prefill_tokens <= load.peer_prefill_tokens:
+                        load.backlog_until = now
+                    elif ticket.done_by > now:
+                        share = ticket.done_by - max(ticket.sent_at, now)
+                        load.backlog_until = max(now, load.backlog_until - max(share, 0.0))
         if self.on_end is not None:
             self.on_end()
+
+    def _observe_pace(self, ticket: Ticket, load: EngineLoad) -> None:
+        """Teach the latency model the output pace of a request that ran to its end:
+        seconds per token after the first, against the sequences decoding there (the
+        mean of when its first token came and now)."""
+        tokens = ticket.output_tokens
+        if tokens is None or tokens < 2 or load.latency is None:
+            return
+        now = self.clock()
+        seqs = (ticket.decoding_at_first + load.decoding) / 2
+        load.latency.observe_tpot(now, seqs, (now - ticket.first_at) / (tokens - 1))
 
     def unprefill(self, ticket: Ticket) -> bool:
         """Take ``ticket`` out of :attr:`prefilling` (its prefill is over, or was
@@ -248,6 +326,8 @@ class LoadTracker:
         (so that an engine added again under the same key starts from zero)."""
         self._loads.pop(engine, None)
         self.prefilling.pop(engine, None)
+        if self.latency is not None:
+            self.latency.forget(engine)
         for ticket in [t for t in self._open.values() if t.engine == engine]:
             ticket.released = True
             del self._open[ticket.id]

@@ -50,6 +50,11 @@ class RouteRequest:
     the chosen decode engine costs, in prompt tokens' worth of prefill (transfer seconds
     over ``disaggregation.prefill_s_per_token``). Cost policies add it to the
     candidate's prefill; None: every link alike (no topology)."""
+    slo_ttft_s: float | None = None
+    """Time-to-first-token objective (``x-slo-ttft-ms`` or the model's default); the
+    ``latency`` policy prefers engines predicted to meet it."""
+    slo_tpot_s: float | None = None
+    """Time-per-output-token objective (``x-slo-tpot-ms`` or the model's default)."""
     flow: FlowTicket | None = None
     """The request's flow-control ticket (``flow.enabled``): with prefill isolation on,
     engines prefilling requests that outrank it are left out (:mod:`router.flow.isolation`)."""
@@ -69,6 +74,16 @@ class Score(msgspec.Struct, gc=False):
     transfer: float = 0.0
     """The KV transfer to the decode engine, in blocks like ``prefill`` (a prefill
     engine's choice with topology known; included in ``total``)."""
+    ttft: float = 0.0
+    """``latency`` policy: predicted seconds to the first token there (every term of
+    that policy is in seconds, not blocks)."""
+    harm: float = 0.0
+    """``latency`` policy: the weighted inter-token latency its prefill costs the
+    sequences decoding there (included in ``total``)."""
+    tpot: float = 0.0
+    """``latency`` policy: predicted seconds per output token there."""
+    bonus: float = 0.0
+    """``latency`` policy: the session-affinity bonus taken off ``total``."""
 
 
 class LazyScores(Sequence[Score]):
@@ -148,7 +163,9 @@ class Decision:
         if self.index:
             text += f" index={self.index}"
         chosen = self.chosen_terms()
-        if chosen is not None:
+        if chosen is not None and chosen.ttft:
+            text += " " + latency_terms(chosen)
+        elif chosen is not None:
             text += (
                 f" cost={chosen.total:.1f} queue={chosen.queue:.1f}"
                 f" prefill={chosen.prefill:.1f} decode={chosen.decode:.1f}"
@@ -163,6 +180,9 @@ class Decision:
         """Every candidate's numbers, for the debug log."""
         parts = [f"{self.summary()} engine={self.engine.label}"]
         for s in sorted(self.scores, key=lambda s: s.total):
+            if s.ttft:
+                parts.append(f"{s.engine.label}[match={s.matched_blocks} {latency_terms(s)}]")
+                continue
             parts.append(
                 f"{s.engine.label}[match={s.matched_blocks} cached={s.cached_tokens}"
                 f" queue={s.queue:.1f} prefill={s.prefill:.1f} decode={s.decode:.1f}"
@@ -171,6 +191,22 @@ class Decision:
                 + f" total={s.total:.1f}]"
             )
         return " ".join(parts)
+
+
+def latency_terms(s: Score) -> str:
+    """A ``latency`` policy score's terms, in milliseconds."""
+    text = (
+        f"cost={s.total * 1e3:.1f}ms ttft={s.ttft * 1e3:.1f}ms queue={s.queue * 1e3:.1f}ms"
+        f" prefill={s.prefill * 1e3:.1f}ms decode={s.decode * 1e3:.1f}ms"
+        f" harm={s.harm * 1e3:.1f}ms tpot={s.tpot * 1e3:.1f}ms"
+    )
+    if s.reported:
+        text += f" reported={s.reported * 1e3:.1f}ms"
+    if s.transfer:
+        text += f" transfer={s.transfer * 1e3:.1f}ms"
+    if s.bonus:
+        text += f" session=-{s.bonus * 1e3:.1f}ms"
+    return text
 
 
 def request_seed(request_id: str) -> int:

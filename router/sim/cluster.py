@@ -65,6 +65,7 @@ from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
 from router.engine_model import EngineModel, EngineParams
 from router.engine_model import RequestSpec as EngineRequest
+from router.engines.latency import LatencyModel
 from router.engines.load import InFlight, LoadTracker, Ticket
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
@@ -74,6 +75,7 @@ from router.index.memory import MemoryIndex
 from router.plan import Planner
 from router.policy import make_decode_policy, make_policy
 from router.policy.base import RouteRequest
+from router.policy.latency import priors_of
 from router.tokenization.words import WordTokenizer
 from router.topology import Topology, link_between
 from router.types import EngineKey, Tier
@@ -201,8 +203,15 @@ class SimSettings:
     #: The replica split rate pairs requests of one prefix group at most this many
     #: seconds apart.
     burst_window_s: float = 1.0
+    #: Engines that run slower than ``params`` say: the first ``slow_engines`` take
+    #: ``slowdown`` times as long for every step (a throttled or older GPU), which only a
+    #: router that times its engines can see.
+    slow_engines: int = 0
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.slow_engines < 0 or not self.slowdown > 0:
+            raise ValueError("slow engines must be >= 0 and their slowdown positive")
         if self.replicas < 1:
             raise ValueError("a fleet needs at least one router replica")
         if self.sync_delay_s < 0:
@@ -573,13 +582,24 @@ class ClusterSim:
         self.engines: list[_Engine] = []
         order = [role for role, count in roles for _ in range(count)]
         places = settings.layout.place(order) if settings.layout else [None] * len(order)
+        slow = (
+            p.replace(
+                step_overhead_s=p.step_overhead_s * settings.slowdown,
+                prefill_token_s=p.prefill_token_s * settings.slowdown,
+                decode_seq_s=p.decode_seq_s * settings.slowdown,
+                context_token_s=p.context_token_s * settings.slowdown,
+            )
+            if settings.slow_engines
+            else p
+        )
         for n, (role, where) in enumerate(zip(order, places, strict=True)):
             key = EngineKey(endpoints[n] if endpoints else f"sim-{role}-{n}:8000")
+            own = slow if n < settings.slow_engines else p
             self.engines.append(
                 _Engine(
                     key,
                     role,
-                    EngineModel(p, hash_seed=n + 1, emit_events=settings.events),
+                    EngineModel(own, hash_seed=n + 1, emit_events=settings.events),
                     StreamState(key, MODEL, p.block_size),
                     where,
                 )
@@ -602,6 +622,7 @@ class ClusterSim:
         self._pending: deque[RequestSpec] = deque()
         self._scraped_at = -math.inf
         self._closed_loop = False
+        self._slo = settings.policy.latency.slo_for(MODEL)
 
     def _clock(self) -> float:
         return self.now
@@ -617,7 +638,11 @@ class ClusterSim:
             # Its decisions' records also go to the other replicas, as the replicated
             # mode publishes them.
             index.on_record = functools.partial(self._share_record, index)
-        loads = LoadTracker(block_size=self.block_size)
+        loads = LoadTracker(
+            block_size=self.block_size,
+            clock=clock,
+            latency=LatencyModel(priors_of(settings.policy)),
+        )
         policy = make_policy(settings.policy, clock)
         core = RoutingCore(
             index,
@@ -784,6 +809,9 @@ class ClusterSim:
             spec.max_tokens,
             session=spec.group or None,
         )
+        if self._slo is not None:  # the model's default objectives (policy.latency.slo)
+            route.slo_ttft_s = None if self._slo.ttft_ms is None else self._slo.ttft_ms / 1e3
+            route.slo_tpot_s = None if self._slo.tpot_ms is None else self._slo.tpot_ms / 1e3
         plan = await router.planner.plan(MODEL, route, len(tokens))
         if plan.prefill is None:
             serve = self._by_key[plan.decode.engine]
@@ -817,7 +845,10 @@ class ClusterSim:
             "split",
             plan.reason,
             serve,
-            loads.begin(serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens),
+            # The decode leg's first token waits for another engine's prefill: not its own.
+            loads.begin(
+                serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens, timed=False
+            ),
             router,
             order,
             previous,
@@ -892,7 +923,9 @@ class ClusterSim:
         """The prefill leg finished: its blocks are held; the decode leg starts."""
         del self._flights[(id(engine), flight.rid)]
         assert flight.prefill_ticket is not None
-        flight.router.loads.end(flight.prefill_ticket)
+        loads = flight.router.loads
+        loads.prefilled(flight.prefill_ticket)  # its one token: the prefill's time
+        loads.end(flight.prefill_ticket)
         engine.model.claim_hold(flight.rid, None, self.now)
         bandwidth, latency = self._link(flight, engine)
         request = EngineRequest(
@@ -931,6 +964,7 @@ class ClusterSim:
 
     def _finish(self, flight: _Flight, engine: _Engine, last: list[int]) -> None:
         del self._flights[(id(engine), flight.rid)]
+        flight.ticket.output_tokens = flight.spec.max_tokens
         flight.router.loads.end(flight.ticket)
         engine.requests += 1
         now = self.now

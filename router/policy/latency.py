@@ -1,0 +1,287 @@
+"""The ``latency`` policy: the engine with the lowest predicted latency cost.
+
+Per candidate, in seconds, from the engine's fitted latency lines
+(:mod:`router.engines.latency`: ``a`` seconds per prefill token, ``b`` seconds of
+first-token overhead, the TPOT line) or the configured priors (lower total wins)::
+
+    ttft     = b + a * (queued prefill tokens + uncached prompt tokens + transfer tokens)
+    queue    = queue_weight   * a * queued prefill tokens
+    prefill  = prefill_weight * a * uncached prompt tokens
+    transfer = prefill_weight * a * transfer tokens (a split's prefill choice, topology known)
+    decode   = decode_weight  * a * block_size * blocks held by decoding requests
+    reported = (kv_cost's engine-reported terms, in blocks) * a * block_size
+    harm     = itl_weight * a * uncached prompt tokens * sequences decoding there
+    tpot     = the TPOT line at the sequences decoding there, plus this one
+    total    = b + queue + prefill + transfer + decode + reported + harm - session bonus
+
+It is ``kv_cost`` measured in each engine's own seconds, plus two things ``kv_cost``
+cannot see: the **decode harm** (every chunk of a prefill lengthens the step of each
+sequence decoding on that engine, so a long prompt is worth placing where few are
+decoding) and the engines' **own speed** (a slower engine's queue costs more). The
+weights are ``kv_cost``'s (``prefill_weight`` 2 counts the request's prefill once for
+itself and once for what queues behind it); ``itl_weight`` is this policy's.
+
+**SLOs.** A request with ``slo_ttft_s`` / ``slo_tpot_s`` (headers ``x-slo-ttft-ms``,
+``x-slo-tpot-ms``, or the model's defaults) goes to the lowest-cost engine predicted to
+meet both; when none is, to the one with the least predicted violation (relative, summed
+over both), reason ``slo_unmet``, counted in :attr:`LatencyPolicy.slo_unmet`.
+
+**Session affinity.** A request with a session key (``x-session-id``, configurable, or
+the body's ``user``) takes ``session_bonus_ms`` off the cost of the engine that served
+its session last, shrinking linearly with that engine's predicted queue wait to nothing
+at ``session_max_wait_ms``: it tips near-ties toward the engine holding the
+conversation and never pulls it onto a saturated one (engines at the in-flight limit
+are no candidates at all).
+
+Ties break as ``kv_cost``'s (fewer requests in flight, least recently routed, a hash of
+the request id); ``temperature`` > 0 samples as ``kv_cost`` does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from router.config import PolicyConfig
+from router.engines.latency import LatencyPriors
+from router.engines.load import LoadView
+from router.hashing import cacheable_blocks
+from router.index.base import Match
+from router.policy.base import Decision, RouteRequest, Score
+from router.policy.kv_cost import KVCostPolicy
+from router.policy.sessions import SessionMap
+from router.types import EngineKey
+
+
+def priors_of(config: PolicyConfig) -> LatencyPriors:
+    """The latency model's priors from the ``policy.latency`` section."""
+    cfg = config.latency
+    return LatencyPriors(
+        prefill_s_per_token=cfg.prefill_us_per_token * 1e-6,
+        ttft_overhead_s=cfg.ttft_overhead_ms * 1e-3,
+        tpot_base_s=cfg.tpot_base_ms * 1e-3,
+        tpot_s_per_seq=cfg.tpot_us_per_seq * 1e-6,
+        prior_weight=cfg.prior_weight,
+        half_life_s=cfg.half_life_s,
+    )
+
+
+class LatencyPolicy(KVCostPolicy):
+    """Predicted time to first token, decode harm and session affinity, in seconds."""
+
+    name = "latency"
+
+    def __init__(self, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config, clock)
+        lat = config.latency
+        self.sessions = SessionMap(lat.session_ttl_s, lat.max_sessions)
+        self.slo_checked = 0
+        """Decisions made with an SLO."""
+        self.slo_unmet = 0
+        """Decisions with an SLO no candidate was predicted to meet."""
+        self._priors = priors_of(config)
+        self._priors_of = config
+
+    def _prior(self) -> LatencyPriors:
+        if self._priors_of is not self.config:  # a reload replaced the section
+            self._priors = priors_of(self.config)
+            self._priors_of = self.config
+            lat = self.config.latency
+            self.sessions.ttl_s, self.sessions.max_sessions = lat.session_ttl_s, lat.max_sessions
+        return self._priors
+
+    def score(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: Mapping[EngineKey, Match],
+        loads: LoadView,
+    ) -> list[Score]:
+        cfg = self.config
+        lat = cfg.latency
+        prior = self._prior()
+        bs = request.block_size
+        isl = request.prompt_tokens
+        cap = cacheable_blocks(isl, bs) * bs
+        offload_discount = 1.0 - cfg.offload_weight
+        disk_extra = 0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight
+        ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
+        fresh_after = self._clock() - cfg.report_max_age_s if ww or wr or wk else None
+        transfers = request.transfer_tokens
+        now = self._clock()
+        pinned = (
+            self.sessions.get(request.session, now)
+            if request.session and lat.session_bonus_ms > 0
+            else None
+        )
+        bonus_max = lat.session_bonus_ms * 1e-3
+        wait_cap = lat.session_max_wait_ms * 1e-3
+        speeds = self._speeds(candidates, loads, prior)
+        backlog = lat.queue_model == "backlog"
+        by_decoding = lat.harm_counts == "decoding"
+        scores: list[Score] = []
+        for engine in candidates:
+            match = matches.get(engine)
+            blocks = cached = 0
+            if match is not None:
+                blocks = match.blocks
+                held: float = blocks
+                if match.offloaded:
+                    held -= match.offloaded * offload_discount
+                    if match.disk:
+                        held -= match.disk * disk_extra
+                cached = min(int(held * bs + 1e-6), cap)
+            uncached = isl - cached
+            moved = transfers.get(engine, 0.0) if transfers else 0.0
+            load = loads.get(engine)
+            a, b, tpot_base, tpot_seq = speeds[engine]
+            queued = decode_blocks = decoding = requests = 0
+            reported = 0.0
+            if load is not None:
+                queued, decode_blocks, decoding, requests = (
+                    load.prefill_tokens,
+                    load.decode_blocks,
+                    load.decoding,
+                    load.requests,
+                )
+                if (
+                    fresh_after is not None
+                    and load.reported_at is not None
+                    and load.reported_at >= fresh_after
+                ):
+                    reported = (
+                        (
+                            ww * (load.waiting or 0.0)
+                            + wr * (load.running or 0.0)
+                            + wk * (load.kv_usage or 0.0)
+                        )
+                        * a
+                        * bs
+                    )
+            if backlog and load is not None and load.latency is not None:
+                # The router's own queue as the backlog clock says (work in progress
+                # counts what is left of it), the peers' at the fitted speed.
+                wait = max(load.backlog_until - now, 0.0) + a * load.peer_prefill_tokens
+            else:
+                wait = a * queued
+            queue = cfg.queue_weight * wait
+            prefill = cfg.prefill_weight * a * uncached
+            transfer = cfg.prefill_weight * a * moved
+            decode = cfg.decode_weight * a * bs * decode_blocks
+            # Those ahead of it in the queue decode by the time its chunks run.
+            harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)
+            ttft = b + wait + a * (uncached + moved)
+            bonus = 0.0
+            if pinned == engine and wait_cap > 0:
+                bonus = max(0.0, bonus_max * (1.0 - wait / wait_cap))
+            total = b + queue + prefill + transfer + decode + reported + harm - bonus
+            scores.append(
+                Score(
+                    engine,
+                    blocks,
+                    cached,
+                    queue,
+                    prefill,
+                    decode,
+                    reported,
+                    total,
+                    transfer,
+                    ttft=ttft,
+                    harm=harm,
+                    tpot=tpot_base + tpot_seq * (decoding + 1),
+                    bonus=bonus,
+                )
+            )
+        return scores
+
+    def _speeds(
+        self, candidates: Sequence[EngineKey], loads: LoadView, prior: LatencyPriors
+    ) -> dict[EngineKey, tuple[float, float, float, float]]:
+        """Each candidate's (prefill s/token, TTFT overhead s, TPOT base s, TPOT s/seq).
+
+        A fitted coefficient within ``speed_tolerance`` of the candidates' median is
+        taken as the median: fits of alike engines differ by their noise, and ranking on
+        that noise would scatter prefixes the cache should keep together. An engine
+        really slower (or faster) than the others keeps its own."""
+        tol = self.config.latency.speed_tolerance
+        rows: dict[EngineKey, tuple[float, float, float, float]] = {}
+        for engine in candidates:
+            load = loads.get(engine)
+            fit = load.latency if load is not None else None
+            rows[engine] = (
+                (fit.prefill_s_per_token, fit.ttft_overhead_s, fit.tpot_base_s, fit.tpot_s_per_seq)
+                if fit is not None
+                else (
+                    prior.prefill_s_per_token,
+                    prior.ttft_overhead_s,
+                    prior.tpot_base_s,
+                    prior.tpot_s_per_seq,
+                )
+            )
+        if len(rows) < 2:
+            return rows
+        medians = [statistics.median(column) for column in zip(*rows.values(), strict=True)]
+        return {
+            engine: tuple(  # type: ignore[misc]
+                mid if abs(value - mid) <= tol * mid else value
+                for value, mid in zip(row, medians, strict=True)
+            )
+            for engine, row in rows.items()
+        }
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: Mapping[EngineKey, Match],
+        loads: LoadView,
+    ) -> Decision:
+        scores = self.score(request, candidates, matches, loads)
+        pool = scores
+        unmet = False
+        slo_ttft, slo_tpot = request.slo_ttft_s, request.slo_tpot_s
+        if slo_ttft is not None or slo_tpot is not None:
+            self.slo_checked += 1
+            meeting = [s for s in scores if _violation(s, slo_ttft, slo_tpot) == 0.0]
+            if meeting:
+                pool = meeting
+            else:
+                unmet = True
+                self.slo_unmet += 1
+                least = min(_violation(s, slo_ttft, slo_tpot) for s in scores)
+                pool = [s for s in scores if _violation(s, slo_ttft, slo_tpot) - least <= 1e-9]
+        if self.config.temperature > 0 and len(pool) > 1:
+            chosen = self._sample(request, pool)
+        else:
+            best = min(s.total for s in pool)
+            tied = [s for s in pool if s.total - best <= 1e-12]
+            chosen = (
+                tied[0]
+                if len(tied) == 1
+                else min(tied, key=lambda s: self._tie_rank(request, s, loads))
+            )
+        decision = self._decision(chosen, max(s.matched_blocks for s in scores), scores)
+        if unmet:
+            decision.reason = "slo_unmet"
+        elif chosen.bonus and min(s.total + s.bonus for s in pool) < chosen.total + chosen.bonus:
+            decision.reason = "session"  # the bonus decided it
+        if request.session and self.config.latency.session_bonus_ms > 0:
+            self.sessions.note(request.session, chosen.engine, self._clock())
+        return decision
+
+    def forget(self, engine: EngineKey) -> None:
+        self.sessions.forget(engine)
+
+
+def _violation(score: Score, slo_ttft: float | None, slo_tpot: float | None) -> float:
+    """How far the predictions miss the objectives, relative to each (0: both met)."""
+    miss = 0.0
+    if slo_ttft is not None and score.ttft > slo_ttft:
+        miss += score.ttft / slo_ttft - 1.0
+    if slo_tpot is not None and score.tpot > slo_tpot:
+        miss += score.tpot / slo_tpot - 1.0
+    return miss
+
+
+__all__ = ["LatencyPolicy", "priors_of"]

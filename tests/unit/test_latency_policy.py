@@ -1,0 +1,182 @@
+"""The ``latency`` policy: predicted TTFT, decode harm, SLOs and session affinity."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
+from router.core import RoutingCore
+from router.engines.latency import LatencyModel, LatencyPriors
+from router.engines.load import EngineLoad, LoadTracker
+from router.index.base import Match
+from router.index.memory import MemoryIndex
+from router.policy import make_policy
+from router.policy.base import RouteRequest
+from router.policy.kv_cost import KVCostPolicy
+from router.policy.latency import LatencyPolicy, priors_of
+from router.types import EngineKey
+
+ENGINES = [EngineKey(f"127.0.0.1:{8000 + i}") for i in range(3)]
+A, B, C = ENGINES
+
+
+def req(rid: str = "r1", prompt_tokens: int = 8000, **kw: object) -> RouteRequest:
+    return RouteRequest(rid, list(range(prompt_tokens // 16)), prompt_tokens, 16, **kw)  # type: ignore[arg-type]
+
+
+def policy(**latency: object) -> LatencyPolicy:
+    config = PolicyConfig(name="latency", latency=LatencyPolicyConfig(**latency))  # type: ignore[arg-type]
+    built = make_policy(config)
+    assert isinstance(built, LatencyPolicy)
+    return built
+
+
+def fitted(load: EngineLoad, s_per_token: float, overhead: float = 0.01) -> EngineLoad:
+    """``load`` with an engine that has been timed at ``s_per_token``."""
+    model = LatencyModel(LatencyPriors())
+    fit = model.of(EngineKey("x:1"))
+    for i in range(200):
+        tokens = 500 * (i % 30)
+        fit.observe_ttft(0.0, tokens, overhead + s_per_token * tokens)
+    load.latency = fit
+    return load
+
+
+def test_a_long_prompt_goes_where_fewer_sequences_are_decoding() -> None:
+    # Equal caches, equal decode KV: A has 40 sequences decoding, B has 4.
+    loads = {
+        A: EngineLoad(requests=40, decoding=40, decode_blocks=400),
+        B: EngineLoad(requests=4, decoding=4, decode_blocks=400),
+    }
+    decision = policy().choose(req(prompt_tokens=16_000), [A, B], {}, loads)  # the defaults
+    assert decision.engine == B
+    harm = {s.engine: s.harm for s in decision.scores}
+    assert harm[A] == pytest.approx(10 * harm[B]) and harm[B] > 0
+    # kv_cost sees no difference between them (and breaks the tie by other means).
+    kv = KVCostPolicy(PolicyConfig()).score(req(prompt_tokens=16_000), [A, B], {}, loads)
+    assert kv[0].total == kv[1].total
+
+
+def test_requests_queued_ahead_count_as_decoding_by_the_time_its_chunks_run() -> None:
+    # A's 30 requests are all still prefilling; B has 10 decoding.
+    loads = {
+        A: EngineLoad(requests=30, prefill_tokens=3000),
+        B: EngineLoad(requests=10, decoding=10, prefill_tokens=3000),
+    }
+    by_requests = policy().choose(req(prompt_tokens=16_000), [A, B], {}, loads)
+    assert by_requests.engine == B
+    by_decoding = policy(harm_counts="decoding").choose(
+        req(prompt_tokens=16_000), [A, B], {}, loads
+    )
+    assert by_decoding.engine == A  # counting only those decoding now misses A's queue
+
+
+def test_without_the_harm_weight_decoding_sequences_do_not_matter() -> None:
+    loads = {A: EngineLoad(requests=40, decoding=40), B: EngineLoad(requests=4, decoding=4)}
+    scores = policy(itl_weight=0.0).score(req(), [A, B], {}, loads)
+    assert scores[0].total == scores[1].total
+
+
+def test_with_equal_speeds_it_ranks_as_kv_cost_does() -> None:
+    matches = {A: Match(300), B: Match(100)}
+    loads = {A: EngineLoad(prefill_tokens=9000, decode_blocks=50), B: EngineLoad(decode_blocks=10)}
+    lat = policy(itl_weight=0.0).score(req(), ENGINES, matches, loads)
+    kv = KVCostPolicy(PolicyConfig()).score(req(), ENGINES, matches, loads)
+    a = 50e-6 * 16  # seconds per block at the prior speed
+    for ls, ks in zip(lat, kv, strict=True):
+        assert ls.total - 0.02 == pytest.approx(ks.total * a)  # 20 ms: the prior's overhead
+        assert ls.ttft >= 0.02
+
+
+def test_a_slow_engine_is_priced_at_its_own_speed_and_alike_ones_at_the_median() -> None:
+    loads = {
+        A: fitted(EngineLoad(prefill_tokens=4000), 150e-6),
+        B: fitted(EngineLoad(prefill_tokens=6000), 50e-6),
+        C: fitted(EngineLoad(prefill_tokens=6000), 55e-6),
+    }
+    decision = policy().choose(req(prompt_tokens=2000), ENGINES, {}, loads)
+    ttft = {s.engine: s.ttft for s in decision.scores}
+    # B and C are within 25% of the median: one speed, equal predictions.
+    assert ttft[B] == pytest.approx(ttft[C])
+    assert ttft[A] > ttft[B]  # fewer queued tokens, but three times slower
+    assert decision.engine in (B, C)
+    assert "ttft=" in decision.summary() and "harm=" in decision.summary()
+
+
+def test_an_engine_predicted_to_meet_the_slo_is_preferred_over_a_cheaper_one() -> None:
+    # A holds the prefix (cheapest by cost) but has a long decode batch: its TPOT misses.
+    loads = {A: EngineLoad(decoding=200), B: EngineLoad(decoding=2)}
+    p = policy(itl_weight=0.0)
+    free = p.choose(req(), [A, B], {A: Match(400)}, loads)
+    assert free.engine == A
+    bound = p.choose(req(slo_tpot_s=0.02), [A, B], {A: Match(400)}, loads)
+    assert bound.engine == B and bound.reason != "slo_unmet"
+    assert (p.slo_checked, p.slo_unmet) == (1, 0)
+
+
+def test_when_no_engine_can_meet_the_slo_the_least_violation_wins_and_is_counted() -> None:
+    loads = {A: EngineLoad(prefill_tokens=100_000), B: EngineLoad(prefill_tokens=20_000)}
+    p = policy()
+    decision = p.choose(req(slo_ttft_s=0.1), [A, B], {A: Match(400)}, loads)
+    assert decision.engine == B and decision.reason == "slo_unmet"
+    assert (p.slo_checked, p.slo_unmet) == (1, 1)
+
+
+def test_the_session_goes_back_to_its_engine_on_a_near_tie() -> None:
+    p = policy()
+    first = p.choose(req("t1", session="conv-7"), ENGINES, {}, {})
+    # Next turn: another engine is a hair cheaper; the session bonus keeps the engine.
+    loads = {first.engine: EngineLoad(prefill_tokens=50)}  # 2.5 ms behind
+    second = p.choose(req("t2", session="conv-7"), ENGINES, {}, loads)
+    assert second.engine == first.engine and second.reason == "session"
+    assert "session=-" in second.summary()
+    # Without the session key the cheaper engine wins.
+    assert p.choose(req("t3"), ENGINES, {}, loads).engine != first.engine
+
+
+def test_the_session_bonus_never_pulls_onto_a_queued_engine() -> None:
+    p = policy(session_bonus_ms=5000.0, session_max_wait_ms=1000.0)
+    first = p.choose(req("t1", session="s"), [A, B], {}, {})
+    # Its engine is now 2 s behind (the bonus is gone past 1 s of predicted wait).
+    loads = {first.engine: EngineLoad(prefill_tokens=40_000)}
+    again = p.choose(req("t2", session="s"), [A, B], {}, loads)
+    assert again.engine != first.engine
+    chosen = {s.engine: s.bonus for s in again.scores}
+    assert chosen[first.engine] == 0.0
+
+
+def test_sessions_expire_and_leave_with_their_engine() -> None:
+    now = [0.0]
+    p = LatencyPolicy(PolicyConfig(name="latency"), clock=lambda: now[0])
+    p.choose(req("t1", session="s"), [A], {}, {})
+    assert p.sessions.get("s", now[0]) == A
+    p.forget(A)
+    assert p.sessions.get("s", now[0]) is None
+    p.choose(req("t2", session="s"), [A], {}, {})
+    now[0] += 601
+    assert p.sessions.get("s", now[0]) is None
+
+
+def test_default_slos_per_model() -> None:
+    cfg = LatencyPolicyConfig(slo={"*": SLOConfig(ttft_ms=500), "big": SLOConfig(tpot_ms=40)})
+    assert cfg.slo_for("small") == SLOConfig(ttft_ms=500)
+    assert cfg.slo_for("big") == SLOConfig(tpot_ms=40)
+    assert LatencyPolicyConfig().slo_for("any") is None
+
+
+async def test_a_reload_keeps_the_fitted_lines_and_the_sessions() -> None:
+    config = PolicyConfig(name="latency")
+    tracker = LoadTracker(block_size=16, latency=LatencyModel(priors_of(config)))
+    p = make_policy(config)
+    core = RoutingCore(MemoryIndex(), p, config, tracker)
+    fit = tracker.latency.of(A)  # type: ignore[union-attr]
+    for i in range(50):
+        fit.observe_ttft(float(i), 100 * i, 0.01 + 90e-6 * 100 * i)
+    decision = await core.route(req("t1", session="s"), [A, B])
+    learnt = fit.prefill_s_per_token
+    core.reconfigure(config.model_copy(update={"latency": LatencyPolicyConfig(itl_weight=0.5)}), 0)
+    assert core.policy is p
+    assert p.sessions.get("s", 0.0) == decision.engine
+    assert tracker.latency.of(A) is fit  # type: ignore[union-attr]
+    assert fit.prefill_s_per_token == pytest.approx(learnt)
+    assert core.policy.config.latency.itl_weight == 0.5
