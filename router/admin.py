@@ -115,6 +115,8 @@ class Admin:
                         "inflight_requests": load.requests if load else 0,
                         "queued_prefill_tokens": load.prefill_tokens if load else 0,
                         "decode_blocks": load.decode_blocks if load else 0,
+                        "decoding": load.decoding if load else 0,
+                        "latency": load.latency.as_dict() if load and load.latency else None,
                         "index_blocks": blocks,
                         "index_share": _share(blocks, total),
                     }

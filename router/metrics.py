@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from router.events.writer import WriterStats
     from router.flow.control import FlowControl
     from router.index.base import IndexStats
-    from router.index.replicated import ReplicatedIndex
+    from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.index.shadow import ShadowedIndex
     from router.tokenization import Tokenizers
 
@@ -98,6 +98,8 @@ class StateSources:
     shared_load: SharedLoad | None = None
     replicated: ReplicatedIndex | None = None
     """The replicated mode's index (decision sharing through Redis)."""
+    session_sync: DecisionSync | None = None
+    """The stream the ``latency`` policy's session pins travel on, when shared."""
     snapshots: SnapshotWriter | None = None
     """The replicated mode's writer of engine stream snapshots."""
     writer: WriterStats | None = None
@@ -207,6 +209,18 @@ class StateCollector(Collector):
             )
         if src.replicated is not None:
             yield from self._replicated(src.replicated)
+        if src.session_sync is not None:
+            c = src.session_sync.counters
+            yield CounterMetricFamily(
+                "kvroute_session_pins_published",
+                "Session pins (the latency policy's affinity) this replica shared through Redis",
+                value=c.sessions_published,
+            )
+            yield CounterMetricFamily(
+                "kvroute_session_pins_learnt",
+                "Session pins other replicas shared that this replica learnt",
+                value=c.sessions_applied,
+            )
         if src.writer is not None:
             yield CounterMetricFamily(
                 "kvroute_kv_event_resnapshots",
@@ -544,6 +558,61 @@ class StateCollector(Collector):
         if self.sources.shared_load is not None:
             yield peer_inflight
             yield peer_prefill
+        yield from self._latency(registry, core)
+
+    @staticmethod
+    def _latency(
+        registry: Registry, core: RoutingCore
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The online latency model's lines per engine and the latency policy's SLO count."""
+        model = core.loads.latency
+        if model is not None:
+            gauges = {
+                name: GaugeMetricFamily(f"kvroute_engine_{name}", text, labels=["engine"])
+                for name, text in (
+                    ("prefill_seconds_per_token", "Fitted prefill time per uncached prompt token"),
+                    ("ttft_overhead_seconds", "Fitted time to a first token, nothing to prefill"),
+                    ("tpot_base_seconds", "Fitted time per output token of a lone sequence"),
+                    (
+                        "tpot_seconds_per_sequence",
+                        "Fitted time each other decoding sequence adds per output token",
+                    ),
+                )
+            }
+            observed = CounterMetricFamily(
+                "kvroute_engine_latency_observations",
+                "First tokens (ttft) and finished streams (tpot) the latency model learnt from",
+                labels=["engine", "kind"],
+            )
+            for engine in registry:
+                for key in engine.keys:
+                    fit = model.engines.get(key)
+                    if fit is None:
+                        continue
+                    label = [key.label]
+                    gauges["prefill_seconds_per_token"].add_metric(label, fit.prefill_s_per_token)
+                    gauges["ttft_overhead_seconds"].add_metric(label, fit.ttft_overhead_s)
+                    gauges["tpot_base_seconds"].add_metric(label, fit.tpot_base_s)
+                    gauges["tpot_seconds_per_sequence"].add_metric(label, fit.tpot_s_per_seq)
+                    observed.add_metric([key.label, "ttft"], fit.ttft.observations)
+                    observed.add_metric([key.label, "tpot"], fit.tpot.observations)
+            yield from gauges.values()
+            yield observed
+        policy = core.policy
+        checked = getattr(policy, "slo_checked", None)
+        if checked is not None:
+            yield CounterMetricFamily(
+                "kvroute_slo_requests",
+                "Requests routed with a latency objective (x-slo-ttft-ms, x-slo-tpot-ms or "
+                "the model's default)",
+                value=checked,
+            )
+            yield CounterMetricFamily(
+                "kvroute_slo_unmet",
+                "Requests with a latency objective no engine was predicted to meet (sent to "
+                "the least predicted violation)",
+                value=getattr(policy, "slo_unmet", 0),
+            )
 
 
 class RouterMetrics:

@@ -64,9 +64,35 @@ def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+def _latency(rank: dict[str, Any] | None) -> tuple[str, str, str]:
+    """A rank's fitted latency lines: prefill µs per token, TTFT overhead ms, lone TPOT ms
+    (``-`` from a router that keeps none)."""
+    fit = (rank or {}).get("latency")
+    if not fit:
+        return ("-", "-", "-")
+    return (
+        f"{fit['prefill_us_per_token']:.1f}",
+        f"{fit['ttft_overhead_ms']:.1f}",
+        f"{fit['tpot_base_ms']:.1f}",
+    )
+
+
 def table(engines: list[dict[str, Any]]) -> str:
-    """The engines as an aligned text table."""
-    head = ("ENGINE", "ROLE", "STATE", "MODELS", "INFLIGHT", "PREFILL_Q", "INDEX_BLOCKS", "SHARE")
+    """The engines as an aligned text table (the latency columns are the fitted lines of
+    the online latency model: router/engines/latency.py)."""
+    head = (
+        "ENGINE",
+        "ROLE",
+        "STATE",
+        "MODELS",
+        "INFLIGHT",
+        "PREFILL_Q",
+        "INDEX_BLOCKS",
+        "SHARE",
+        "US/TOKEN",
+        "TTFT0_MS",
+        "TPOT_MS",
+    )
     rows: list[tuple[str, ...]] = [head]
     for e in engines:
         ranks = e.get("ranks") or []
@@ -80,6 +106,7 @@ def table(engines: list[dict[str, Any]]) -> str:
                 str(sum(r["queued_prefill_tokens"] for r in ranks)),
                 _count(e["index_blocks"]),
                 _share(e["index_share"]),
+                *_latency(ranks[0] if len(ranks) == 1 else None),
             )
         )
         if len(ranks) > 1:
@@ -94,6 +121,7 @@ def table(engines: list[dict[str, Any]]) -> str:
                         str(r["queued_prefill_tokens"]),
                         _count(r["index_blocks"]),
                         _share(r["index_share"]),
+                        *_latency(r),
                     )
                 )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

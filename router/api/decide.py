@@ -12,10 +12,13 @@ plan through it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from router.admission import Overloaded
+from router.api.errors import ApiError
+from router.api.headers import SLO_TPOT_HEADER, SLO_TTFT_HEADER, header
 from router.api.openai import ParsedRequest, tokenize
 from router.core import Saturated
 from router.flow.isolation import Yielding
@@ -47,6 +50,17 @@ def body_text(parsed: ParsedRequest) -> str:
     if parsed.messages is not None:
         return " ".join(str(m.get("content") or "") for m in parsed.messages)
     return " ".join(p if isinstance(p, str) else " " * len(p) * 4 for p in parsed.texts or [])
+
+
+def slo_ms(name: str, value: str) -> float:
+    """An SLO header's milliseconds: a positive finite number (at most a day), else 400."""
+    try:
+        ms = float(value.strip())
+    except ValueError:
+        ms = math.nan
+    if not (0 < ms <= 86_400_000):
+        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
+    return ms
 
 
 class Decider:
@@ -91,8 +105,30 @@ class Decider:
             locate=registry.topology_of,
         )
 
+    def session_of(self, headers: Mapping[str, str]) -> str | None:
+        """The session key in the configured header (``policy.session_header``)."""
+        return header(headers, self.live.current.policy.session_header)
+
+    def objectives(self, route: RouteRequest, model: str, headers: Mapping[str, str]) -> None:
+        """Set ``route``'s SLOs: headers ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's
+        names; a positive number of milliseconds, else 400), or the model's defaults
+        (``policy.latency.slo``)."""
+        default = self.live.current.policy.latency.slo_for(self.registry.base_of(model))
+        for name, attr, fallback in (
+            (SLO_TTFT_HEADER, "slo_ttft_s", default.ttft_ms if default else None),
+            (SLO_TPOT_HEADER, "slo_tpot_s", default.tpot_ms if default else None),
+        ):
+            value = header(headers, name)
+            ms = fallback if value is None else slo_ms(name, value)
+            setattr(route, attr, None if ms is None else ms / 1e3)
+
     async def prepare(
-        self, request_id: str, model: str, parsed: ParsedRequest, session: str | None
+        self,
+        request_id: str,
+        model: str,
+        parsed: ParsedRequest,
+        session: str | None,
+        headers: Mapping[str, str] | None = None,
     ) -> RouteRequest:
         """Tokenize with the model's pool tokenizer and compute the prompt's block keys.
 
@@ -116,7 +152,7 @@ class Decider:
             parsed.prompts = [[0] * prompt_tokens]
         output = parsed.output_tokens
         max_tokens = output if output is not None else self.live.current.limits.default_max_tokens
-        return RouteRequest(
+        route = RouteRequest(
             request_id,
             keys,
             prompt_tokens,
@@ -125,6 +161,8 @@ class Decider:
             session=session or parsed.user,
             approximate=approximate,
         )
+        self.objectives(route, model, headers or {})
+        return route
 
     async def wait_for_room(self, route: RouteRequest, full: Saturated) -> None:
         """Every candidate is at ``limits.max_inflight_per_engine``: wait for room until

@@ -367,7 +367,11 @@ class Exchange:
                 model = check_request(parsed, app.config.limits, app.registry.models())
                 parsed.model = model
                 route = await app.decider.prepare(
-                    self.request_id, model, parsed, self.headers.get("x-session-id")
+                    self.request_id,
+                    model,
+                    parsed,
+                    app.decider.session_of(self.headers),
+                    self.headers,
                 )
                 check_prompt_tokens(parsed, app.config.limits)
                 load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n

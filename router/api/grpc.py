@@ -333,7 +333,8 @@ class RouterService(pb_grpc.RouterServicer):
                 ticket.prompt_estimate += len(request.text) // 4
             await app.flow.check(ticket)
         subset = {endpoint_key(e) for e in request.subset} or None
-        session = request.session or headers.get("x-session-id")
+        hints = {**_metadata(context), **headers}  # a gateway may send either
+        session = request.session or app.decider.session_of(hints)
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise bad_request(
@@ -342,12 +343,13 @@ class RouterService(pb_grpc.RouterServicer):
         if kind == "block_keys":
             model = resolve_model(request.model or None, app.registry.models())
             route, load_tokens = self._keyed(request, request_id, model, session)
+            app.decider.objectives(route, model, hints)
         else:
             payload = self._payload(request, kind)
             parsed = (parse_chat if "messages" in payload else parse_completion)(payload)
             model = check_request(parsed, app.config.limits, app.registry.models())
             parsed.model = model
-            route = await app.decider.prepare(request_id, model, parsed, session)
+            route = await app.decider.prepare(request_id, model, parsed, session, hints)
             check_prompt_tokens(parsed, app.config.limits)
             load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
         route.flow = ticket

@@ -18,6 +18,10 @@ _PRINTABLE = re.compile(r"[\t\x20-\x7e]*")
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 """What a request id may look like (it goes into headers and logs)."""
 
+#: Latency objectives of a request (llm-d's names), in milliseconds.
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+
 #: Headers the router reads itself or forwards to engines.
 CLIENT_HEADERS = (
     "authorization",
@@ -25,6 +29,8 @@ CLIENT_HEADERS = (
     "x-session-id",
     "x-request-id",
     "x-data-parallel-rank",
+    SLO_TTFT_HEADER,
+    SLO_TPOT_HEADER,
 )
 
 

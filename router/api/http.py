@@ -345,7 +345,7 @@ class HttpApi:
         model = check_request(parsed, limits, app.registry.models())
         parsed.model = model
         route_request = await app.decider.prepare(
-            request_id, model, parsed, sink.headers.get("x-session-id")
+            request_id, model, parsed, app.decider.session_of(sink.headers), sink.headers
         )
         check_prompt_tokens(parsed, limits)
         route_request.wait_until = deadline
@@ -631,11 +631,13 @@ class HttpApi:
         await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
         await sink.write(tap.chunk(first) if tap is not None else first)
         tail = first
+        events = first.count(b"data:")  # about one token each: the pace the model learns
         try:
             while True:
                 chunk = await upstream.readany()
                 if not chunk:
                     break
+                events += chunk.count(b"data:")
                 deadlines.touch(deadline)
                 # An event starts where the last one ended: it must start with a field.
                 if tail.endswith(b"\n\n") and not chunk.startswith(_SSE_FIELDS):
@@ -660,6 +662,8 @@ class HttpApi:
             return
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
+        # Events less the closing [DONE] and a usage-only one: the tokens, near enough.
+        ticket.output_tokens = events - (b"[DONE]" in tail) - parsed.include_usage
         await sink.end()
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')

@@ -109,7 +109,7 @@ class Passthrough:
             [],
             tokens,
             app.block_size_for(app.registry.base_of(model)),
-            session=sink.headers.get("x-session-id"),
+            session=app.decider.session_of(sink.headers),
             wait_until=deadline,
         )
         parsed = ParsedRequest(model, stream, None, 1, None, None, include_usage=False)

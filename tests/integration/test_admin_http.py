@@ -167,6 +167,9 @@ async def test_kvroute_status_prints_the_engines(
         "PREFILL_Q",
         "INDEX_BLOCKS",
         "SHARE",
+        "US/TOKEN",
+        "TTFT0_MS",
+        "TPOT_MS",
     ]
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert rows[endpoint(pair[0])][1:4] == ["both", "healthy", "kvroute-emulated"]

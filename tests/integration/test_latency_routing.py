@@ -1,0 +1,216 @@
+"""The ``latency`` policy through the front ends, on emulated engines: the online latency
+model learning from streamed answers, SLO headers and session affinity on HTTP and gRPC."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+from support.clients import get, post_reply
+from support.engines import poll, start_test_engine
+from support.grpc_clients import connect
+from support.routers import StartRouter
+
+from router.emulator import EmulatedEngine
+from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pair(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
+    engines = [
+        await start_test_engine(
+            engine_id=f"lat{i}",
+            kv_events_endpoint=f"ipc://{ipc_dir}/lat{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        )
+        for i in range(2)
+    ]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+def prompt(tag: str, words: int = 300) -> str:
+    return " ".join(f"{tag}{i}" for i in range(words))
+
+
+async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float | None:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def stream(http: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> str:
+    """A streamed completion; returns the router's reason header."""
+    async with http.post(
+        f"{url}/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers["x-kvroute-reason"]
+
+
+async def test_streamed_answers_teach_the_latency_model_and_status_shows_it(
+    routers: StartRouter, pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await routers([e.url for e in pair], policy={"name": "latency"})
+    for i in range(6):
+        reason = await stream(http, app.url, {"prompt": prompt(f"learn{i}"), "max_tokens": 4}, {})
+        assert reason.startswith("latency:") and "ttft=" in reason and "harm=" in reason
+    status, engines = await get(http, f"{app.url}/admin/engines")
+    assert status == 200
+    fits = [r["latency"] for e in engines["engines"] for r in e["ranks"] if r["latency"]]
+    assert sum(f["ttft_observations"] for f in fits) == 6
+    assert sum(f["tpot_observations"] for f in fits) == 6  # 4 tokens each: a pace to learn
+    assert all(f["prefill_us_per_token"] > 0 for f in fits)
+    assert await metric(http, app.url, "kvroute_engine_prefill_seconds_per_token") is not None
+
+
+async def test_slo_headers_on_http(
+    routers: StartRouter, pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await routers([e.url for e in pair], policy={"name": "latency"})
+    url = f"{app.url}/v1/completions"
+    body = {"prompt": prompt("slo"), "max_tokens": 2}
+    easy = await post_reply(http, url, body, {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "5000"})
+    assert easy.status == 200 and ":slo_unmet" not in easy.headers["x-kvroute-reason"]
+    hard = await post_reply(http, url, body, {"x-slo-ttft-ms": "0.001"})
+    assert hard.status == 200  # still served: by the least predicted violation
+    assert hard.headers["x-kvroute-reason"].startswith("latency:slo_unmet")
+    assert await metric(http, app.url, "kvroute_slo_requests_total") == 2
+    assert await metric(http, app.url, "kvroute_slo_unmet_total") == 1
+    for bad in ("fast", "-5", "0", "nan", "inf"):
+        reply = await post_reply(http, url, body, {"x-slo-tpot-ms": bad})
+        assert reply.status == 400, bad
+        assert reply.body["error"]["param"] == "x-slo-tpot-ms"
+        assert "milliseconds" in reply.body["error"]["message"]
+
+
+async def test_a_models_default_slo_applies_without_headers(
+    routers: StartRouter, pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await routers(
+        [e.url for e in pair],
+        policy={"name": "latency", "latency": {"slo": {"*": {"ttft_ms": 0.001}}}},
+    )
+    reply = await post_reply(
+        http, f"{app.url}/v1/completions", {"prompt": prompt("dflt"), "max_tokens": 2}
+    )
+    assert reply.headers["x-kvroute-reason"].startswith("latency:slo_unmet")
+    relaxed = await post_reply(
+        http,
+        f"{app.url}/v1/completions",
+        {"prompt": prompt("dflt"), "max_tokens": 2},
+        {"x-slo-ttft-ms": "60000"},  # the header overrides the default
+    )
+    assert not relaxed.headers["x-kvroute-reason"].startswith("latency:slo_unmet")
+
+
+async def test_a_session_returns_to_its_engine_on_http(
+    routers: StartRouter, pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await routers(
+        [e.url for e in pair], policy={"name": "latency", "session_header": "x-conversation"}
+    )
+    url = f"{app.url}/v1/completions"
+    seen = []
+    for turn in range(4):  # unrelated prompts: only the session ties them together
+        reply = await post_reply(
+            http,
+            url,
+            {"prompt": prompt(f"turn{turn}x"), "max_tokens": 2},
+            {"x-conversation": "c-1"},
+        )
+        assert reply.status == 200
+        seen.append(reply.headers["x-kvroute-engine"])
+    assert len(set(seen)) == 1, seen
+    # Without the key, idle engines are taken in turn (the least recently routed).
+    others = set()
+    for turn in range(4):
+        reply = await post_reply(http, url, {"prompt": prompt(f"free{turn}x"), "max_tokens": 2})
+        others.add(reply.headers["x-kvroute-engine"])
+    assert len(others) == 2
+
+
+async def test_slo_and_session_on_grpc_pick(
+    routers: StartRouter, pair: list[EmulatedEngine]
+) -> None:
+    app = await routers([e.url for e in pair], policy={"name": "latency"}, grpc={"port": 0})
+    async with connect(app.grpc_port) as stubs:
+        body = json.dumps({"prompt": prompt("grpc"), "max_tokens": 2}).encode()
+        pick = await stubs.router.Pick(
+            pb.PickRequest(request_id="g1", body=body),
+            metadata=(("x-slo-ttft-ms", "0.001"),),
+        )
+        assert pick.decode.decision.reason == "slo_unmet"
+        await stubs.router.Release(pb.ReleaseRequest(request_id="g1"))
+        pick = await stubs.router.Pick(
+            pb.PickRequest(request_id="g2", body=body, headers={"x-slo-ttft-ms": "60000"})
+        )
+        assert pick.decode.decision.reason != "slo_unmet"
+        await stubs.router.Release(pb.ReleaseRequest(request_id="g2"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stubs.router.Pick(
+                pb.PickRequest(request_id="g3", body=body, headers={"x-slo-tpot-ms": "soon"})
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "x-slo-tpot-ms" in (err.value.details() or "")
+        engines = []
+        for turn in range(3):
+            other = json.dumps({"prompt": prompt(f"gs{turn}x"), "max_tokens": 2}).encode()
+            pick = await stubs.router.Pick(
+                pb.PickRequest(request_id=f"s{turn}", body=other, session="conv-9")
+            )
+            engines.append(pick.decode.endpoint)
+            await stubs.router.Release(pb.ReleaseRequest(request_id=f"s{turn}"))
+        assert len(set(engines)) == 1, engines
+    await poll(lambda: app.core.loads.in_flight == 0)
+
+
+@pytest.mark.parametrize("mode", ["redis", "replicated"])
+async def test_a_session_finds_its_engine_through_another_replica(
+    routers: StartRouter,
+    pair: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    redis_url: str,
+    redis_namespace: str,
+    mode: str,
+) -> None:
+    """Two replicas sharing Redis: a conversation's turns alternate replicas and every
+    turn goes where the first went (the pins travel on the decision stream)."""
+    index = {
+        "backend": mode,
+        "redis": {"url": redis_url, "namespace": redis_namespace, "budget_ms": 1000},
+    }
+    urls = [e.url for e in pair]
+    a = await routers(urls, policy={"name": "latency"}, index=index)
+    b = await routers(urls, policy={"name": "latency"}, index=index)
+    for sessions in ("chat-1", "chat-2", "chat-3"):
+        first = await post_reply(
+            http,
+            f"{a.url}/v1/completions",
+            {"prompt": prompt(f"{sessions}-{mode}-first"), "max_tokens": 2},
+            {"x-session-id": sessions},
+        )
+        engine = first.headers["x-kvroute-engine"]
+        sync = b.replicated.sync if b.replicated is not None else b.session_sync
+        assert sync is not None and sync.sessions is b.core.policy.sessions  # type: ignore[attr-defined]
+        await poll(lambda s=sessions: b.core.policy.sessions.get(s, 1e-9) is not None)  # type: ignore[attr-defined]
+        for turn in range(2):  # unrelated prompts: only the session ties them
+            reply = await post_reply(
+                http,
+                f"{b.url}/v1/completions",
+                {"prompt": prompt(f"{sessions}-{mode}-{turn}"), "max_tokens": 2},
+                {"x-session-id": sessions},
+            )
+            assert reply.headers["x-kvroute-engine"] == engine, (sessions, turn)
+    assert await metric(http, a.url, "kvroute_session_pins_published_total") == 3
+    assert await metric(http, b.url, "kvroute_session_pins_learnt_total") == 3
