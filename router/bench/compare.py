@@ -7,6 +7,7 @@ two workloads: a reduced Mooncake conversation replay and a multi-turn chat with
 shared system prompt. Targets:
 
 * ``kvroute``: ``kvroute serve`` with its default policy (``kv_cost``);
+* ``latency``: ``kvroute serve --policy latency`` (predicted TTFT and decode harm);
 * ``rr``: ``kvroute serve --policy round_robin`` (the baseline of every ratio);
 * ``sglang_ca``: kvroute's re-implementation of sglang-router's ``cache_aware``;
 * ``sglang``, ``vllm_ca``, ``vllm_kv``: the real sglang-router (cache_aware) and
@@ -40,6 +41,7 @@ def targets() -> list[str]:
     cannot be installed is left out, with the reason on stderr)."""
     found = [
         "kvroute=policy:kv_cost",
+        "latency=policy:latency",
         "rr=policy:round_robin",
         "sglang_ca=policy:cache_aware_sglang",
     ]

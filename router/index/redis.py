@@ -681,15 +681,25 @@ class RedisIndex(FencedIndex):
     # ------------------------------------------------------------------ replicated mode
 
     async def publish_decisions(
-        self, replica: str, payload: bytes, min_id: str | None, timeout: float | None = None
+        self,
+        replica: str,
+        payload: bytes,
+        min_id: str | None,
+        timeout: float | None = None,
+        sessions: bytes | None = None,
     ) -> str:
-        """Append one entry (``r`` the replica, ``d`` its decisions) to the decision
-        stream, trimming entries older than ``min_id`` (approximately: whole stream nodes);
-        returns the entry's id. ``timeout`` defaults to ``admin_timeout``."""
+        """Append one entry (``r`` the replica, ``d`` its decisions, ``s`` its session
+        pins when it has some) to the decision stream, trimming entries older than
+        ``min_id`` (approximately: whole stream nodes); returns the entry's id.
+        ``timeout`` defaults to ``admin_timeout``. Readers that know no ``s`` field
+        read the decisions alone."""
+        fields = {"r": replica, "d": payload}
+        if sessions is not None:
+            fields["s"] = sessions
         entry = await self._call(
             lambda: self._client.xadd(
                 self._keys.decisions,
-                {"r": replica, "d": payload},
+                fields,  # type: ignore[arg-type]
                 minid=min_id,
                 approximate=True,
             ),
@@ -699,18 +709,19 @@ class RedisIndex(FencedIndex):
 
     async def read_decisions(
         self, after: str, count: int, block_ms: int | None
-    ) -> list[tuple[str, bytes, bytes]]:
+    ) -> list[tuple[str, bytes, bytes, bytes]]:
         """Entries of the decision stream after id ``after``, oldest first, as (id,
-        replica (bytes, as stored), payload); with ``block_ms``, waits that long for one
-        to arrive. Bounded by the wait plus ``admin_timeout``; a blocking read's answer
-        does not reset the count of slow calls (:attr:`slow_calls_to_outage`)."""
+        replica (bytes, as stored), payload, session pins (empty when none)); with
+        ``block_ms``, waits that long for one to arrive. Bounded by the wait plus
+        ``admin_timeout``; a blocking read's answer does not reset the count of slow
+        calls (:attr:`slow_calls_to_outage`)."""
         wait = (block_ms or 0) / 1000.0
         reply = await self._call(
             lambda: self._client.xread({self._keys.decisions: after}, count=count, block=block_ms),
             wait + self.admin_timeout,
             reset_slow=not block_ms,
         )
-        entries: list[tuple[str, bytes, bytes]] = []
+        entries: list[tuple[str, bytes, bytes, bytes]] = []
         for _, items in reply or ():
             for entry_id, fields in items:
                 entries.append(
@@ -718,6 +729,7 @@ class RedisIndex(FencedIndex):
                         entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
                         fields.get(b"r", b""),
                         fields.get(b"d", b""),
+                        fields.get(b"s", b""),
                     )
                 )
         return entries

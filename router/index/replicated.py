@@ -48,6 +48,7 @@ from router.config import ReplicatedIndexConfig
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, pack_keys
+from router.policy.sessions import SessionMap
 from router.types import EngineKey, Tier
 
 log = logging.getLogger("kvroute.index.replicated")
@@ -56,8 +57,14 @@ _NATIVE_LE = sys.byteorder == "little"
 
 _Decision = tuple[str, int, int, float, bytes]
 """(endpoint, rank, ttl ms, made at (wall clock, seconds), packed block keys)."""
+_Pin = tuple[str, str, int, int, float]
+"""(session key, endpoint, rank, ttl ms, made at): the ``latency`` policy's session
+affinity (:class:`~router.policy.sessions.SessionMap`), in an entry's ``s`` field."""
+_Entry = tuple[str, bytes, bytes] | tuple[str, bytes, bytes, bytes]
+"""A stream entry as read: (id, replica, decisions[, session pins])."""
 _encode = msgspec.msgpack.Encoder().encode
 _decode_decisions = msgspec.msgpack.Decoder(list[_Decision]).decode
+_decode_pins = msgspec.msgpack.Decoder(list[_Pin]).decode
 
 MAX_TTL_S = 86_400.0
 """A peer decision claiming a longer life than this is malformed (records live seconds
@@ -115,6 +122,10 @@ class SyncCounters:
     """Peers' decisions for engines this replica does not serve (not recorded)."""
     read_errors: int = 0
     publish_errors: int = 0
+    sessions_published: int = 0
+    """Own session pins appended to the stream (the ``latency`` policy's affinity)."""
+    sessions_applied: int = 0
+    """Peers' session pins learnt."""
     delay_s: float = 0.0
     """How long the last applied peer decision took from its decision to this index (wall
     clocks of two hosts: as good as their synchronization)."""
@@ -125,7 +136,7 @@ class DecisionSync:
 
     def __init__(
         self,
-        index: MemoryIndex,
+        index: MemoryIndex | None,
         redis: RedisIndex,
         config: ReplicatedIndexConfig,
         replica: str,
@@ -144,7 +155,12 @@ class DecisionSync:
         self._me = replica.encode()
         """This replica's id as the stream stores it (entries are compared as bytes)."""
         self.counters = SyncCounters()
+        self.sessions: SessionMap | None = None
+        """Where peers' session pins go (the ``latency`` policy's map); None: ignored."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock of :attr:`sessions` (pins' expiry)."""
         self._pending: deque[tuple[float, _Decision]] = deque()
+        self._pins: deque[tuple[float, _Pin]] = deque()
         self._wake = asyncio.Event()
         self._up = asyncio.Event()
         self._up.set()
@@ -221,6 +237,17 @@ class DecisionSync:
         )
         self._wake.set()
 
+    def publish_session(self, session: str, engine: EngineKey, ttl: float) -> None:
+        """Queue one session pin (never waits): peers send the session's next request to
+        ``engine`` as this replica would (``SessionMap.on_note``)."""
+        pins = self._pins
+        if len(pins) >= self.config.max_pending:
+            pins.popleft()
+            self.counters.dropped["queue_full"] += 1
+        now = self.wall()
+        pins.append((now + ttl, (session, engine.endpoint, engine.rank, int(ttl * 1000), now)))
+        self._wake.set()
+
     async def _publish_forever(self) -> None:
         interval = self.config.sync_interval_s
         loop = asyncio.get_running_loop()
@@ -254,10 +281,10 @@ class DecisionSync:
         """Publish the decisions queued now that are still live, ``max_batch`` to a
         stream entry (those queued meanwhile wait for the next call). Raises
         :class:`IndexUnavailable` (the batch in hand is queued again)."""
-        pending = self._pending
+        pending, pins = self._pending, self._pins
         epoch = self._epoch
-        left = len(pending)
-        while pending and left > 0:
+        left, pins_left = len(pending), len(pins)
+        while (pending and left > 0) or (pins and pins_left > 0):
             now = self.wall()
             batch: list[tuple[float, _Decision]] = []
             while pending and left > 0 and len(batch) < self.config.max_batch:
@@ -267,7 +294,13 @@ class DecisionSync:
                     self.counters.dropped["expired"] += 1
                     continue
                 batch.append(item)
-            if not batch:
+            pinned: list[tuple[float, _Pin]] = []
+            while pins and pins_left > 0 and len(pinned) < self.config.max_batch:
+                pins_left -= 1
+                pin = pins.popleft()
+                if pin[0] > now:
+                    pinned.append(pin)
+            if not batch and not pinned:
                 continue  # everything left in the round had expired
             try:
                 entry = await self.redis.publish_decisions(
@@ -275,15 +308,19 @@ class DecisionSync:
                     encode_decisions(d for _, d in batch),
                     self._min_id,
                     timeout=max(self.redis.budget, 0.25),
+                    sessions=_encode([p for _, p in pinned]) if pinned else None,
                 )
             except BaseException:  # unavailable, or cancelled mid-append by stop()
                 pending.extendleft(reversed(batch))
-                while len(pending) > self.config.max_pending:
-                    pending.popleft()
-                    self.counters.dropped["queue_full"] += 1
+                pins.extendleft(reversed(pinned))
+                for queue in (pending, pins):
+                    while len(queue) > self.config.max_pending:
+                        queue.popleft()
+                        self.counters.dropped["queue_full"] += 1
                 raise
             self.counters.entries += 1
             self.counters.published += len(batch)
+            self.counters.sessions_published += len(pinned)
             if epoch == self._epoch:  # else the id is the lost stream's
                 ms = int(entry.partition("-")[0])
                 self._min_id = f"{max(ms - int(self.config.window_s * 1000), 0)}-0"
@@ -301,9 +338,7 @@ class DecisionSync:
             if len(entries) < READ_COUNT:
                 return total
 
-    async def _apply_yielding(
-        self, entries: Sequence[tuple[str, bytes, bytes]], epoch: int
-    ) -> None:
+    async def _apply_yielding(self, entries: Sequence[_Entry], epoch: int) -> None:
         """:meth:`apply`, an entry at a time, letting requests run in between (a replica
         back from a partition may have thousands of peers' decisions to record); stops
         if Redis came back without its data meanwhile (``epoch`` is the read's)."""
@@ -335,18 +370,23 @@ class DecisionSync:
             except Exception:  # a bug must not end sharing; the entries are passed
                 log.exception("recording peers' decisions failed")
 
-    def apply(self, entries: Sequence[tuple[str, bytes, bytes]]) -> None:
-        """Record peers' decisions from stream entries (id, replica, payload)."""
+    def apply(self, entries: Sequence[_Entry]) -> None:
+        """Record peers' decisions (and session pins) from stream entries (id, replica,
+        payload[, session pins])."""
         if not entries:
             return
         self._last_id = entries[-1][0]
         now = self.wall()
         known = self.known
-        add = self.index.add_now
         counters = self.counters
-        for _, replica, payload in entries:
+        for _, replica, payload, *rest in entries:
             if replica == self._me:
                 continue
+            if rest and rest[0]:
+                self._apply_pins(rest[0], now)
+            if self.index is None:
+                continue  # sessions only (the shared index keeps decisions in Redis)
+            add = self.index.add_now
             try:
                 decisions = decode_decisions(payload)
             except ValueError:
@@ -374,6 +414,34 @@ class DecisionSync:
                     add(engine, keys, Tier.GPU, left)
                 counters.applied += 1
                 counters.delay_s = age
+
+    def _apply_pins(self, raw: bytes, now: float) -> None:
+        """Peers' session pins into :attr:`sessions`, with what is left of their life."""
+        sessions = self.sessions
+        if sessions is None:
+            return
+        counters = self.counters
+        try:
+            pins = _decode_pins(raw)
+        except msgspec.DecodeError:
+            counters.malformed += 1
+            return
+        known = self.known
+        at = self.clock()
+        for session, endpoint, rank, ttl_ms, made_at in pins:
+            engine = EngineKey(endpoint, rank)
+            if not (math.isfinite(made_at) and 0 < ttl_ms <= MAX_TTL_S * 1000):
+                counters.malformed += 1
+                continue
+            if known is not None and not known(engine):
+                counters.foreign += 1
+                continue
+            left = ttl_ms / 1000.0 - min(max(now - made_at, 0.0), MAX_TTL_S)
+            if left <= 0:
+                counters.expired += 1
+                continue
+            sessions.learn(session, engine, at + left)
+            counters.sessions_applied += 1
 
 
 class ReplicatedIndex(MemoryIndex):

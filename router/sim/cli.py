@@ -17,6 +17,10 @@ Examples::
     kvroute simulate --trace mooncake-conversation --requests 2000 --engines 8 \\
         --preset dynamo-mocker --replicas 1,2,4 --sync-delay-ms 0,5,50
 
+    # the latency policy at four weights of the inter-token latency it costs others
+    kvroute simulate --trace mooncake-synthetic --engines 8 --preset dynamo-mocker \\
+        --policy latency --sweep latency.itl_weight=0,0.05,0.1,0.2
+
 Writes ``results.json`` and ``summary.md`` to ``--output`` (docs/simulator.md).
 """
 
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
+import itertools
 import json
 import re
 import sys
@@ -32,11 +38,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from router import __version__
 from router.bench import report
 from router.bench.cli import add_workload_arguments, build_workload
 from router.bench.workloads import RequestSpec, TraceError
-from router.config import Config, ConfigError, load_config
+from router.config import Config, ConfigError, PolicyConfig, load_config
 from router.engine_model import EngineParams
 from router.engine_model.flags import add_model_arguments, engine_params
 from router.policy import DEFAULT_POLICY, POLICY_NAMES
@@ -138,6 +147,26 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="engines publish no KV events: the index knows only the router's decisions",
     )
+    group.add_argument(
+        "--slow-engines",
+        type=_slow_engines,
+        default=None,
+        metavar="N:FACTOR",
+        help="the first N engines run FACTOR times slower (every step): a throttled or "
+        "older GPU, which only a router that times its engines (the latency policy) sees",
+    )
+
+
+def _slow_engines(text: str) -> tuple[int, float]:
+    """``2:3`` -> (2, 3.0)."""
+    count, sep, factor = text.partition(":")
+    try:
+        n, f = int(count), float(factor)
+    except ValueError:
+        n, f = -1, 0.0
+    if not sep or n < 0 or not f > 0:
+        raise argparse.ArgumentTypeError("--slow-engines: expected N:FACTOR, e.g. 2:3")
+    return n, f
 
 
 def _numbers(text: str, kind: type[int] | type[float], what: str) -> list[Any]:
@@ -248,6 +277,101 @@ def replica_variants(args: argparse.Namespace) -> list[tuple[int, float]]:
     return variants
 
 
+#: One ``--sweep``: the key as written (without ``policy.``), its path in the ``policy``
+#: section, and each value as written with its YAML reading.
+Sweep = tuple[str, tuple[str, ...], list[tuple[str, Any]]]
+
+
+def _sweep(text: str) -> Sweep:
+    """``KEY=V1,V2,...``: a key of the ``policy`` section (dotted, optionally
+    ``policy.``-prefixed) and its values, each read as a YAML scalar."""
+    written_key, sep, listed = text.partition("=")
+    path = tuple(part.strip() for part in written_key.split("."))
+    if path[:1] == ("policy",) and len(path) > 1:
+        path = path[1:]
+    key = ".".join(path)
+    if not sep or not all(path):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected KEY=V1,V2,... (e.g. decode_weight=0,0.5)"
+        )
+    values: list[tuple[str, Any]] = []
+    for part in listed.split(","):
+        written = part.strip()
+        if not written:
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty value (expected KEY=V1,V2,...)")
+        try:
+            value = yaml.safe_load(written)
+        except yaml.YAMLError:
+            value = written
+        if isinstance(value, list | dict):
+            raise argparse.ArgumentTypeError(f"{text!r}: {written!r} is not a single value")
+        if any(written == other for other, _ in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: {written!r} is listed twice")
+        values.append((written, value))
+    return key, path, values
+
+
+def _policy_error(exc: ValidationError) -> str:
+    """Every error of a swept policy section, each naming its key."""
+    lines: list[str] = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        if err["type"] == "extra_forbidden":  # an unknown key: the closest known one
+            section: Any = PolicyConfig
+            for part in loc[:-1]:
+                field = getattr(section, "model_fields", {}).get(part)
+                section = None if field is None else field.annotation
+            known = list(getattr(section, "model_fields", {}))
+            close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.7)
+            detail = f"; did you mean {close[0]}?" if close else ""
+        else:
+            detail = f" (got {err['input']!r})"
+        lines.append(f"policy.{'.'.join(loc)}: {err['msg']}{detail}")
+    return "; ".join(lines)
+
+
+def policy_variants(
+    policy: PolicyConfig, sweeps: Sequence[Sweep]
+) -> list[tuple[str, PolicyConfig, dict[str, Any]]]:
+    """The cross product of ``sweeps`` over ``policy``, in flag order: each variant's
+    label (`` key=value`` per swept key, the value as written), its policy section
+    (validated) and the swept values as validated. Raises ValueError naming a bad key
+    or value."""
+    seen: set[tuple[str, ...]] = set()
+    for key, path, _ in sweeps:
+        if path == ("name",):
+            raise ValueError("--sweep name: choose policies with --policy")
+        if path in seen:
+            raise ValueError(f"--sweep {key}: the key is swept twice")
+        seen.add(path)
+    variants: list[tuple[str, PolicyConfig, dict[str, Any]]] = []
+    for combination in itertools.product(*(values for _, _, values in sweeps)):
+        data = policy.model_dump()
+        label = ""
+        for (key, path, _), (written, value) in zip(sweeps, combination, strict=True):
+            node = data
+            for depth, part in enumerate(path[:-1]):
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):
+                    where = ".".join(path[: depth + 1])
+                    raise ValueError(f"--sweep {key}: policy.{where} is a value, not a section")
+                node = child
+            node[path[-1]] = value
+            label += f" {key}={written}"
+        try:
+            variant = PolicyConfig.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"--sweep: {_policy_error(exc)}") from None
+        swept: dict[str, Any] = {}
+        for key, path, _ in sweeps:
+            node = variant.model_dump()
+            for part in path:
+                node = node[part]
+            swept[key] = node
+        variants.append((label, variant, swept))
+    return variants
+
+
 def add_layout_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Racks and where the engines sit on them (the router knows it, as
     ``engines[].topology``; docs/simulator.md, "Racks and links")."""
@@ -306,6 +430,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"routing policy (repeatable; 'all' = every one): {', '.join(POLICY_NAMES)} "
         f"(default: {DEFAULT_POLICY})",
+    )
+    fleet.add_argument(
+        "--sweep",
+        action="append",
+        type=_sweep,
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="run each policy once per value of KEY, a dotted key of the configuration's "
+        "policy section (decode_weight, latency.itl_weight; a leading 'policy.' is optional), "
+        "the rest of the section as --config sets it; values are YAML scalars (numbers, "
+        "strings, true/false, null); repeatable: several --sweep flags run their cross "
+        "product; runs are named 'POLICY KEY=VALUE ...' and results.json gives each run's "
+        "swept values as 'sweep'",
     )
     fleet.add_argument("--baseline", metavar="NAME", help="run the ratios divide by (first)")
     add_model_arguments(parser).add_argument(
@@ -379,6 +516,7 @@ def settings_for(
             "group_prefix_tokens": args.group_prefix_tokens,
             "burst_window_s": args.burst_window_ms / 1e3,
         }
+    slow = getattr(args, "slow_engines", None) or (0, 1.0)
     return SimSettings(
         fleet=fleet,
         params=params,
@@ -392,6 +530,8 @@ def settings_for(
         layout=layout,
         replicas=replicas,
         sync_delay_s=sync_delay_s,
+        slow_engines=slow[0],
+        slowdown=slow[1],
         **shared,
     )
 
@@ -420,22 +560,28 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         workload = build_workload(args, compact=True)
         layout = layout_of(args)
+        sweeps: list[Sweep] = getattr(args, "sweep", [])
+        swept = policy_variants(config.policy, sweeps) if sweeps else None
     except (ConfigError, TraceError, ValueError, FileNotFoundError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
     several = len(fleets) > 1
     variants = replica_variants(args)
     replicated = variants != [(1, 0.0)]
+    # Without --sweep, one variant: the configuration's own policy section, unlabelled.
+    policy_sections = swept or [("", config.policy, {})]
     plan = [
-        (fleet, policy, count, delay)
+        (fleet, policy, count, delay, section)
         for fleet in fleets
         for policy in policies
+        for section in policy_sections
         for count, delay in variants
     ]
     names = [
         (f"{policy}@{fleet.describe()}" if several else policy)
         + (replica_label(count, delay) if replicated else "")
-        for fleet, policy, count, delay in plan
+        + label
+        for fleet, policy, count, delay, (label, _, _) in plan
     ]
     baseline = args.baseline or names[0]
     if baseline not in names:
@@ -457,12 +603,12 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"runs      {', '.join(names)}\n")
     summaries = []
-    for (fleet, policy, count, delay), name in zip(plan, names, strict=True):
+    for (fleet, policy, count, delay, (_, section, values)), name in zip(plan, names, strict=True):
         settings = settings_for(
             fleet,
             policy,
             params,
-            config,
+            config if swept is None else config.model_copy(update={"policy": section}),
             args,
             workload.concurrency,
             replicas=count,
@@ -470,6 +616,10 @@ def run(args: argparse.Namespace) -> int:
         )
         result = simulate(settings, workload.specs, name)
         summary = result.summary()
+        if swept is not None:  # the swept values, after the policy's name
+            at = list(summary).index("policy") + 1
+            items = list(summary.items())
+            summary = dict([*items[:at], ("sweep", values), *items[at:]])
         summaries.append(summary)
         if not args.quiet:
             memory = summary["router_index"]

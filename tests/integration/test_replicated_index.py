@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -45,6 +46,7 @@ from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, pack_keys
 from router.index.replicated import DecisionSync, decode_decisions, encode_decisions, unpack_keys
+from router.policy.sessions import SessionMap
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey
 
@@ -375,6 +377,42 @@ async def test_a_malformed_stream_entry_is_counted_and_skipped(
         assert sync.counters.applied == 1 and sync.counters.expired == 1  # own entry skipped
         assert sync.index.lookup_now([1, 2, 3], [PEER]) == {PEER: Match(3)}
         assert sync.index.lookup_now([4], [PEER]) == {}
+
+
+async def test_session_pins_ride_the_decision_stream_and_bad_ones_are_skipped(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """The latency policy's session pins: an entry's ``s`` field beside its decisions
+    (readers that know no ``s`` read the decisions alone); malformed pins never land."""
+    async with (
+        decision_sync(redis_url, redis_namespace, "writer") as writer,
+        decision_sync(redis_url, redis_namespace, "reader") as reader,
+    ):
+        reader.sessions = SessionMap()
+        writer.publish_session("conv-1", PEER, 60.0)
+        writer.publish(PEER, [7, 8], 5.0)
+        await writer.flush()
+        stream, client = reader.redis.key("decisions"), reader.redis.client
+        (entry,) = [fields for _, fields in await client.xrange(stream)]
+        assert set(entry) == {b"r", b"d", b"s"}
+        now = time.time()
+        bad = encode_decisions(
+            [  # type: ignore[list-item]
+                ("nan", PEER.endpoint, PEER.rank, 5000, math.nan),
+                ("forever", PEER.endpoint, PEER.rank, 10**12, now),
+                ("stale", PEER.endpoint, PEER.rank, 1000, now - 60),
+            ]
+        )
+        await client.xadd(stream, {"r": "peer", "d": encode_decisions([]), "s": bad})
+        await client.xadd(stream, {"r": "peer", "d": encode_decisions([]), "s": b"\xc1"})
+        assert await reader.catch_up() == 3
+        assert reader.sessions.get("conv-1", time.monotonic()) == PEER
+        assert reader.counters.sessions_applied == 1 and writer.counters.sessions_published == 1
+        assert reader.index is not None and reader.index.lookup_now([7, 8], [PEER]) == {
+            PEER: Match(2)
+        }
+        assert all(reader.sessions.get(s, 0.0) is None for s in ("nan", "forever", "stale"))
+        assert reader.counters.malformed == 3 and reader.counters.expired == 1
 
 
 async def test_decisions_queued_while_redis_is_away_are_bounded_newest_kept() -> None:
