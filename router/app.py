@@ -792,9 +792,9 @@ class RouterApp:
             self.discovery = KubernetesDiscovery(self, self.config.discovery.kubernetes)
             self.metrics.registry.register(DiscoveryCollector(self.discovery))
             await self.discovery.start()
+        self._share_sessions()  # before the replicated catch-up: it replays peers' pins
         if self.replicated is not None and self.redis is not None:
             await self._start_replicated(self.replicated, self.redis)
-        self._share_sessions()
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         if self.server_tls is not None:
             self._spawn(self.server_tls.watch())
@@ -893,9 +893,17 @@ class RouterApp:
 
         sessions = getattr(self.core.policy, "sessions", None)
         redis = self.redis
-        if not isinstance(sessions, SessionMap) or redis is None:
+        if redis is None:
             return
         sync = self.replicated.sync if self.replicated is not None else self.session_sync
+        if not isinstance(sessions, SessionMap):  # (no longer) a policy with sessions
+            if sync is not None:
+                sync.sessions = None
+            if self.session_sync is not None:
+                self._spawn(self.session_sync.stop())
+                self.session_sync = None
+                self.metrics.state.sources.session_sync = None
+            return
         if sync is None:
             replica = self.shared_load.replica if self.shared_load is not None else replica_id()
             sync = self.session_sync = DecisionSync(

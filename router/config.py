@@ -70,11 +70,20 @@ class SGLangCacheAwareConfig(_Section):
     eviction_interval_s: float = Field(120.0, gt=0)
 
 
+#: The smallest latency objective, in milliseconds (a microsecond): below it an
+#: objective is no number a router can meet or compare against.
+MIN_SLO_MS = 0.001
+
+
 class SLOConfig(_Section):
     """Latency objectives of a request (``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` override)."""
 
-    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, ms.")
-    tpot_ms: float | None = Field(None, gt=0, description="Time per output token, ms.")
+    ttft_ms: float | None = Field(
+        None, ge=MIN_SLO_MS, le=86_400_000, description="Time to first token, ms."
+    )
+    tpot_ms: float | None = Field(
+        None, ge=MIN_SLO_MS, le=86_400_000, description="Time per output token, ms."
+    )
 
 
 class LatencyPolicyConfig(_Section):
@@ -108,9 +117,9 @@ class LatencyPolicyConfig(_Section):
     speed_tolerance: float = Field(
         1.0,
         ge=0,
-        description="A fitted coefficient within this fraction of the candidates' median "
-        "counts as the median (fits of alike engines differ by noise); an engine further "
-        "off is priced at its own speed.",
+        description="A fitted coefficient within a factor of 1 + this of the candidates' "
+        "lower median counts as that median (fits of alike engines differ by noise); an "
+        "engine further off (by default twice as slow, or fast) is priced at its own speed.",
     )
     prefill_us_per_token: float = Field(
         50.0, gt=0, description="Prior: microseconds of prefill per uncached prompt token."

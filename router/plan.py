@@ -222,6 +222,7 @@ class Planner:
         transfer (``route.transfer_tokens``, None without topology)."""
         cfg = self.disaggregation
         route.transfer_tokens = None
+        route.transfer_s_per_token = None
         best: Link | None = None
         if links is not None:
             uncached = max(route.prompt_tokens - decode.cached_tokens, 0)
@@ -235,6 +236,7 @@ class Planner:
                 key: link.transfer_s(uncached, cfg) / cfg.prefill_s_per_token
                 for key, link in usable.items()
             }
+            route.transfer_s_per_token = cfg.prefill_s_per_token
         return decide_split(
             route.prompt_tokens,
             decode.cached_tokens,
@@ -263,7 +265,12 @@ class Planner:
         if prefill is not None:
             chosen = prefill.chosen_terms()
             text += f" prefill={prefill.engine.label}"
-            if chosen is not None:
+            if chosen is not None and prefill.policy == "latency":  # seconds: in ms
+                text += (
+                    f" prefill_cost={chosen.total * 1e3:.1f}ms"
+                    f" prefill_transfer={chosen.transfer * 1e3:.1f}ms"
+                )
+            elif chosen is not None:
                 text += f" prefill_cost={chosen.total:.1f} prefill_transfer={chosen.transfer:.1f}"
         return text
 

@@ -20,6 +20,7 @@ from router.admission import Overloaded
 from router.api.errors import ApiError
 from router.api.headers import SLO_TPOT_HEADER, SLO_TTFT_HEADER, header
 from router.api.openai import ParsedRequest, tokenize
+from router.config import MIN_SLO_MS
 from router.core import Saturated
 from router.flow.isolation import Yielding
 from router.hashing import block_keys, seed_for
@@ -53,13 +54,17 @@ def body_text(parsed: ParsedRequest) -> str:
 
 
 def slo_ms(name: str, value: str) -> float:
-    """An SLO header's milliseconds: a positive finite number (at most a day), else 400."""
+    """An SLO header's milliseconds: from :data:`MIN_SLO_MS` to a day, else 400."""
     try:
         ms = float(value.strip())
     except ValueError:
         ms = math.nan
-    if not (0 < ms <= 86_400_000):
-        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
+    if not (MIN_SLO_MS <= ms <= 86_400_000):
+        raise ApiError(
+            400,
+            f"header {name} must be a number of milliseconds from {MIN_SLO_MS} to 86400000",
+            param=name,
+        )
     return ms
 
 

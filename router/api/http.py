@@ -78,6 +78,8 @@ _PATHS = {
     "messages": MESSAGES_PATH,
     "responses": "/v1/responses",
 }
+_TIMED_PATHS = frozenset((_PATHS["chat"], _PATHS["completions"], MESSAGES_PATH))
+"""Paths whose streamed answer's first event comes with the first token (vLLM's)."""
 _PARSERS: dict[str, Callable[[dict[str, Any]], ParsedRequest]] = {
     "chat": parse_chat,
     "completions": parse_completion,
@@ -530,6 +532,9 @@ class HttpApi:
             route_request.max_tokens,
             route_request.flow if cached_tokens is None else None,  # not a decode leg
             sees_first_token=parsed.stream,
+            # The first token of a decode leg is another engine's prefill; a Responses
+            # stream's first bytes come before the prefill: neither times this engine.
+            timed=parsed.stream and cached_tokens is None and ctx.path in _TIMED_PATHS,
         )
         sent = self.upstream_headers(
             sink.headers, route_request.request_id, engine, decision.engine, ctx.path
@@ -662,14 +667,26 @@ class HttpApi:
             return
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
-        # Events less the closing [DONE] and a usage-only one: the tokens, near enough.
-        ticket.output_tokens = events - (b"[DONE]" in tail) - parsed.include_usage
+        ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, parsed.n)
         await sink.end()
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
                 usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
                 self._check_tokenizer(parsed, usage, outcome)
+
+    @staticmethod
+    def _stream_tokens(path: str, events: int, tail: bytes, n: int) -> int | None:
+        """About how many tokens each sequence of a streamed completion or chat answer
+        had, from its ``data:`` events (one token each, as vLLM streams): less the
+        closing ``[DONE]``, a usage-only event, and a chat answer's role event per
+        choice. None for other paths (their streams carry events that are no tokens)."""
+        if path not in (_PATHS["chat"], _PATHS["completions"]):
+            return None
+        tokens = events - (b"[DONE]" in tail) - (b'"usage":{' in tail)
+        if path == _PATHS["chat"]:
+            tokens -= n
+        return max(tokens // max(n, 1), 0)
 
 
 class _WithUsage(msgspec.Struct):

@@ -136,12 +136,16 @@ class Ticket:
     ahead: int = 0
     """Prefill tokens queued on the engine when it was sent (the latency model's x)."""
     timed: bool = False
-    """Its first-token time and output pace teach the latency model."""
-    first_at: float = 0.0
+    """Its first-token time teaches the latency model (its output pace does whenever the
+    caller counts its tokens: :attr:`output_tokens`)."""
+    first_at: float = -1.0
+    """When its first token arrived (tracker clock; -1: not yet, or no model)."""
     decoding_at_first: int = 0
     """Sequences decoding on the engine when its first token arrived (itself included)."""
     done_by: float = 0.0
     """When its prefill was predicted to be done (the backlog after it)."""
+    prefill_s: float = 0.0
+    """Its own prefill's predicted seconds (its share of the backlog)."""
     output_tokens: int | None = None
     """Output tokens it produced, when the caller counted them (the TPOT observation)."""
 
@@ -217,7 +221,8 @@ class LoadTracker:
             ticket.ahead = load.prefill_tokens
             if load.latency is not None:
                 start = max(now, load.backlog_until)
-                ticket.done_by = start + load.latency.prefill_s_per_token * uncached
+                ticket.prefill_s = load.latency.prefill_s_per_token * uncached
+                ticket.done_by = start + ticket.prefill_s
                 load.backlog_until = ticket.done_by
         load.requests += 1
         load.routed = ticket.id + 1
@@ -240,7 +245,8 @@ class LoadTracker:
         load.decode_blocks += ticket.blocks
         load.decoding += 1
         if load.latency is not None:
-            now = self.clock()
+            now = ticket.first_at = self.clock()
+            ticket.decoding_at_first = load.decoding
             # Everything queued behind it is as late (or early) as it was.
             load.backlog_until = (
                 max(now, load.backlog_until + now - ticket.done_by)
@@ -248,9 +254,6 @@ class LoadTracker:
                 else now
             )
         if ticket.timed and load.latency is not None:
-            now = self.clock()
-            ticket.first_at = now
-            ticket.decoding_at_first = load.decoding
             load.latency.observe_ttft(
                 now, ticket.ahead + ticket.prefill_tokens, max(now - ticket.sent_at, 0.0)
             )
@@ -268,7 +271,7 @@ class LoadTracker:
             load.decode_tokens -= ticket.decode_tokens
             if ticket.prefilled:
                 load.decode_blocks -= ticket.blocks
-                if ticket.timed and load.latency is not None:
+                if ticket.first_at >= 0 and load.latency is not None:
                     self._observe_pace(ticket, load)
                 load.decoding -= 1
             else:
@@ -278,8 +281,9 @@ class LoadTracker:
                     if load.prefill_tokens <= load.peer_prefill_tokens:
                         load.backlog_until = now
                     elif ticket.done_by > now:
-                        share = ticket.done_by - max(ticket.sent_at, now)
-                        load.backlog_until = max(now, load.backlog_until - max(share, 0.0))
+                        # What was left of its own prefill: the queue behind it moves up.
+                        left = min(ticket.prefill_s, ticket.done_by - now)
+                        load.backlog_until = max(now, load.backlog_until - left)
         if self.on_end is not None:
             self.on_end()
 

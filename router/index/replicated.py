@@ -48,7 +48,7 @@ from router.config import ReplicatedIndexConfig
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, pack_keys
-from router.policy.sessions import SessionMap
+from router.policy.sessions import MAX_KEY_CHARS, SessionMap
 from router.types import EngineKey, Tier
 
 log = logging.getLogger("kvroute.index.replicated")
@@ -430,7 +430,11 @@ class DecisionSync:
         at = self.clock()
         for session, endpoint, rank, ttl_ms, made_at in pins:
             engine = EngineKey(endpoint, rank)
-            if not (math.isfinite(made_at) and 0 < ttl_ms <= MAX_TTL_S * 1000):
+            if not (
+                math.isfinite(made_at)
+                and 0 < ttl_ms <= MAX_TTL_S * 1000
+                and 0 < len(session) <= MAX_KEY_CHARS  # keys are kept short (hashed)
+            ):
                 counters.malformed += 1
                 continue
             if known is not None and not known(engine):

@@ -50,6 +50,9 @@ class RouteRequest:
     the chosen decode engine costs, in prompt tokens' worth of prefill (transfer seconds
     over ``disaggregation.prefill_s_per_token``). Cost policies add it to the
     candidate's prefill; None: every link alike (no topology)."""
+    transfer_s_per_token: float | None = None
+    """What one of ``transfer_tokens`` is in seconds (``disaggregation.prefill_s_per_token``):
+    the ``latency`` policy prices the transfer in seconds."""
     slo_ttft_s: float | None = None
     """Time-to-first-token objective (``x-slo-ttft-ms`` or the model's default); the
     ``latency`` policy prefers engines predicted to meet it."""
@@ -163,7 +166,7 @@ class Decision:
         if self.index:
             text += f" index={self.index}"
         chosen = self.chosen_terms()
-        if chosen is not None and chosen.ttft:
+        if chosen is not None and self.policy == "latency":
             text += " " + latency_terms(chosen)
         elif chosen is not None:
             text += (
@@ -180,7 +183,7 @@ class Decision:
         """Every candidate's numbers, for the debug log."""
         parts = [f"{self.summary()} engine={self.engine.label}"]
         for s in sorted(self.scores, key=lambda s: s.total):
-            if s.ttft:
+            if self.policy == "latency":
                 parts.append(f"{s.engine.label}[match={s.matched_blocks} {latency_terms(s)}]")
                 continue
             parts.append(

@@ -4,13 +4,13 @@ Per candidate, in seconds, from the engine's fitted latency lines
 (:mod:`router.engines.latency`: ``a`` seconds per prefill token, ``b`` seconds of
 first-token overhead, the TPOT line) or the configured priors (lower total wins)::
 
-    ttft     = b + a * (queued prefill tokens + uncached prompt tokens + transfer tokens)
+    ttft     = b + a * (queued prefill tokens + uncached prompt tokens) + transfer seconds
     queue    = queue_weight   * a * queued prefill tokens
     prefill  = prefill_weight * a * uncached prompt tokens
-    transfer = prefill_weight * a * transfer tokens (a split's prefill choice, topology known)
+    transfer = prefill_weight * the transfer's seconds (a split's prefill, topology known)
     decode   = decode_weight  * a * block_size * blocks held by decoding requests
     reported = (kv_cost's engine-reported terms, in blocks) * a * block_size
-    harm     = itl_weight * a * uncached prompt tokens * sequences decoding there
+    harm     = itl_weight * a * uncached prompt tokens * requests there (``harm_counts``)
     tpot     = the TPOT line at the sequences decoding there, plus this one
     total    = b + queue + prefill + transfer + decode + reported + harm - session bonus
 
@@ -50,7 +50,7 @@ from router.hashing import cacheable_blocks
 from router.index.base import Match
 from router.policy.base import Decision, RouteRequest, Score
 from router.policy.kv_cost import KVCostPolicy
-from router.policy.sessions import SessionMap
+from router.policy.sessions import SessionMap, session_key
 from router.types import EngineKey
 
 
@@ -108,10 +108,11 @@ class LatencyPolicy(KVCostPolicy):
         disk_extra = 0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight
         ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
         fresh_after = self._clock() - cfg.report_max_age_s if ww or wr or wk else None
-        transfers = request.transfer_tokens
+        transfers = request.transfer_tokens  # in prompt tokens' worth of prefill
+        per_moved = request.transfer_s_per_token
         now = self._clock()
         pinned = (
-            self.sessions.get(request.session, now)
+            self.sessions.get(session_key(request.session), now)
             if request.session and lat.session_bonus_ms > 0
             else None
         )
@@ -167,11 +168,12 @@ class LatencyPolicy(KVCostPolicy):
                 wait = a * queued
             queue = cfg.queue_weight * wait
             prefill = cfg.prefill_weight * a * uncached
-            transfer = cfg.prefill_weight * a * moved
+            transfer_s = moved * per_moved if per_moved is not None else a * moved
+            transfer = cfg.prefill_weight * transfer_s
             decode = cfg.decode_weight * a * bs * decode_blocks
             # Those ahead of it in the queue decode by the time its chunks run.
             harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)
-            ttft = b + wait + a * (uncached + moved)
+            ttft = b + wait + a * uncached + transfer_s
             bonus = 0.0
             if pinned == engine and wait_cap > 0:
                 bonus = max(0.0, bonus_max * (1.0 - wait / wait_cap))
@@ -200,10 +202,10 @@ class LatencyPolicy(KVCostPolicy):
     ) -> dict[EngineKey, tuple[float, float, float, float]]:
         """Each candidate's (prefill s/token, TTFT overhead s, TPOT base s, TPOT s/seq).
 
-        A fitted coefficient within ``speed_tolerance`` of the candidates' median is
-        taken as the median: fits of alike engines differ by their noise, and ranking on
-        that noise would scatter prefixes the cache should keep together. An engine
-        really slower (or faster) than the others keeps its own."""
+        A fitted coefficient within a factor ``1 + speed_tolerance`` of the
+        candidates' lower median is taken as that median: fits of alike engines differ
+        by their noise, and ranking on that noise would scatter prefixes the cache
+        should keep together. An engine really slower (or faster) keeps its own."""
         tol = self.config.latency.speed_tolerance
         rows: dict[EngineKey, tuple[float, float, float, float]] = {}
         for engine in candidates:
@@ -221,10 +223,13 @@ class LatencyPolicy(KVCostPolicy):
             )
         if len(rows) < 2:
             return rows
-        medians = [statistics.median(column) for column in zip(*rows.values(), strict=True)]
+        # The lower median: with two candidates (or two groups) the faster one's own
+        # value, so a slower one stands out instead of both being averaged.
+        medians = [statistics.median_low(col) for col in zip(*rows.values(), strict=True)]
+        low, high = 1.0 / (1.0 + tol), 1.0 + tol
         return {
             engine: tuple(  # type: ignore[misc]
-                mid if abs(value - mid) <= tol * mid else value
+                mid if mid > 0 and low <= value / mid <= high else value
                 for value, mid in zip(row, medians, strict=True)
             )
             for engine, row in rows.items()
@@ -251,6 +256,8 @@ class LatencyPolicy(KVCostPolicy):
                 self.slo_unmet += 1
                 least = min(_violation(s, slo_ttft, slo_tpot) for s in scores)
                 pool = [s for s in scores if _violation(s, slo_ttft, slo_tpot) - least <= 1e-9]
+        if not pool:  # no comparable prediction (finite SLOs always give one): all
+            pool = scores
         if self.config.temperature > 0 and len(pool) > 1:
             chosen = self._sample(request, pool)
         else:
@@ -267,7 +274,7 @@ class LatencyPolicy(KVCostPolicy):
         elif chosen.bonus and min(s.total + s.bonus for s in pool) < chosen.total + chosen.bonus:
             decision.reason = "session"  # the bonus decided it
         if request.session and self.config.latency.session_bonus_ms > 0:
-            self.sessions.note(request.session, chosen.engine, self._clock())
+            self.sessions.note(session_key(request.session), chosen.engine, self._clock())
         return decision
 
     def forget(self, engine: EngineKey) -> None:

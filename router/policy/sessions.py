@@ -1,8 +1,8 @@
 """Which engine served each session last: the ``latency`` policy's affinity map.
 
 A bounded LRU of session key -> (engine, expiry). The policy notes its own choices;
-with router replicas sharing Redis, the peers' choices arrive through
-:attr:`SessionMap.on_note` / :meth:`SessionMap.learn` (router/index/sessions.py), so
+with router replicas sharing Redis, its pins go out through :attr:`SessionMap.on_note`
+and the peers' arrive through :meth:`SessionMap.learn` (router/index/replicated.py), so
 the next turn of a conversation finds the engine the last one went to whichever
 replica it reaches.
 """
@@ -12,7 +12,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import xxhash
+
 from router.types import EngineKey
+
+#: Session keys longer than this are kept (and shared) as a 128-bit hash of themselves:
+#: a client's key is any header or ``user`` value, and the map keeps it for minutes.
+MAX_KEY_CHARS = 64
+
+
+def session_key(session: str) -> str:
+    """The key the map keeps for ``session``: itself when short, else its hash."""
+    if len(session) <= MAX_KEY_CHARS:
+        return session
+    return "h:" + xxhash.xxh3_128_hexdigest(session.encode("utf-8", "surrogatepass"))
 
 
 class SessionMap:
@@ -58,4 +71,4 @@ class SessionMap:
             del self._pins[session]
 
 
-__all__ = ["SessionMap"]
+__all__ = ["MAX_KEY_CHARS", "SessionMap", "session_key"]

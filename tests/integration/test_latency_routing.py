@@ -71,6 +71,28 @@ async def test_streamed_answers_teach_the_latency_model_and_status_shows_it(
     assert sum(f["ttft_observations"] for f in fits) == 6
     assert sum(f["tpot_observations"] for f in fits) == 6  # 4 tokens each: a pace to learn
     assert all(f["prefill_us_per_token"] > 0 for f in fits)
+    # A streamed chat answer teaches both lines; a Responses stream, whose first events
+    # come before the prefill, teaches neither.
+    async with http.post(
+        f"{app.url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": prompt("chat")}],
+            "max_tokens": 4,
+            "stream": True,
+        },
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+    async with http.post(
+        f"{app.url}/v1/responses",
+        json={"input": prompt("resp"), "max_output_tokens": 4, "stream": True},
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+    status, engines = await get(http, f"{app.url}/admin/engines")
+    fits = [r["latency"] for e in engines["engines"] for r in e["ranks"] if r["latency"]]
+    assert sum(f["ttft_observations"] for f in fits) == 7
+    assert sum(f["tpot_observations"] for f in fits) == 7
     assert await metric(http, app.url, "kvroute_engine_prefill_seconds_per_token") is not None
 
 
@@ -87,11 +109,11 @@ async def test_slo_headers_on_http(
     assert hard.headers["x-kvroute-reason"].startswith("latency:slo_unmet")
     assert await metric(http, app.url, "kvroute_slo_requests_total") == 2
     assert await metric(http, app.url, "kvroute_slo_unmet_total") == 1
-    for bad in ("fast", "-5", "0", "nan", "inf"):
+    for bad in ("fast", "-5", "0", "nan", "inf", "1e-310", "5e-324", "0.0001", "1e9"):
         reply = await post_reply(http, url, body, {"x-slo-tpot-ms": bad})
         assert reply.status == 400, bad
         assert reply.body["error"]["param"] == "x-slo-tpot-ms"
-        assert "milliseconds" in reply.body["error"]["message"]
+        assert "milliseconds" in reply.body["error"]["message"], bad
 
 
 async def test_a_models_default_slo_applies_without_headers(
@@ -214,3 +236,31 @@ async def test_a_session_finds_its_engine_through_another_replica(
             assert reply.headers["x-kvroute-engine"] == engine, (sessions, turn)
     assert await metric(http, a.url, "kvroute_session_pins_published_total") == 3
     assert await metric(http, b.url, "kvroute_session_pins_learnt_total") == 3
+
+
+async def test_a_replica_started_later_learns_the_live_pins_at_start(
+    routers: StartRouter,
+    pair: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """Replicated mode: a new replica replays the stream's window, pins included."""
+    index = {
+        "backend": "replicated",
+        "redis": {"url": redis_url, "namespace": redis_namespace, "budget_ms": 1000},
+    }
+    urls = [e.url for e in pair]
+    a = await routers(urls, policy={"name": "latency"}, index=index)
+    reply = await post_reply(
+        http,
+        f"{a.url}/v1/completions",
+        {"prompt": prompt("late"), "max_tokens": 2},
+        {"x-session-id": "early"},
+    )
+    engine = reply.headers["x-kvroute-engine"]
+    assert a.replicated is not None
+    await poll(lambda: a.replicated.sync.counters.sessions_published == 1)  # type: ignore[union-attr]
+    b = await routers(urls, policy={"name": "latency"}, index=index)
+    pinned = b.core.policy.sessions.get("early", 0.0)  # type: ignore[attr-defined]
+    assert pinned is not None and pinned.label == engine

@@ -126,3 +126,17 @@ def test_the_backlog_counts_what_is_left_of_work_in_progress() -> None:
     clock.now += 0.2
     tracker.end(b)  # failed before its first token: nothing is queued any more
     assert load.backlog_until == clock.now
+
+
+def test_a_request_that_leaves_the_queue_takes_only_its_own_share_of_the_backlog() -> None:
+    clock = Clock()
+    tracker = LoadTracker(block_size=16, clock=clock, latency=LatencyModel(PRIORS))
+    t0 = clock.now
+    tickets = [tracker.begin(A, 20_000, 0, 10) for _ in range(3)]  # 1 s of prefill each
+    load = tracker.view[A]
+    assert load.backlog_until == pytest.approx(t0 + 3.0)
+    clock.now += 0.1
+    tracker.end(tickets[1])  # the middle one leaves: 1 s less
+    assert load.backlog_until == pytest.approx(t0 + 2.0)
+    tracker.end(tickets[2])  # the last one: 1 s less again
+    assert load.backlog_until == pytest.approx(t0 + 1.0)

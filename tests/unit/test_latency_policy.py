@@ -14,6 +14,7 @@ from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.policy.kv_cost import KVCostPolicy
 from router.policy.latency import LatencyPolicy, priors_of
+from router.policy.sessions import MAX_KEY_CHARS, session_key
 from router.types import EngineKey
 
 ENGINES = [EngineKey(f"127.0.0.1:{8000 + i}") for i in range(3)]
@@ -180,3 +181,26 @@ async def test_a_reload_keeps_the_fitted_lines_and_the_sessions() -> None:
     assert tracker.latency.of(A) is fit  # type: ignore[union-attr]
     assert fit.prefill_s_per_token == pytest.approx(learnt)
     assert core.policy.config.latency.itl_weight == 0.5
+
+
+def test_of_two_engines_the_slow_one_stands_out() -> None:
+    loads = {A: fitted(EngineLoad(), 50e-6), B: fitted(EngineLoad(), 5000e-6)}
+    scores = {s.engine: s for s in policy().score(req(prompt_tokens=2000), [A, B], {}, loads)}
+    assert scores[A].ttft == pytest.approx(0.01 + 2000 * 50e-6, rel=0.05)
+    assert scores[B].ttft > 50 * scores[A].ttft * 0.8
+
+
+def test_an_objective_too_small_to_compare_never_breaks_the_choice() -> None:
+    p = policy()
+    for slo in (5e-324, 1e-310):  # what 1e-321 ms would be; the API refuses below 1 µs
+        decision = p.choose(req(slo_ttft_s=slo), [A, B], {}, {})
+        assert decision.engine in (A, B) and decision.reason == "slo_unmet"
+
+
+def test_a_long_session_key_is_kept_as_its_hash() -> None:
+    p = policy()
+    key = "u" * 5000
+    first = p.choose(req("t1", session=key), ENGINES, {}, {})
+    assert len(p.sessions) == 1 and key not in p.sessions._pins
+    assert p.sessions.get(session_key(key), 0.0) == first.engine
+    assert len(session_key(key)) <= MAX_KEY_CHARS
