@@ -205,7 +205,10 @@ class LatencyPolicy(KVCostPolicy):
         A fitted coefficient within a factor ``1 + speed_tolerance`` of the
         candidates' lower median is taken as that median: fits of alike engines differ
         by their noise, and ranking on that noise would scatter prefixes the cache
-        should keep together. An engine really slower (or faster) keeps its own."""
+        should keep together. An engine really slower (or faster) keeps its own. The
+        first-token overhead is always the median: the fit's intercept is its noisiest
+        term (a slow engine's shows in its slope, where the fit puts it), and a few
+        milliseconds of it would otherwise decide between alike engines."""
         tol = self.config.latency.speed_tolerance
         rows: dict[EngineKey, tuple[float, float, float, float]] = {}
         for engine in candidates:
@@ -227,10 +230,13 @@ class LatencyPolicy(KVCostPolicy):
         # value, so a slower one stands out instead of both being averaged.
         medians = [statistics.median_low(col) for col in zip(*rows.values(), strict=True)]
         low, high = 1.0 / (1.0 + tol), 1.0 + tol
+        overhead = medians[1]
         return {
-            engine: tuple(  # type: ignore[misc]
-                mid if mid > 0 and low <= value / mid <= high else value
-                for value, mid in zip(row, medians, strict=True)
+            engine: (
+                _near(row[0], medians[0], low, high),
+                overhead,
+                _near(row[2], medians[2], low, high),
+                _near(row[3], medians[3], low, high),
             )
             for engine, row in rows.items()
         }
@@ -279,6 +285,11 @@ class LatencyPolicy(KVCostPolicy):
 
     def forget(self, engine: EngineKey) -> None:
         self.sessions.forget(engine)
+
+
+def _near(value: float, mid: float, low: float, high: float) -> float:
+    """``mid`` when ``value`` is within ``[low, high]`` times it, else ``value``."""
+    return mid if mid > 0 and low <= value / mid <= high else value
 
 
 def _violation(score: Score, slo_ttft: float | None, slo_tpot: float | None) -> float:
