@@ -49,7 +49,7 @@ from operator import attrgetter
 from typing import Any
 
 from router.config import PolicyConfig
-from router.engines.load import LoadView
+from router.engines.load import EngineLoad, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
 from router.policy.base import (
@@ -68,6 +68,31 @@ _MATCHED = attrgetter("matched_blocks")
 _SCAN: Any = getattr(native_helper(), "kv_cost_scan", None)
 """The compiled twin of :meth:`KVCostPolicy.score`'s loop (router/native/cost.c)."""
 _COLUMNS = 8
+
+
+def cached_tokens(
+    match: Match, block_size: int, cap: int, offload_discount: float, disk_extra: float
+) -> int:
+    """The prompt tokens ``match`` serves from cache, each block at its best tier's
+    worth (an offloaded block ``1 - offload_discount``, a disk block ``disk_extra``
+    less), capped at ``cap`` (the never-the-last-token rule)."""
+    held: float = match.blocks
+    if match.offloaded:
+        held -= match.offloaded * offload_discount
+        if match.disk:
+            held -= match.disk * disk_extra
+    cached = int(held * block_size + 1e-6)  # 1e-6: weights' float error
+    return cap if cached > cap else cached
+
+
+def reported_load(
+    load: EngineLoad, fresh_after: float | None, ww: float, wr: float, wk: float
+) -> float:
+    """The engine-reported terms (waiting, running, KV usage) in block-equivalents, or
+    0 when they are off (``fresh_after`` None) or older than ``fresh_after``."""
+    if fresh_after is None or load.reported_at is None or load.reported_at < fresh_after:
+        return 0.0
+    return ww * (load.waiting or 0.0) + wr * (load.running or 0.0) + wk * (load.kv_usage or 0.0)
 
 
 def _score(engine: EngineKey, col: array[float], k: int) -> Score:
@@ -155,14 +180,7 @@ class KVCostPolicy(Policy):
                 blocks = cached = 0
             else:
                 blocks = match.blocks
-                held: float = blocks
-                if match.offloaded:
-                    held -= match.offloaded * offload_discount
-                    if match.disk:
-                        held -= match.disk * disk_extra
-                cached = int(held * bs + 1e-6)  # 1e-6: weights' float error
-                if cached > cap:
-                    cached = cap
+                cached = cached_tokens(match, bs, cap, offload_discount, disk_extra)
             prefill = per_uncached * (isl - cached)
             transfer = per_uncached * transfers.get(engine, 0.0) if transfers else 0.0
             load = get_load(engine)
@@ -172,17 +190,7 @@ class KVCostPolicy(Policy):
                 continue
             queue = per_queued * load.prefill_tokens
             decode = per_decode_block * load.decode_blocks
-            reported = 0.0
-            if (
-                fresh_after is not None
-                and load.reported_at is not None
-                and load.reported_at >= fresh_after
-            ):
-                reported = (
-                    ww * (load.waiting or 0.0)
-                    + wr * (load.running or 0.0)
-                    + wk * (load.kv_usage or 0.0)
-                )
+            reported = reported_load(load, fresh_after, ww, wr, wk)
             append(
                 Score(
                     engine,

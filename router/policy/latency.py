@@ -49,7 +49,7 @@ from router.engines.load import LoadView
 from router.hashing import cacheable_blocks
 from router.index.base import Match
 from router.policy.base import Decision, RouteRequest, Score
-from router.policy.kv_cost import KVCostPolicy
+from router.policy.kv_cost import KVCostPolicy, cached_tokens, reported_load
 from router.policy.sessions import SessionMap, session_key
 from router.types import EngineKey
 
@@ -127,12 +127,7 @@ class LatencyPolicy(KVCostPolicy):
             blocks = cached = 0
             if match is not None:
                 blocks = match.blocks
-                held: float = blocks
-                if match.offloaded:
-                    held -= match.offloaded * offload_discount
-                    if match.disk:
-                        held -= match.disk * disk_extra
-                cached = min(int(held * bs + 1e-6), cap)
+                cached = cached_tokens(match, bs, cap, offload_discount, disk_extra)
             uncached = isl - cached
             moved = transfers.get(engine, 0.0) if transfers else 0.0
             load = loads.get(engine)
@@ -146,20 +141,7 @@ class LatencyPolicy(KVCostPolicy):
                     load.decoding,
                     load.requests,
                 )
-                if (
-                    fresh_after is not None
-                    and load.reported_at is not None
-                    and load.reported_at >= fresh_after
-                ):
-                    reported = (
-                        (
-                            ww * (load.waiting or 0.0)
-                            + wr * (load.running or 0.0)
-                            + wk * (load.kv_usage or 0.0)
-                        )
-                        * a
-                        * bs
-                    )
+                reported = reported_load(load, fresh_after, ww, wr, wk) * a * bs
             if backlog and load is not None and load.latency is not None:
                 # The router's own queue as the backlog clock says (work in progress
                 # counts what is left of it), the peers' at the fitted speed.
