@@ -62,10 +62,10 @@ from router.live_config import LiveConfig
 from router.metrics import RouterMetrics, StateSources
 from router.policy import make_policy
 from router.policy.latency import priors_of
-from router.policy.sessions import SessionMap
 from router.proxy import Upstream, UpstreamError
 from router.response_store import ResponseStore
 from router.security import AuthError, Credentials, ServerTLS
+from router.sessions import SessionMap
 from router.tokenization import Tokenizers, TokenizerUnavailable
 from router.types import EngineKey, Tier
 

@@ -48,7 +48,7 @@ from router.config import ReplicatedIndexConfig
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, pack_keys
-from router.policy.sessions import MAX_KEY_CHARS, SessionMap
+from router.sessions import MAX_KEY_CHARS, SessionMap
 from router.types import EngineKey, Tier
 
 log = logging.getLogger("kvroute.index.replicated")
@@ -59,7 +59,7 @@ _Decision = tuple[str, int, int, float, bytes]
 """(endpoint, rank, ttl ms, made at (wall clock, seconds), packed block keys)."""
 _Pin = tuple[str, str, int, int, float]
 """(session key, endpoint, rank, ttl ms, made at): the ``latency`` policy's session
-affinity (:class:`~router.policy.sessions.SessionMap`), in an entry's ``s`` field."""
+affinity (:class:`~router.sessions.SessionMap`), in an entry's ``s`` field."""
 _Entry = tuple[str, bytes, bytes] | tuple[str, bytes, bytes, bytes]
 """A stream entry as read: (id, replica, decisions[, session pins])."""
 _encode = msgspec.msgpack.Encoder().encode

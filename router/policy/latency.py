@@ -50,7 +50,7 @@ from router.hashing import cacheable_blocks
 from router.index.base import Match
 from router.policy.base import Decision, RouteRequest, Score
 from router.policy.kv_cost import KVCostPolicy, cached_tokens, reported_load
-from router.policy.sessions import SessionMap, session_key
+from router.sessions import SessionMap, session_key
 from router.types import EngineKey
 
 

@@ -81,6 +81,26 @@ READS: dict[str, Reader] = {
         "cache_threshold balance_abs_threshold balance_rel_threshold max_tree_size "
         "eviction_interval_s",
     ),
+    # Under the latency policy (see BASES): it reads its section per decision, and the
+    # load tracker's latency model takes the priors (keeping what it learnt).
+    **_reads(
+        "policy.latency",
+        lambda app: app.core.policy.config.latency,
+        "itl_weight harm_counts queue_model speed_tolerance slo session_bonus_ms "
+        "session_max_wait_ms session_ttl_s max_sessions",
+    ),
+    **{
+        f"policy.latency.{key}": (lambda app, prior=prior: getattr(app.loads.latency.priors, prior))
+        for key, prior in (
+            ("prefill_us_per_token", "prefill_s_per_token"),
+            ("ttft_overhead_ms", "ttft_overhead_s"),
+            ("tpot_base_ms", "tpot_base_s"),
+            ("tpot_us_per_seq", "tpot_s_per_seq"),
+            ("prior_weight", "prior_weight"),
+            ("half_life_s", "half_life_s"),
+        )
+    },
+    "policy.session_header": lambda app: app.config.policy.session_header,  # per request
     # The split decision and the handoff read these per request.
     **_reads(
         "disaggregation",
@@ -240,6 +260,7 @@ async def test_every_reloadable_key_reaches_what_reads_it(
     #: A base where the key matters (the sglang rule's settings under its policy...).
     bases: dict[str, dict[str, dict[str, Any]]] = {
         "policy.sglang.": {"policy": {"name": "cache_aware_sglang"}},
+        "policy.latency.": {"policy": {"name": "latency"}},
         "auth.upstream_token": {"auth": {"upstream": "token", "upstream_token": "first"}},
         "auth.upstream_token_file": {
             "auth": {"upstream": "token", "upstream_token_file": keys_file("t1", "first")}
@@ -247,6 +268,8 @@ async def test_every_reloadable_key_reaches_what_reads_it(
     }
     special: dict[str, Any] = {
         "policy.name": "round_robin",
+        "policy.latency.slo": {"*": {"ttft_ms": 500.0}},
+        "policy.session_header": "x-conversation",
         "disaggregation.handoff": "sglang",  # a name the handoff registry knows
         **{f"disaggregation.links.{kind}.min_uncached_tokens": 256 for kind in LOCALITIES},
         "engines": [{"url": other.url}],
@@ -293,7 +316,10 @@ async def test_every_reloadable_key_reaches_what_reads_it(
                 assert new is not None, f"{key}: no changed value to try; add one to `special`"
                 before = READS[key](app)
                 result = await reload_to(new)
-                assert key in result.applied, key
+                # A dict-valued key (policy.latency.slo) is reported by the paths inside it.
+                assert key in result.applied or any(
+                    applied.startswith(f"{key}.") for applied in result.applied
+                ), key
                 if READS[key](app) == before:
                     unchanged.append(key)
         await reload_to(main)

@@ -46,7 +46,7 @@ from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, pack_keys
 from router.index.replicated import DecisionSync, decode_decisions, encode_decisions, unpack_keys
-from router.policy.sessions import SessionMap
+from router.sessions import SessionMap
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey
 

@@ -45,20 +45,29 @@ def after(argv: list[str], flag: str, count: int) -> list[str]:
     return argv[i + 1 : i + 1 + count]
 
 
-def test_the_six_targets_their_policies_and_kv_event_sources(
+def test_the_seven_targets_their_policies_and_kv_event_sources(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(compare, "install", installed)
     specs = compare.targets()
     targets = {t.name: t for t in map(parse_target, specs)}
-    assert list(targets) == ["kvroute", "rr", "sglang_ca", "sglang", "vllm_ca", "vllm_kv"]
+    assert list(targets) == [
+        "kvroute",
+        "latency",
+        "rr",
+        "sglang_ca",
+        "sglang",
+        "vllm_ca",
+        "vllm_kv",
+    ]
     assert {n: (t.kind, t.value) for n, t in targets.items() if t.kind == "policy"} == {
         "kvroute": ("policy", "kv_cost"),
+        "latency": ("policy", "latency"),
         "rr": ("policy", "round_robin"),
         "sglang_ca": ("policy", "cache_aware_sglang"),
     }
 
-    sglang = argv_of(specs[3])
+    sglang = argv_of(specs[4])
     assert sglang[:2] == [str(compare.BUILD / "sglang-router/bin/sglang-router"), "launch"]
     assert flag_values(sglang, "--policy") == ["cache_aware"]
     assert after(sglang, "--worker-urls", 2) == ENGINES
@@ -67,13 +76,13 @@ def test_the_six_targets_their_policies_and_kv_event_sources(
     assert "--kv-event-source" not in sglang
 
     vllm = str(compare.BUILD / "vllm-router/bin/vllm-router")
-    cache_aware = argv_of(specs[4])
+    cache_aware = argv_of(specs[5])
     assert cache_aware[0] == vllm
     assert flag_values(cache_aware, "--policy") == ["cache_aware"]
     assert after(cache_aware, "--worker-urls", 2) == ENGINES
     assert "--kv-event-source" not in cache_aware
 
-    kv_aware = argv_of(specs[5])
+    kv_aware = argv_of(specs[6])
     assert kv_aware[0] == vllm
     assert flag_values(kv_aware, "--policy") == ["kv_aware"]
     assert after(kv_aware, "--worker-urls", 2) == ENGINES
@@ -93,7 +102,12 @@ def test_a_peer_that_cannot_be_installed_is_left_out_with_the_reason(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(compare, "install", not_installed)
-    assert [parse_target(s).name for s in compare.targets()] == ["kvroute", "rr", "sglang_ca"]
+    assert [parse_target(s).name for s in compare.targets()] == [
+        "kvroute",
+        "latency",
+        "rr",
+        "sglang_ca",
+    ]
     err = capsys.readouterr().err
     assert "no sglang-router (cannot install sglang-router==test: no network)" in err
     assert "no vllm-router (cannot install vllm-router==test: no network)" in err
@@ -111,7 +125,7 @@ def test_both_runs_are_valid_bench_commands_on_kv_event_publishing_engines(
         assert args.engines == 4
         assert args.baseline == "rr"
         assert args.model == DEFAULT_MODEL
-        assert len(args.compare) == 6
+        assert len(args.compare) == 7
         # TCP KV events, so that vllm-router (another process) can subscribe to them.
         assert "--kv-events-endpoint tcp://127.0.0.1:*" in args.engine_args
     assert (mooncake.workload, mooncake.requests, mooncake.speedup) == (

@@ -14,7 +14,7 @@ from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.policy.kv_cost import KVCostPolicy
 from router.policy.latency import LatencyPolicy, priors_of
-from router.policy.sessions import MAX_KEY_CHARS, session_key
+from router.sessions import MAX_KEY_CHARS, session_key
 from router.types import EngineKey
 
 ENGINES = [EngineKey(f"127.0.0.1:{8000 + i}") for i in range(3)]
