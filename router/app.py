@@ -900,7 +900,7 @@ class RouterApp:
             if sync is not None:
                 sync.sessions = None
             if self.session_sync is not None:
-                self._spawn(self.session_sync.stop())
+                self.session_sync.halt()  # nothing left to publish that anyone reads
                 self.session_sync = None
                 self.metrics.state.sources.session_sync = None
             return

@@ -202,6 +202,14 @@ class DecisionSync:
         with contextlib.suppress(ValueError):
             self.redis.listeners.remove(self._on_availability)
 
+    def halt(self) -> None:
+        """Stop at once, publishing nothing more (what is queued is dropped)."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        with contextlib.suppress(ValueError):
+            self.redis.listeners.remove(self._on_availability)
+
     @property
     def pending(self) -> int:
         """Own decisions waiting to be published."""

@@ -16,8 +16,10 @@ from support.engines import poll, start_test_engine
 from support.grpc_clients import connect
 from support.routers import StartRouter
 
+from router.config import Config
 from router.emulator import EmulatedEngine
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.reload import Reloader
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -264,3 +266,34 @@ async def test_a_replica_started_later_learns_the_live_pins_at_start(
     b = await routers(urls, policy={"name": "latency"}, index=index)
     pinned = b.core.policy.sessions.get("early", 0.0)  # type: ignore[attr-defined]
     assert pinned is not None and pinned.label == engine
+
+
+async def test_a_reload_to_another_policy_stops_sharing_sessions(
+    routers: StartRouter,
+    pair: list[EmulatedEngine],
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """The shared index's sessions-only stream reader lives while the policy keeps
+    sessions: a reload to kv_cost stops it, one back to latency starts it again."""
+    index = {
+        "backend": "redis",
+        "redis": {"url": redis_url, "namespace": redis_namespace, "budget_ms": 1000},
+    }
+    app = await routers([e.url for e in pair], policy={"name": "latency"}, index=index)
+    assert app.session_sync is not None and app.session_sync.sessions is not None
+    source = [app.config]
+    reloader = Reloader(app.live, lambda: source[0], app.credentials)
+    tree = app.config.model_dump()
+    tree["policy"]["name"] = "kv_cost"
+    source[0] = Config.model_validate(tree)
+    stopped = app.session_sync
+    assert await reloader.reload() is not None
+    assert app.session_sync is None
+    assert stopped._tasks == []  # its stream reader is gone
+    assert app.metrics.state.sources.session_sync is None
+    tree["policy"]["name"] = "latency"
+    source[0] = Config.model_validate(tree)
+    assert await reloader.reload() is not None
+    sync = app.session_sync
+    assert sync is not None and sync.sessions is app.core.policy.sessions  # type: ignore[attr-defined]
