@@ -244,16 +244,17 @@ class LoadTracker:
         load.prefill_tokens -= ticket.prefill_tokens
         load.decode_blocks += ticket.blocks
         load.decoding += 1
-        if load.latency is not None:
-            now = ticket.first_at = self.clock()
-            ticket.decoding_at_first = load.decoding
-            # Everything queued behind it is as late (or early) as it was.
-            load.backlog_until = (
-                max(now, load.backlog_until + now - ticket.done_by)
-                if load.prefill_tokens > load.peer_prefill_tokens
-                else now
-            )
-        if ticket.timed and load.latency is not None:
+        if load.latency is None:
+            return
+        now = ticket.first_at = self.clock()
+        ticket.decoding_at_first = load.decoding
+        # Everything queued behind it is as late (or early) as it was.
+        load.backlog_until = (
+            max(now, load.backlog_until + now - ticket.done_by)
+            if load.prefill_tokens > load.peer_prefill_tokens
+            else now
+        )
+        if ticket.timed:
             load.latency.observe_ttft(
                 now, ticket.ahead + ticket.prefill_tokens, max(now - ticket.sent_at, 0.0)
             )

@@ -70,6 +70,20 @@ _SCAN: Any = getattr(native_helper(), "kv_cost_scan", None)
 _COLUMNS = 8
 
 
+def tier_discounts(cfg: PolicyConfig) -> tuple[float, float]:
+    """What a cached block loses in an offload tier (``1 - offload_weight``) and, beyond
+    that, in a disk tier (``offload_weight - disk_weight``; 0 when disk weighs as CPU)."""
+    disk_extra = 0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight
+    return 1.0 - cfg.offload_weight, disk_extra
+
+
+def report_cutoff(cfg: PolicyConfig, now: float) -> float | None:
+    """Engine reports older than this are ignored; None when every report weight is 0."""
+    if cfg.waiting_weight or cfg.running_weight or cfg.kv_usage_weight:
+        return now - cfg.report_max_age_s
+    return None
+
+
 def cached_tokens(
     match: Match, block_size: int, cap: int, offload_discount: float, disk_extra: float
 ) -> int:
@@ -133,7 +147,6 @@ class KVCostPolicy(Policy):
         cfg = self.config
         bs = request.block_size
         isl = request.prompt_tokens
-        ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
         return (
             bs,
             isl,
@@ -141,12 +154,11 @@ class KVCostPolicy(Policy):
             cfg.queue_weight / bs,
             cfg.prefill_weight / bs,
             cfg.decode_weight,
-            1.0 - cfg.offload_weight,
-            0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight,
-            ww,
-            wr,
-            wk,
-            self._clock() - cfg.report_max_age_s if ww or wr or wk else None,
+            *tier_discounts(cfg),
+            cfg.waiting_weight,
+            cfg.running_weight,
+            cfg.kv_usage_weight,
+            report_cutoff(cfg, self._clock()),
         )
 
     def score(
@@ -164,12 +176,9 @@ class KVCostPolicy(Policy):
         per_queued = cfg.queue_weight / bs
         per_uncached = cfg.prefill_weight / bs
         per_decode_block = cfg.decode_weight
-        offload_discount = 1.0 - cfg.offload_weight
-        disk_extra = (
-            0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight
-        )  # what a disk block loses beyond a CPU block's discount
+        offload_discount, disk_extra = tier_discounts(cfg)
         ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
-        fresh_after = self._clock() - cfg.report_max_age_s if ww or wr or wk else None
+        fresh_after = report_cutoff(cfg, self._clock())
         transfers = request.transfer_tokens
         get_match, get_load = matches.get, loads.get
         scores = []

@@ -49,7 +49,13 @@ from router.engines.load import LoadView
 from router.hashing import cacheable_blocks
 from router.index.base import Match
 from router.policy.base import Decision, RouteRequest, Score
-from router.policy.kv_cost import KVCostPolicy, cached_tokens, reported_load
+from router.policy.kv_cost import (
+    KVCostPolicy,
+    cached_tokens,
+    report_cutoff,
+    reported_load,
+    tier_discounts,
+)
 from router.sessions import SessionMap, session_key
 from router.types import EngineKey
 
@@ -80,16 +86,6 @@ class LatencyPolicy(KVCostPolicy):
         """Decisions made with an SLO."""
         self.slo_unmet = 0
         """Decisions with an SLO no candidate was predicted to meet."""
-        self._priors = priors_of(config)
-        self._priors_of = config
-
-    def _prior(self) -> LatencyPriors:
-        if self._priors_of is not self.config:  # a reload replaced the section
-            self._priors = priors_of(self.config)
-            self._priors_of = self.config
-            lat = self.config.latency
-            self.sessions.ttl_s, self.sessions.max_sessions = lat.session_ttl_s, lat.max_sessions
-        return self._priors
 
     def score(
         self,
@@ -100,17 +96,15 @@ class LatencyPolicy(KVCostPolicy):
     ) -> list[Score]:
         cfg = self.config
         lat = cfg.latency
-        prior = self._prior()
         bs = request.block_size
         isl = request.prompt_tokens
         cap = cacheable_blocks(isl, bs) * bs
-        offload_discount = 1.0 - cfg.offload_weight
-        disk_extra = 0.0 if cfg.disk_weight is None else cfg.offload_weight - cfg.disk_weight
+        offload_discount, disk_extra = tier_discounts(cfg)
         ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
-        fresh_after = self._clock() - cfg.report_max_age_s if ww or wr or wk else None
+        now = self._clock()
+        fresh_after = report_cutoff(cfg, now)
         transfers = request.transfer_tokens  # in prompt tokens' worth of prefill
         per_moved = request.transfer_s_per_token
-        now = self._clock()
         pinned = (
             self.sessions.get(session_key(request.session), now)
             if request.session and lat.session_bonus_ms > 0
@@ -118,7 +112,7 @@ class LatencyPolicy(KVCostPolicy):
         )
         bonus_max = lat.session_bonus_ms * 1e-3
         wait_cap = lat.session_max_wait_ms * 1e-3
-        speeds = self._speeds(candidates, loads, prior)
+        speeds = self._speeds(candidates, loads)
         backlog = lat.queue_model == "backlog"
         by_decoding = lat.harm_counts == "decoding"
         scores: list[Score] = []
@@ -180,7 +174,7 @@ class LatencyPolicy(KVCostPolicy):
         return scores
 
     def _speeds(
-        self, candidates: Sequence[EngineKey], loads: LoadView, prior: LatencyPriors
+        self, candidates: Sequence[EngineKey], loads: LoadView
     ) -> dict[EngineKey, tuple[float, float, float, float]]:
         """Each candidate's (prefill s/token, TTFT overhead s, TPOT base s, TPOT s/seq).
 
@@ -192,19 +186,25 @@ class LatencyPolicy(KVCostPolicy):
         term (a slow engine's shows in its slope, where the fit puts it), and a few
         milliseconds of it would otherwise decide between alike engines."""
         tol = self.config.latency.speed_tolerance
+        prior: LatencyPriors | None = None  # for engines never timed (no model: tests)
         rows: dict[EngineKey, tuple[float, float, float, float]] = {}
         for engine in candidates:
             load = loads.get(engine)
             fit = load.latency if load is not None else None
-            rows[engine] = (
-                (fit.prefill_s_per_token, fit.ttft_overhead_s, fit.tpot_base_s, fit.tpot_s_per_seq)
-                if fit is not None
-                else (
-                    prior.prefill_s_per_token,
-                    prior.ttft_overhead_s,
-                    prior.tpot_base_s,
-                    prior.tpot_s_per_seq,
+            if fit is not None:
+                rows[engine] = (
+                    fit.prefill_s_per_token,
+                    fit.ttft_overhead_s,
+                    fit.tpot_base_s,
+                    fit.tpot_s_per_seq,
                 )
+                continue
+            prior = prior or priors_of(self.config)
+            rows[engine] = (
+                prior.prefill_s_per_token,
+                prior.ttft_overhead_s,
+                prior.tpot_base_s,
+                prior.tpot_s_per_seq,
             )
         if len(rows) < 2:
             return rows
@@ -236,14 +236,13 @@ class LatencyPolicy(KVCostPolicy):
         slo_ttft, slo_tpot = request.slo_ttft_s, request.slo_tpot_s
         if slo_ttft is not None or slo_tpot is not None:
             self.slo_checked += 1
-            meeting = [s for s in scores if _violation(s, slo_ttft, slo_tpot) == 0.0]
-            if meeting:
-                pool = meeting
-            else:
-                unmet = True
+            misses = [_violation(s, slo_ttft, slo_tpot) for s in scores]
+            least = min(misses)
+            unmet = least > 0.0
+            if unmet:
                 self.slo_unmet += 1
-                least = min(_violation(s, slo_ttft, slo_tpot) for s in scores)
-                pool = [s for s in scores if _violation(s, slo_ttft, slo_tpot) - least <= 1e-9]
+            # Those meeting both, else those missing least.
+            pool = [s for s, miss in zip(scores, misses, strict=True) if miss - least <= 1e-9]
         if not pool:  # no comparable prediction (finite SLOs always give one): all
             pool = scores
         if self.config.temperature > 0 and len(pool) > 1:
@@ -261,8 +260,11 @@ class LatencyPolicy(KVCostPolicy):
             decision.reason = "slo_unmet"
         elif chosen.bonus and min(s.total + s.bonus for s in pool) < chosen.total + chosen.bonus:
             decision.reason = "session"  # the bonus decided it
-        if request.session and self.config.latency.session_bonus_ms > 0:
-            self.sessions.note(session_key(request.session), chosen.engine, self._clock())
+        lat = self.config.latency
+        if request.session and lat.session_bonus_ms > 0:
+            sessions = self.sessions
+            sessions.ttl_s, sessions.max_sessions = lat.session_ttl_s, lat.max_sessions  # reloads
+            sessions.note(session_key(request.session), chosen.engine, self._clock())
         return decision
 
     def forget(self, engine: EngineKey) -> None:
