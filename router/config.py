@@ -1144,6 +1144,20 @@ class ResponsesConfig(_Section):
         description="Response ids this router remembers in memory (the oldest are "
         "forgotten first; Redis keeps its own for `ttl_s`).",
     )
+    ask_engines: int = Field(
+        64,
+        ge=0,
+        description="When no replica remembers a response id (it was written while Redis "
+        "was away, or before this router started), ask up to this many healthy engines at "
+        "once (`GET /v1/responses/{id}`) which one holds it, and remember the answer; 0: "
+        "an unknown id is a 404 (`GET`, `/cancel`) or routed as any request "
+        "(`previous_response_id`).",
+    )
+    ask_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="How long asking the engines for an unknown response id may take.",
+    )
 
 
 class KubernetesDiscoveryConfig(_Section):

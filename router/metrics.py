@@ -722,9 +722,17 @@ class RouterMetrics:
         self.responses_affinity = Counter(
             "kvroute_responses_affinity",
             "Responses API requests with previous_response_id, by whether they went to the "
-            "engine holding it: pinned, unknown (no replica recorded the id, or it expired), "
-            "engine_unavailable (its engine is unhealthy, gone, or no longer serves the model)",
+            "engine holding it: pinned, unknown (no replica recorded the id, or it expired, "
+            "and no engine asked holds it), engine_unavailable (its engine is unhealthy, gone, "
+            "or no longer serves the model)",
             ["outcome"],
+            registry=r,
+        )
+        self.responses_queries = Counter(
+            "kvroute_responses_engine_queries",
+            "Response ids no replica remembered, looked for by asking the engines "
+            "(responses.ask_engines), by result: found, not_found",
+            ["result"],
             registry=r,
         )
         self.abandoned_tokens = Counter(

@@ -173,17 +173,29 @@ class Upstream:
         except HTTPError as exc:
             raise _upstream_error(exc, deadline, url) from None
 
-    async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
+    async def get(
+        self, url: str, timeout: float, authorization: str | None = None
+    ) -> tuple[int, bytes]:
         """A small GET (probes, scrapes, discovery); raises UpstreamError on failure."""
-        return await self.call("GET", url, b"", timeout)
+        return await self.call("GET", url, b"", timeout, authorization)
 
-    async def call(self, method: str, url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
-        """A small whole exchange (status, body); raises UpstreamError on failure."""
+    async def call(
+        self,
+        method: str,
+        url: str,
+        body: bytes,
+        timeout: float,
+        authorization: str | None = None,
+    ) -> tuple[int, bytes]:
+        """A small whole exchange (status, body); raises UpstreamError on failure.
+
+        ``authorization``: sent instead of the router's own (a client's call)."""
         deadline = self.deadlines.start(timeout)
         response: Response | None = None
         headers = {"Content-Type": "application/json"} if body else {}
-        if self.own_authorization:
-            headers["Authorization"] = self.own_authorization
+        auth = authorization or self.own_authorization
+        if auth:
+            headers["Authorization"] = auth
         try:
             response = await self.client.request(method, url, body, headers, deadline)
             return response.status, await response.read()

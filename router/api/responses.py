@@ -17,11 +17,18 @@ one). Two things are its own:
   (``kvroute_responses_affinity_total``): the engine then answers for it.
 * **Retrieval.** ``GET`` and ``cancel`` go to the engine holding the id, or are a 404
   in OpenAI's error form when the router knows none.
+* **Asking.** An id no replica remembers (its write to Redis was lost while Redis was
+  away, or it predates this router) is looked for on the engines themselves: up to
+  ``responses.ask_engines`` healthy ones are asked at once (``GET
+  /v1/responses/{id}``, the client's credentials), the first ``200`` names the holder,
+  and the answer is remembered (``kvroute_responses_engine_queries_total``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -33,7 +40,8 @@ from router.api.openai import ParsedRequest
 from router.engines.registry import Engine, EngineState
 from router.http1 import HTTPError
 from router.plan import SERVING_ROLES
-from router.response_store import ResponseStore
+from router.proxy import UpstreamError
+from router.response_store import RESPONSE_ID, ResponseStore
 from router.tokenization.responses import InvalidInput, responses_messages
 from router.types import EngineKey
 
@@ -152,6 +160,7 @@ class ResponsesApi:
     def __init__(self, api: HttpApi) -> None:
         self.api = api
         self.app = api.app
+        self._asking: set[asyncio.Future[str | None]] = set()
 
     @property
     def store(self) -> ResponseStore:
@@ -181,11 +190,13 @@ class ResponsesApi:
         if previous is None:
             return
         counter = self.app.metrics.responses_affinity
-        endpoint = await self.store.engine_of(previous)
+        serving = self.app.decider.planner.candidates(ctx.model, SERVING_ROLES)
+        endpoint = await self.locate(
+            previous, (key.endpoint for key in serving), ctx.sink.headers, "/v1/responses"
+        )
         if endpoint is None:
             counter.labels("unknown").inc()
             return
-        serving = self.app.decider.planner.candidates(ctx.model, SERVING_ROLES)
         if not any(key.endpoint == endpoint for key in serving):
             counter.labels("engine_unavailable").inc()
             return
@@ -195,6 +206,63 @@ class ResponsesApi:
         # not see: the keys of this request's own input would record blocks it never
         # holds. The pin routes it, not a prefix match.
         ctx.request.keys = []
+
+    async def locate(
+        self,
+        response_id: str,
+        endpoints: Iterable[str],
+        headers: Mapping[str, str],
+        path: str,
+    ) -> str | None:
+        """The endpoint of the engine holding ``response_id``: remembered (here or in
+        Redis), or else found by asking the healthy engines among ``endpoints`` (the
+        first ``200`` wins, and is remembered); None when none holds it.
+
+        ``headers`` and ``path``: the client's call, whose credentials the engines see.
+        """
+        endpoint = await self.store.engine_of(response_id)
+        if endpoint is not None:
+            return endpoint
+        app = self.app
+        config = self.store.config  # the section as started (restart to change)
+        if config.ask_engines == 0 or not RESPONSE_ID.fullmatch(response_id):
+            return None
+        engines = [
+            engine
+            for engine in map(app.registry.get, dict.fromkeys(endpoints))
+            if engine is not None and engine.state is EngineState.HEALTHY
+        ][: config.ask_engines]
+        if not engines:
+            return None
+        credentials = app.credentials
+        auth = credentials.upstream_authorization(
+            headers.get("authorization"), credentials.x_api_key_of(headers, path)
+        )
+        upstream = app.upstream
+        assert upstream is not None
+
+        async def ask(engine: Engine) -> str | None:
+            url = f"{engine.url}/v1/responses/{response_id}"
+            try:
+                status, _ = await upstream.get(url, config.ask_timeout_s, auth)
+            except UpstreamError:
+                return None
+            return engine.endpoint if status == 200 else None
+
+        pending = {asyncio.ensure_future(ask(engine)) for engine in engines}
+        found: str | None = None
+        while pending and found is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            found = next((e for e in (task.result() for task in done) if e is not None), None)
+        # Answers still on their way end by themselves (each within ``ask_timeout_s``);
+        # the tasks are kept until then.
+        for task in pending:
+            self._asking.add(task)
+            task.add_done_callback(self._asking.discard)
+        app.metrics.responses_queries.labels("found" if found else "not_found").inc()
+        if found is not None:
+            await self.store.remember(response_id, found)
+        return found
 
     # ------------------------------------------------------------------ retrieval
 
@@ -215,7 +283,12 @@ class ResponsesApi:
         outcome = Outcome()
         try:
             response_id = request.match_info["response_id"]
-            endpoint = await self.store.engine_of(response_id)
+            endpoint = await self.locate(
+                response_id,
+                (engine.endpoint for engine in app.registry),
+                request.headers,
+                request.path,
+            )
             engine = app.registry.get(endpoint) if endpoint is not None else None
             if engine is None:
                 raise ApiError(

@@ -301,3 +301,61 @@ async def test_two_replicas_share_response_ids_through_redis(
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_a_replica_that_was_never_told_finds_the_holder_by_asking_the_engines(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    # Two replicas sharing nothing: what a lost Redis write leaves behind.
+    urls = [e.url for e in pair]
+    first = await start_router(urls, **ROUND_ROBIN)
+    second = await start_router(urls, **ROUND_ROBIN)
+    try:
+        status, holder, body = await create(http, first.url, {"input": words("asked", 30)})
+        assert status == 200
+        url = f"{second.url}/v1/responses/{body['id']}"
+        for _ in range(2):  # round robin alone would send one of these elsewhere
+            status, engine, stored = await holder_get(http, url)
+            assert status == 200 and engine == holder and stored["id"] == body["id"]
+        assert await second.responses.engine_of(body["id"]) == holder  # remembered
+        status, engine, answer = await create(
+            http, second.url, {"input": "go on", "previous_response_id": body["id"]}
+        )
+        assert status == 200 and engine == holder, answer
+        # A conversation the second replica never saw starts on its engine too.
+        status, other_holder, other = await create(http, first.url, {"input": words("b", 30)})
+        assert status == 200
+        for _ in range(2):
+            status, engine, answer = await create(
+                http, second.url, {"input": "and", "previous_response_id": other["id"]}
+            )
+            assert status == 200 and engine == other_holder, answer
+        status, _, _ = await holder_get(http, f"{second.url}/v1/responses/resp_nobody")
+        assert status == 404
+        samples = await metrics(http, second.url)
+        queries = "kvroute_responses_engine_queries_total"
+        assert metric_sum(samples, queries, result="found") == 2
+        assert metric_sum(samples, queries, result="not_found") == 1
+        assert metric_sum(samples, AFFINITY, outcome="pinned") == 3
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+async def test_asking_the_engines_can_be_turned_off(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    urls = [e.url for e in pair]
+    first = await start_router(urls, **ROUND_ROBIN)
+    second = await start_router(urls, responses={"ask_engines": 0}, **ROUND_ROBIN)
+    try:
+        status, _, body = await create(http, first.url, {"input": words("alone", 30)})
+        assert status == 200
+        status, engine, answer = await holder_get(http, f"{second.url}/v1/responses/{body['id']}")
+        assert status == 404 and not engine, answer
+        assert answer["error"]["code"] == "response_not_found"
+        samples = await metrics(http, second.url)
+        assert metric_sum(samples, "kvroute_responses_engine_queries_total") == 0
+    finally:
+        await first.stop()
+        await second.stop()

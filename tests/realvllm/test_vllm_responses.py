@@ -2,7 +2,7 @@
 the engine's (vLLM's Responses renderer adds the tokenizer's special tokens to the
 rendered chat: a second BOS with this Llama template), a multi-turn conversation stays
 on one engine and hits its cache, and a stored response is found through either of two
-replicas sharing Redis.
+replicas sharing Redis, or by a replica told nothing, which asks the engines.
 
 vLLM 0.32 stores responses only when started with ``VLLM_ENABLE_RESPONSES_API_STORE=1``
 (without it ``store`` is dropped silently, ``previous_response_id`` and ``GET`` answer
@@ -167,6 +167,32 @@ async def test_get_reaches_the_engine_holding_a_response_through_two_replicas(
             http, second.url, request("and then", previous_response_id=body["id"])
         )
         assert engine == holder
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+async def test_a_replica_told_nothing_finds_the_holder_by_asking_the_engines(
+    storing: tuple[VllmEngine, VllmEngine], http: aiohttp.ClientSession
+) -> None:
+    # vLLM answers 200 for an id it holds and 404 for one it does not: the router's
+    # question. Two replicas sharing nothing stand for a write to Redis that was lost.
+    urls = [e.url for e in storing]
+    rr = {"name": "round_robin"}
+    first = await start_vllm_router(urls, policy=rr)
+    second = await start_vllm_router(urls, policy=rr)
+    try:
+        holder, body = await create(http, first.url, request(text(30, "asked")))
+        for _ in range(2):  # round robin alone would send one of these elsewhere
+            async with http.get(f"{second.url}/v1/responses/{body['id']}") as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-engine"] == holder
+        engine, _ = await create(
+            http, second.url, request("go on", previous_response_id=body["id"])
+        )
+        assert engine == holder
+        samples = await metrics(http, second.url)
+        assert metric_sum(samples, "kvroute_responses_engine_queries_total", result="found") == 1
     finally:
         await first.stop()
         await second.stop()
