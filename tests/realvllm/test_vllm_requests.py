@@ -155,14 +155,22 @@ async def test_load_signals_come_from_vllms_own_metrics(
     vllm_pair: tuple[VllmEngine, VllmEngine], http: aiohttp.ClientSession
 ) -> None:
     a, _ = vllm_pair
-    app = await start_vllm_router([a.url])
+    # Scrapes often, and patiently: a busy vLLM can take over the default second to
+    # answer /metrics, and a skipped scrape must not outlast the request.
+    app = await start_vllm_router([a.url], scrape={"interval_s": 0.2, "timeout_s": 5.0})
     try:
-        body = completion(text(30, "long-running"), 300, ignore_eos=True)
+        # Long enough to be running at several scrapes (300 tokens can be over in one
+        # second's scrape interval); it is cancelled as soon as it has been seen.
+        body = completion(text(30, "long-running"), 3000, ignore_eos=True)
         task = asyncio.ensure_future(post(http, f"{app.url}/v1/completions", body))
         loads = app.loads.view
         engine = EngineKey(f"127.0.0.1:{a.port}")
-        await poll(lambda: engine in loads and (loads[engine].running or 0) >= 1, timeout=30)
-        assert (loads[engine].kv_usage or 0) > 0
+
+        def seen() -> bool:
+            load = loads.get(engine)
+            return load is not None and (load.running or 0) >= 1 and (load.kv_usage or 0) > 0
+
+        await poll(seen, timeout=60)
         assert loads[engine].waiting is not None
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
