@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import aiohttp
+import pytest
 from support.clients import metric_sum, metrics, post, post_reply
 from support.engines import poll
 from support.real_vllm import VllmEngine
@@ -31,17 +32,34 @@ def matched_blocks(reason: str) -> int:
 
 
 async def test_serve_with_only_engine_urls_follows_both_engines_and_replays_what_they_cached(
-    vllm_pair: tuple[VllmEngine, VllmEngine], http: aiohttp.ClientSession
+    vllm_pair: tuple[VllmEngine, VllmEngine],
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     a, b = vllm_pair
     prompt = text(120, "cached-before-the-router")
     status, body = await post(http, f"{a.url}/v1/completions", completion(prompt))
     assert status == 200 and cached_tokens(body) == 0
-    router = ServerProcess("serve", ["--port", "0", "--engine", a.url, "--engine", b.url])
+    # No configuration but the engines' URLs; only the timeouts are a busy machine's (the
+    # defaults, 1 s probes and 2 s replays, are for engines that answer at once: a probe
+    # or discovery call a loaded CPU vLLM misses leaves an engine unreplayed).
+    for name in ("HEALTH__TIMEOUT_S", "EVENTS__REPLAY_TIMEOUT_S", "SCRAPE__TIMEOUT_S"):
+        monkeypatch.setenv(f"KVROUTE_{name}", "5")
+    router = ServerProcess(
+        "serve", ["--port", "0", "--engine", a.url, "--engine", b.url], timeout=120
+    )
     try:
+
+        async def replayed() -> bool:
+            samples = await metrics(http, router.url)
+            return (
+                metric_sum(samples, "kvroute_kv_event_replays_total", outcome="ok") >= 2
+                and metric_sum(samples, "kvroute_engine_healthy") == 2
+            )
+
+        # Both engines are found through vLLM's /kv_event_sources and replayed at start-up.
+        await poll(replayed, timeout=60, interval=0.2)
         samples = await metrics(http, router.url)
-        # Both engines were found through vLLM's /kv_event_sources and replayed at start-up.
-        assert metric_sum(samples, "kvroute_kv_event_replays_total", outcome="ok") >= 2
         assert metric_sum(samples, "kvroute_kv_events_total", type="BlockStored") >= 1
         reply = await post_reply(http, f"{router.url}/v1/completions", completion(prompt))
         assert reply.status == 200
@@ -129,6 +147,16 @@ async def test_reset_prefix_cache_arrives_as_all_blocks_cleared(
         prompt = text(120, "before-the-reset")
         await post(http, f"{app.url}/v1/completions", completion(prompt))
         await poll(lambda: held(app, a), timeout=10)
+        # The start-up replay done: an old reset it still holds must not be taken for
+        # this one (a replay that timed out starts again with the next batch).
+        subscriber = app.subscriber
+        assert subscriber is not None
+        stream = subscriber._streams[key(a)]
+        await poll(
+            lambda: not stream.replaying and subscriber.stats.replays["ok"] >= 1,
+            timeout=30,
+            interval=0.05,
+        )
 
         async def cleared() -> float:
             samples = await metrics(http, app.url)
@@ -139,7 +167,7 @@ async def test_reset_prefix_cache_arrives_as_all_blocks_cleared(
             assert resp.status == 200
         # vLLM queues AllBlocksCleared and publishes it with its next scheduler step.
         await post(http, f"{a.url}/v1/completions", completion(text(10, "next-step")))
-        await poll(lambda: above(cleared(), before), timeout=15)
+        await poll(lambda: above(cleared(), before), timeout=15, interval=0.05)
         reply = await post_reply(http, f"{app.url}/v1/completions", completion(prompt))
         assert matched_blocks(reply.headers["x-kvroute-reason"]) == 0
         assert cached_tokens(reply.body) == 0

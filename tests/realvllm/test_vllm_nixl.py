@@ -55,7 +55,7 @@ async def test_a_long_prompt_is_split_and_its_kv_pulled_by_the_decode_engine(
         assert reply.headers["x-kvroute-prefill"] == f"127.0.0.1:{a.port}"
         assert reply.headers["x-kvroute-engine"] == f"127.0.0.1:{b.port}"
         assert reply.body["usage"]["completion_tokens"] == 4
-        await poll(lambda: above(transfers(http, b), before), timeout=30)
+        await poll(lambda: above(transfers(http, b), before), timeout=30, interval=0.1)
         samples = await metrics(http, app.url)
         # vLLM 0.32 echoes the prefill's cache hits as the decode leg's cached_tokens
         # (remote_prefill_cached_tokens), so usage cannot tell a pull from a recompute.
@@ -119,8 +119,9 @@ async def test_a_client_leaving_during_a_split_leaves_nothing_running(
         request.cancel()
         await asyncio.gather(request, return_exceptions=True)
         await poll(lambda: app.loads.in_flight == 0, timeout=15)
-        await poll(lambda: zero(running(http, a)), timeout=30)
-        await poll(lambda: zero(running(http, b)), timeout=30)
+        # Every 0.1 s: asking vLLM's /metrics back to back takes CPU from the aborts.
+        await poll(lambda: zero(running(http, a)), timeout=30, interval=0.1)
+        await poll(lambda: zero(running(http, b)), timeout=30, interval=0.1)
     finally:
         await app.stop()
 

@@ -70,7 +70,9 @@ async def test_a_configured_block_size_that_differs_from_the_engines_refuses_the
     app = await start_vllm_router([a.url], block_size=16)
     try:
         (engine,) = list(app.registry)
-        assert engine.state is EngineState.REFUSED
+        # Discovery reads the block size; if a busy engine's /metrics was too slow for it,
+        # a later scrape does.
+        await poll(lambda: engine.state is EngineState.REFUSED, timeout=30, interval=0.1)
         assert "uses KV block size 32" in (engine.refused_reason or "")
         assert "uses 16" in (engine.refused_reason or "")
     finally:
@@ -82,7 +84,7 @@ async def test_an_unset_block_size_adopts_the_engines(
 ) -> None:
     app = await start_vllm_router([e.url for e in vllm_pair])
     try:
-        assert app.block_size_for(MODEL) == 32
+        await poll(lambda: app.block_size_for(MODEL) == 32, timeout=30, interval=0.1)
         assert all(e.state is EngineState.HEALTHY for e in app.registry)
     finally:
         await app.stop()

@@ -65,11 +65,15 @@ async def zero(value: Awaitable[float]) -> bool:
 
 async def start_vllm_router(urls: list[Any], **sections: Any) -> RouterApp:
     """An in-process router with timers for real engines: the emulator-speed defaults of
-    the other suites (0.5 s health and replay timeouts) eject or give up on a real vLLM
-    that is busy compiling, restarting or serving on a loaded machine."""
+    the other suites (0.5 s health and replay timeouts, scrapes ten times a second) eject
+    or give up on a real vLLM that is busy compiling, restarting or serving on a loaded
+    machine."""
     timers: dict[str, Any] = {
         "health": {"interval_s": 0.2, "timeout_s": 5.0},
         "events": {"replay_timeout_s": 5.0},
+        # Fewer, more patient scrapes than the emulator suites' ten a second: a busy vLLM
+        # may take over a second to answer /metrics, and answering costs it CPU.
+        "scrape": {"interval_s": 0.5, "timeout_s": 5.0},
     }
     for name, value in sections.items():
         if isinstance(value, dict) and name in timers:
