@@ -51,6 +51,22 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+def _engine_latency(run: TargetRun) -> tuple[float | None, float | None]:
+    """The engines' own mean TTFT and mean time after it (their end-to-end histogram
+    less their TTFT one, arrival at the engine to the last token), over every engine;
+    None when an engine could not be read or exports neither (SGLang's names)."""
+    sums = {"first_tokens": 0.0, "ttft_sum": 0.0, "finished": 0.0, "e2e_sum": 0.0}
+    for before, after in zip(run.before, run.after, strict=True):
+        for name in sums:
+            delta = _delta(after, before, name)
+            if delta is None:
+                return None, None
+            sums[name] += delta
+    ttft = _ratio(sums["ttft_sum"], sums["first_tokens"])
+    e2e = _ratio(sums["e2e_sum"], sums["finished"])
+    return ttft, None if ttft is None or e2e is None else e2e - ttft
+
+
 def block_size_of(run: TargetRun) -> int:
     """The engines' block size as they advertise it, else the default."""
     for snap in [*run.before, *run.after]:
@@ -100,6 +116,7 @@ def summarize_run(run: TargetRun) -> dict[str, Any]:
     prefill = [e["prefill_tokens"] for e in known]
     served = [e["requests"] for e in known]
     block_size = block_size_of(run)
+    engine_ttft, engine_decode = _engine_latency(run)
     return {
         "name": run.name,
         "spec": run.spec,
@@ -115,6 +132,9 @@ def summarize_run(run: TargetRun) -> dict[str, Any]:
         "ttft_s": latency_stats([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": latency_stats([gap for r in ok for gap in r.itl]),
         "e2e_s": latency_stats([r.e2e for r in ok]),
+        "decode_s": latency_stats([r.e2e - r.ttft for r in ok if r.ttft is not None]),
+        "engine_ttft_mean_s": engine_ttft,
+        "engine_decode_mean_s": engine_decode,
         "hit_rate": _ratio(hit, queried),
         "hit_rate_client": _ratio(sum(r.cached_tokens for r in ok), prompt),
         "ceiling": ceiling(run.results, block_size),
@@ -178,6 +198,9 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("inter-token latency p99", "itl_s.p99", "ms", "lower"),
     ("end-to-end p50", "e2e_s.p50", "s", "lower"),
     ("end-to-end p99", "e2e_s.p99", "s", "lower"),
+    ("TTFT mean at the engines", "engine_ttft_mean_s", "ms", "lower"),
+    ("after the first token, mean", "decode_s.mean", "ms", "lower"),
+    ("after the first token at the engines, mean", "engine_decode_mean_s", "ms", "lower"),
     ("throughput, requests/s", "request_throughput", "num", "higher"),
     ("throughput, output tokens/s", "output_token_throughput", "num", "higher"),
     ("prefill load max/mean", "prefill_imbalance", "x", "lower"),

@@ -5,7 +5,9 @@ end-to-end time, usage). The engine side comes from each engine's Prometheus
 ``/metrics`` under vLLM's names: read before the first request, every
 ``sample_interval`` seconds while the workload runs (load and hit rate over time), and
 after the last answer once the engines are idle. The difference of the prefix-cache
-counters is the true hit rate, whatever router sat in front of the engines.
+counters is the true hit rate, whatever router sat in front of the engines; that of the
+engines' TTFT and end-to-end histograms separates what the engines' schedule did to
+latency from what the path between client and engine added.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ COUNTERS = {
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:num_preemptions_total": "preemptions",
     "vllm:e2e_request_latency_seconds_count": "finished",
+    "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+    "vllm:time_to_first_token_seconds_count": "first_tokens",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
 }
 GAUGES = {
     "vllm:num_requests_running": "running",
@@ -55,6 +60,11 @@ class EngineSnapshot:
     generation_tokens: float = 0.0
     preemptions: float = 0.0
     finished: float = 0.0
+    e2e_sum: float = 0.0
+    """Seconds the finished requests took, arrival at the engine to their last token."""
+    first_tokens: float = 0.0
+    ttft_sum: float = 0.0
+    """Seconds from arrival at the engine to the first token, summed."""
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0

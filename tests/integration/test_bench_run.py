@@ -66,12 +66,14 @@ async def test_the_report_matches_the_engines_own_metrics(
     assert summary["errors"] == 0
     assert summary["ok"] == len(specs) + 3  # every conversation's second turn too
 
-    queries = hits = finished = 0.0
+    queries = hits = finished = ttft = e2e = 0.0
     for engine, reported in zip(pair, summary["engines"], strict=True):
         samples = await metrics(http, engine.url)
         q = metric(samples, "vllm:prefix_cache_queries_total")
         h = metric(samples, "vllm:prefix_cache_hits_total")
         n = metric(samples, "vllm:e2e_request_latency_seconds_count")
+        ttft += metric(samples, "vllm:time_to_first_token_seconds_sum")
+        e2e += metric(samples, "vllm:e2e_request_latency_seconds_sum")
         # Fresh engines: their totals are exactly what the run did.
         assert reported["queried_tokens"] == q
         assert reported["hit_tokens"] == h
@@ -86,6 +88,13 @@ async def test_the_report_matches_the_engines_own_metrics(
     assert 0 < summary["hit_rate"] <= summary["ceiling"] + 1e-9
     assert summary["ttft_s"]["p50"] > 0
     assert len(summary["timeseries"]["t"]) >= 2
+    # The engines' own view: their histograms, over the run.
+    assert summary["engine_ttft_mean_s"] == pytest.approx(ttft / finished)
+    assert summary["engine_decode_mean_s"] == pytest.approx((e2e - ttft) / finished)
+    # (In the engines' model time: these run faster than the clock, so the client's
+    # seconds are not comparable here; bench runs engines on the clock.)
+    assert summary["engine_ttft_mean_s"] > 0 and summary["engine_decode_mean_s"] > 0
+    assert summary["decode_s"]["mean"] > 0
 
 
 async def test_a_second_turn_carries_the_first_answer_and_hits_it(
