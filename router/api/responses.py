@@ -250,15 +250,15 @@ class ResponsesApi:
             return engine.endpoint if status == 200 else None
 
         pending = {asyncio.ensure_future(ask(engine)) for engine in engines}
+        # Questions still on their way when an answer is found (or the client leaves)
+        # end by themselves, each within ``ask_timeout_s``: kept until then.
+        for task in pending:
+            self._asking.add(task)
+            task.add_done_callback(self._asking.discard)
         found: str | None = None
         while pending and found is None:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             found = next((e for e in (task.result() for task in done) if e is not None), None)
-        # Answers still on their way end by themselves (each within ``ask_timeout_s``);
-        # the tasks are kept until then.
-        for task in pending:
-            self._asking.add(task)
-            task.add_done_callback(self._asking.discard)
         app.metrics.responses_queries.labels("found" if found else "not_found").inc()
         if found is not None:
             await self.store.remember(response_id, found)
