@@ -1050,9 +1050,11 @@ class TokenizerConfig(_Section):
 
     mode: Literal["auto", "words", "hf", "engine", "approximate"] = Field(
         "auto",
-        description="`auto`: probe an engine's /tokenize once; the emulator's words "
-        "tokenizer if it answers like one, else ask the engine (`engine`), else "
-        "`approximate`. `hf`: a local tokenizer.json (+ tokenizer_config.json for chat).",
+        description="`auto`: probe an engine's /tokenize (until one answers: a failed "
+        "probe is tried again by a request 5 s later, the wait doubling to 60 s, "
+        "`approximate` meanwhile); the emulator's words tokenizer if it answers like one, "
+        "else ask the engine (`engine`), else `approximate`. `hf`: a local tokenizer.json "
+        "(+ tokenizer_config.json for chat).",
     )
     path: str | None = Field(None, description="tokenizer.json, for `hf`.")
     config_path: str | None = Field(

@@ -10,7 +10,9 @@ never from mismatched keys), with a log line and a metric, until restart or relo
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +36,10 @@ PoolPost = Callable[[str, str, bytes], Awaitable[tuple[int, bytes]]]
 
 #: ``auto`` mode's probe: the emulator tokenizes it exactly as the words tokenizer does.
 PROBE = "kvroute tokenizer probe: alpha beta gamma"
+#: After a failed probe (a busy engine, a timeout), ``auto`` is probed again by the next
+#: request this long after, the wait doubling to ``MAX_RETRY_S``.
+FIRST_RETRY_S = 5.0
+MAX_RETRY_S = 60.0
 
 
 @dataclass(slots=True)
@@ -44,14 +50,21 @@ class _Pool:
     checks: deque[bool] = field(default_factory=deque)
     mismatches: int = 0
     fell_back: bool = False
+    retry_at: float | None = None
+    """When a request may probe ``auto`` again (None: no probe has failed)."""
+    retry_s: float = FIRST_RETRY_S
+    probing: asyncio.Task[str] | None = None
 
 
 class Tokenizers:
     """Per-model tokenizers, resolved lazily and guarded."""
 
-    def __init__(self, config: Config, post: PoolPost) -> None:
+    def __init__(
+        self, config: Config, post: PoolPost, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.post = post
+        self.clock = clock
         self.words = WordTokenizer(decodes=False)
         self._pools: dict[str, _Pool] = {}
 
@@ -91,8 +104,14 @@ class Tokenizers:
         return pool
 
     def for_model(self, model: str) -> PromptTokenizer:
-        """The tokenizer of a (base) model's pool."""
-        return self._pool(model).tokenizer
+        """The tokenizer of a (base) model's pool (starting ``auto``'s probe again, in
+        the background, once a failed one's wait is over)."""
+        pool = self._pool(model)
+        if pool.retry_at is not None and self.clock() >= pool.retry_at:
+            if pool.probing is None and not (pool.resolved or pool.fell_back):
+                pool.retry_at = None
+                pool.probing = asyncio.ensure_future(self.resolve(model))
+        return pool.tokenizer
 
     async def resolve(self, model: str) -> str:
         """Settle ``auto`` for a model by probing one of its engines; returns the mode."""
@@ -103,12 +122,23 @@ class Tokenizers:
         try:
             probe = msgspec.json.encode({"model": model, "prompt": PROBE})
             status, body = await self.post(model, "/tokenize", probe)
+            if status >= 500 or status == 429:  # busy or failing: not an answer
+                raise RuntimeError(f"/tokenize answered {status}")
             if status == 200:
                 tokens = msgspec.json.decode(body).get("tokens")
                 mode = "words" if tokens == self.words.encode(PROBE) else "engine"
         except Exception as exc:  # any failure leaves the safe mode in place
-            log.warning("model %s: tokenizer probe failed (%s); approximate mode", model, exc)
+            log.warning(
+                "model %s: tokenizer probe failed (%s); approximate mode, probing again in %.0f s",
+                model,
+                exc,
+                pool.retry_s,
+            )
+            pool.retry_at = self.clock() + pool.retry_s
+            pool.retry_s = min(pool.retry_s * 2, MAX_RETRY_S)
             return pool.tokenizer.mode
+        finally:
+            pool.probing = None
         pool.tokenizer = self._build(model, pool.settings, mode)
         pool.resolved = True
         log.info("model %s: tokenizer mode %s", model, mode)
