@@ -198,6 +198,7 @@ class RouterApp:
             self.replicated.sync.known = self._serves
         self.picks = PickLedger(self.loads, config.grpc.pick_ttl_s)
         """Load held by picks that gateways forward themselves (gRPC Pick, ext_proc)."""
+        self.picks.on_move = lambda request, engine: self.core.policy.moved(request, engine)
         self.responses = ResponseStore(config.responses, self.redis)
         """Which engine holds each stored Responses API response (shared through Redis
         when the index is)."""

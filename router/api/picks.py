@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from router.api.decide import Plan
 from router.engines.load import LoadTracker, Ticket
+from router.policy.base import RouteRequest
 from router.types import EngineKey
 
 
@@ -65,6 +66,8 @@ class PickLedger:
         self.ttl_s = ttl_s
         self.clock = clock
         self.counters = PickCounters()
+        self.on_move: Callable[[RouteRequest, EngineKey], None] | None = None
+        """Told when a gateway served a pick elsewhere (the policy's session pin)."""
         self._open: dict[str, Lease] = {}
         self._unnamed = 0
         self._deadlines: list[tuple[float, int, Lease]] = []
@@ -148,6 +151,8 @@ class PickLedger:
         )
         if old.prefilled:
             self.loads.prefilled(lease.decode)
+        if self.on_move is not None:
+            self.on_move(lease.plan.route, served)
 
     def end(self, lease: Lease, how: str) -> float:
         """Release the lease's tickets (idempotent); returns how long it was held."""

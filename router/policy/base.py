@@ -255,3 +255,8 @@ class Policy(ABC):
 
     def forget(self, engine: EngineKey) -> None:  # noqa: B027 - stateless policies ignore it
         """Drop any state about an engine that left the fleet."""
+
+    def moved(self, request: RouteRequest, engine: EngineKey) -> None:  # noqa: B027
+        """A gateway served ``request`` on ``engine``, not on the one chosen (a fallback):
+        what the policy remembers of its choice should say ``engine`` (stateless
+        policies ignore it)."""

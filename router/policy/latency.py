@@ -270,6 +270,11 @@ class LatencyPolicy(KVCostPolicy):
     def forget(self, engine: EngineKey) -> None:
         self.sessions.forget(engine)
 
+    def moved(self, request: RouteRequest, engine: EngineKey) -> None:
+        """The session's next turn should find the engine that served this one."""
+        if request.session and self.config.latency.session_bonus_ms > 0:
+            self.sessions.note(session_key(request.session), engine, self._clock())
+
 
 def _near(value: float, mid: float, low: float, high: float) -> float:
     """``mid`` when ``value`` is within ``[low, high]`` times it, else ``value``."""

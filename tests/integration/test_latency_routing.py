@@ -19,7 +19,9 @@ from support.routers import StartRouter
 from router.config import Config
 from router.emulator import EmulatedEngine
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.policy.latency import LatencyPolicy
 from router.reload import Reloader
+from router.types import EngineKey
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -196,6 +198,16 @@ async def test_slo_and_session_on_grpc_pick(
             engines.append(pick.decode.endpoint)
             await stubs.router.Release(pb.ReleaseRequest(request_id=f"s{turn}"))
         assert len(set(engines)) == 1, engines
+        # The gateway served the next turn elsewhere (a fallback): the pin follows it.
+        pick = await stubs.router.Pick(pb.PickRequest(request_id="s3", body=body, session="conv-9"))
+        policy = app.core.policy
+        assert isinstance(policy, LatencyPolicy)
+        assert policy.sessions.get("conv-9", policy._clock()) == EngineKey(pick.decode.endpoint)
+        elsewhere = next(
+            e.url.split("//")[1] for e in pair if e.url.split("//")[1] != pick.decode.endpoint
+        )
+        await stubs.router.Release(pb.ReleaseRequest(request_id="s3", served_endpoint=elsewhere))
+        assert policy.sessions.get("conv-9", policy._clock()) == EngineKey(elsewhere)
     await poll(lambda: app.core.loads.in_flight == 0)
 
 
