@@ -1160,6 +1160,13 @@ class ResponsesConfig(_Section):
         gt=0,
         description="How long asking the engines for an unknown response id may take.",
     )
+    ask_per_second: float = Field(
+        20.0,
+        gt=0,
+        description="Unknown response ids asked about per second at most (a burst of as "
+        "many); beyond, an id is unknown without asking, so made-up ids cannot make the "
+        "router send the engines more than this times `ask_engines` GETs a second.",
+    )
 
 
 class KubernetesDiscoveryConfig(_Section):

@@ -731,7 +731,8 @@ class RouterMetrics:
         self.responses_queries = Counter(
             "kvroute_responses_engine_queries",
             "Response ids no replica remembered, looked for by asking the engines "
-            "(responses.ask_engines), by result: found, not_found",
+            "(responses.ask_engines), by result: found, not_found, not_asked (over "
+            "responses.ask_per_second)",
             ["result"],
             registry=r,
         )

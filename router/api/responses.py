@@ -21,7 +21,9 @@ one). Two things are its own:
   away, or it predates this router) is looked for on the engines themselves: up to
   ``responses.ask_engines`` healthy ones are asked at once (``GET
   /v1/responses/{id}``, the client's credentials), the first ``200`` names the holder,
-  and the answer is remembered (``kvroute_responses_engine_queries_total``).
+  and the answer is remembered (``kvroute_responses_engine_queries_total``). At most
+  ``responses.ask_per_second`` ids are asked about a second: made-up ids cannot turn
+  one client's requests into many times as many to the engines.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from router.api.context import Outcome, RequestContext
 from router.api.errors import ApiError, bad_request
 from router.api.openai import ParsedRequest
 from router.engines.registry import Engine, EngineState
+from router.flow.ratelimit import Limit, LocalBuckets
 from router.http1 import HTTPError
 from router.plan import SERVING_ROLES
 from router.proxy import UpstreamError
@@ -59,6 +62,8 @@ _MARKS = (b'"response.created"', b'"response.completed"', b'"response.in_progres
 """Events of a stream that carry the whole response object, id included."""
 _MAX_PENDING = 1 << 20
 """A stream's bytes kept while looking for its id (an event split across chunks)."""
+_ASKING = Limit("responses:ask", 1, 1, "requests", "the router")
+"""The bucket of questions to the engines (``responses.ask_per_second``)."""
 
 
 def _opt(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -161,6 +166,7 @@ class ResponsesApi:
         self.api = api
         self.app = api.app
         self._asking: set[asyncio.Future[str | None]] = set()
+        self._questions = LocalBuckets()
 
     @property
     def store(self) -> ResponseStore:
@@ -233,6 +239,10 @@ class ResponsesApi:
             if engine is not None and engine.state is EngineState.HEALTHY
         ][: config.ask_engines]
         if not engines:
+            return None
+        rate = config.ask_per_second
+        if self._questions.take([(_ASKING, rate, max(1.0, rate))])[0] >= 0:
+            app.metrics.responses_queries.labels("not_asked").inc()
             return None
         credentials = app.credentials
         auth = credentials.upstream_authorization(

@@ -359,3 +359,20 @@ async def test_asking_the_engines_can_be_turned_off(
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_made_up_ids_are_asked_about_at_most_ask_per_second(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in pair], responses={"ask_per_second": 0.01})
+    try:
+        for n in range(3):
+            status, engine, answer = await holder_get(http, f"{app.url}/v1/responses/resp_made{n}")
+            assert status == 404 and not engine, answer
+        samples = await metrics(http, app.url)
+        queries = "kvroute_responses_engine_queries_total"
+        # One question (a burst of one), then none for the next 100 s.
+        assert metric_sum(samples, queries, result="not_found") == 1
+        assert metric_sum(samples, queries, result="not_asked") == 2
+    finally:
+        await app.stop()
