@@ -203,6 +203,13 @@ class Credentials:
             raise AuthError(403, "this key may not make admin calls")
         raise AuthError(401, "invalid admin key")
 
+    def upstream_authorization_of(self, headers: Mapping[str, str], path: str) -> str | None:
+        """:meth:`upstream_authorization` for a client's call to ``path`` with
+        ``headers``."""
+        return self.upstream_authorization(
+            headers.get("authorization"), self.x_api_key_of(headers, path)
+        )
+
     def upstream_authorization(
         self, client: str | None, x_api_key: str | None = None
     ) -> str | None:

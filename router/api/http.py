@@ -490,10 +490,7 @@ class HttpApi:
         headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
         if engine.dp_size > 1:
             headers["X-data-parallel-rank"] = str(key.rank)
-        credentials = self.app.credentials
-        auth = credentials.upstream_authorization(
-            client.get("authorization"), credentials.x_api_key_of(client, path)
-        )
+        auth = self.app.credentials.upstream_authorization_of(client, path)
         if auth:
             headers["Authorization"] = auth
         return headers

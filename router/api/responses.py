@@ -244,10 +244,7 @@ class ResponsesApi:
         if self._questions.take([(_ASKING, rate, max(1.0, rate))])[0] >= 0:
             app.metrics.responses_queries.labels("not_asked").inc()
             return None
-        credentials = app.credentials
-        auth = credentials.upstream_authorization(
-            headers.get("authorization"), credentials.x_api_key_of(headers, path)
-        )
+        auth = app.credentials.upstream_authorization_of(headers, path)
         upstream = app.upstream
         assert upstream is not None
 

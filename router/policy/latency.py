@@ -260,20 +260,22 @@ class LatencyPolicy(KVCostPolicy):
             decision.reason = "slo_unmet"
         elif chosen.bonus and min(s.total + s.bonus for s in pool) < chosen.total + chosen.bonus:
             decision.reason = "session"  # the bonus decided it
+        self._pin(request, chosen.engine)
+        return decision
+
+    def _pin(self, request: RouteRequest, engine: EngineKey) -> None:
+        """The session's next turn should find ``engine``."""
         lat = self.config.latency
         if request.session and lat.session_bonus_ms > 0:
             sessions = self.sessions
             sessions.ttl_s, sessions.max_sessions = lat.session_ttl_s, lat.max_sessions  # reloads
-            sessions.note(session_key(request.session), chosen.engine, self._clock())
-        return decision
+            sessions.note(session_key(request.session), engine, self._clock())
 
     def forget(self, engine: EngineKey) -> None:
         self.sessions.forget(engine)
 
     def moved(self, request: RouteRequest, engine: EngineKey) -> None:
-        """The session's next turn should find the engine that served this one."""
-        if request.session and self.config.latency.session_bonus_ms > 0:
-            self.sessions.note(session_key(request.session), engine, self._clock())
+        self._pin(request, engine)  # the engine that served this turn has its context
 
 
 def _near(value: float, mid: float, low: float, high: float) -> float:
