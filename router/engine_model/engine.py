@@ -203,6 +203,8 @@ class EngineModel:
         #: Blocks of finished prefill-only requests, pinned for decode engines.
         self.holds = HoldTable(self.cache, params.kv_hold_timeout_s)
         self._inflight: list[tuple[_Sequence, int]] | None = None
+        #: Model time of the latest step scheduled (a request arriving later waits).
+        self._scheduled_at = float("-inf")
         self._preempted: list[str] = []
         self._queries = 0
         self._hits = 0
@@ -285,11 +287,14 @@ class EngineModel:
 
     def next_wakeup(self) -> float | None:
         """The next model time at which something happens without a step: a transfer
-        completing or a hold expiring (None: nothing timed is pending)."""
+        completing, a hold expiring or a queued request arriving after the latest step
+        was scheduled (None: nothing timed is pending)."""
         times = [seq.ready_at for seq in self._transferring]
         expiry = self.holds.next_expiry()
         if expiry is not None:
             times.append(expiry)
+        if self._waiting and self._waiting[0].arrival > self._scheduled_at:
+            times.append(self._waiting[0].arrival)
         return min(times) if times else None
 
     def reset_prefix_cache(self, now: float) -> bool:
@@ -311,6 +316,7 @@ class EngineModel:
         """Schedule one step and return its duration, or None when there is nothing to run."""
         if self._inflight is not None:
             raise RuntimeError("start_step called twice without finish_step")
+        self._scheduled_at = now
         self.holds.expire(now)
         if self._transferring:
             self._complete_transfers(now)
@@ -338,11 +344,14 @@ class EngineModel:
             self._register_full_blocks(seq, seq.computed + n)
             budget -= n
             i += 1
-        # Like vLLM, a step that had to preempt admits nobody new.
+        # Like vLLM, a step that had to preempt admits nobody new. A request submitted
+        # with a later time than the step's (a driver that woke late for an earlier one)
+        # waits for the next step: the queue is in arrival order.
         transferring = self._transferring
         while (
             not preempted_now
             and self._waiting
+            and self._waiting[0].arrival <= now
             and budget > 0
             and len(running) + len(transferring) < p.max_num_seqs
         ):

@@ -466,3 +466,22 @@ def test_a_stop_token_ends_a_request_early() -> None:
     assert run.tokens("s") == reference.tokens("r")[:3]
     assert (last.finish_reason, last.stop_reason) == ("stop", third)
     assert run.outputs["m"][-1].finish_reason == "length"
+
+
+def test_a_request_waits_for_the_first_step_after_its_arrival() -> None:
+    engine = EngineModel(SMALL, hash_seed=1)
+    engine.submit(RequestSpec("a", prompt(32), 1), 0.0)
+    # A driver that woke late for "a" submits "b" with a later time than the step's.
+    engine.submit(RequestSpec("b", prompt(32, start=9_000), 1), 5.0)
+    duration = engine.start_step(0.0)
+    assert duration is not None and duration < 5.0
+    assert [o.request_id for o in engine.finish_step(duration).outputs] == ["a"]
+    # Nothing runs before "b" arrives, and the model says when it does.
+    assert engine.start_step(duration) is None
+    assert engine.next_wakeup() == 5.0
+    d = engine.start_step(5.0)
+    assert d is not None
+    (b,) = engine.finish_step(5.0 + d).outputs
+    assert b.request_id == "b" and b.ttft == pytest.approx(d)
+    # Once "b" is scheduled, an idle engine has nothing timed left.
+    assert engine.next_wakeup() is None
