@@ -1167,6 +1167,14 @@ class ResponsesConfig(_Section):
         "many); beyond, an id is unknown without asking, so made-up ids cannot make the "
         "router send the engines more than this times `ask_engines` GETs a second.",
     )
+    ask_per_caller_per_second: float = Field(
+        5.0,
+        gt=0,
+        description="Unknown response ids one caller may have asked about per second (a "
+        "burst of as many), within `ask_per_second`: one caller sending made-up ids "
+        "cannot use up every other caller's questions. A caller is the API key it "
+        "presented when `auth.api_keys` is set, else its address.",
+    )
 
 
 class KubernetesDiscoveryConfig(_Section):

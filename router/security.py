@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -87,6 +88,11 @@ def _secret(value: object) -> str:
     return getter() if getter is not None else str(value)
 
 
+def key_digest(key: str) -> str:
+    """A name for an API key (a tenant, a caller) that is never the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 def bearer(authorization: str | None) -> bytes | None:
     """The token of ``Authorization: Bearer TOKEN`` (scheme case-insensitive)."""
     if not authorization:
@@ -105,17 +111,22 @@ def _matches(token: bytes, keys: list[bytes]) -> bool:
     return found
 
 
+def peer_host(peer: str | None) -> str | None:
+    """The host of a peer address (``127.0.0.1``, ``::1``, gRPC's ``ipv4:127.0.0.1:5000``,
+    ``ipv6:[::1]:5000``); ``unix:...`` and None are returned as they are."""
+    if not peer or not peer.startswith(("ipv4:", "ipv6:")):
+        return peer
+    host = peer[5:]
+    return host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+
+
 def is_loopback(peer: str | None) -> bool:
-    """Whether a peer address (``127.0.0.1``, ``::1``, gRPC's ``ipv4:127.0.0.1:5000``,
-    ``ipv6:[::1]:5000``, ``unix:...``) is this host."""
-    if not peer:
+    """Whether a peer address (see :func:`peer_host`, or ``unix:...``) is this host."""
+    host = peer_host(peer)
+    if not host:
         return False
-    if peer.startswith("unix:"):
+    if host.startswith("unix:"):
         return True
-    host = peer
-    if peer.startswith(("ipv4:", "ipv6:")):
-        host = peer[5:]
-        host = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:
@@ -202,6 +213,18 @@ class Credentials:
         if _matches(token, self.client):
             raise AuthError(403, "this key may not make admin calls")
         raise AuthError(401, "invalid admin key")
+
+    def caller_of(self, headers: Mapping[str, str], path: str, peer: str | None) -> str:
+        """Who makes a client call, for per-caller limits: the API key it presented
+        (digested) when the router checks keys, else its network address (a header
+        anyone may set names nobody)."""
+        if self.client:
+            token = bearer(headers.get("authorization"))
+            if token is None and (x_api_key := self.x_api_key_of(headers, path)):
+                token = x_api_key.strip().encode()
+            if token is not None:
+                return key_digest(token.decode())
+        return f"peer:{peer_host(peer) or '?'}"
 
     def upstream_authorization_of(self, headers: Mapping[str, str], path: str) -> str | None:
         """:meth:`upstream_authorization` for a client's call to ``path`` with

@@ -23,6 +23,11 @@ class Downstream(Protocol):
         """The caller's request headers; look names up in lower case."""
         ...
 
+    @property
+    def peer(self) -> str | None:
+        """The caller's network address, where the transport knows it."""
+        ...
+
     async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
         """A complete answer."""
 

@@ -278,6 +278,10 @@ class GrpcDownstream:
         else:
             await self._context.write(pb.GenerateChunk(data=chunk))
 
+    @property
+    def peer(self) -> str | None:
+        return self._context.peer()
+
     async def end(self) -> None:
         head, self._head = self._head, None
         if head is not None:

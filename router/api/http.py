@@ -128,6 +128,10 @@ class HttpDownstream:
     def headers(self) -> Any:
         return self.request.headers
 
+    @property
+    def peer(self) -> str | None:
+        return self.request.remote
+
     async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self.response = web.Response(body=body, status=status, headers=headers)
 

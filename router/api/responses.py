@@ -22,8 +22,10 @@ one). Two things are its own:
   ``responses.ask_engines`` healthy ones are asked at once (``GET
   /v1/responses/{id}``, the client's credentials), the first ``200`` names the holder,
   and the answer is remembered (``kvroute_responses_engine_queries_total``). At most
-  ``responses.ask_per_second`` ids are asked about a second: made-up ids cannot turn
-  one client's requests into many times as many to the engines.
+  ``responses.ask_per_second`` ids are asked about a second, and
+  ``responses.ask_per_caller_per_second`` for one caller (its API key, else its
+  address): made-up ids cannot turn one client's requests into many times as many to
+  the engines, nor use up the questions of the others.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ _MAX_PENDING = 1 << 20
 """A stream's bytes kept while looking for its id (an event split across chunks)."""
 _ASKING = Limit("responses:ask", 1, 1, "requests", "the router")
 """The bucket of questions to the engines (``responses.ask_per_second``)."""
+_CALLERS_KEPT = 4096
+"""Callers' buckets kept before the full ones are dropped (then twice what remains)."""
 
 
 def _opt(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -167,6 +171,8 @@ class ResponsesApi:
         self.app = api.app
         self._asking: set[asyncio.Future[str | None]] = set()
         self._questions = LocalBuckets()
+        self._callers = LocalBuckets()
+        self._callers_kept = _CALLERS_KEPT
 
     @property
     def store(self) -> ResponseStore:
@@ -197,8 +203,9 @@ class ResponsesApi:
             return
         counter = self.app.metrics.responses_affinity
         serving = self.app.decider.planner.candidates(ctx.model, SERVING_ROLES)
+        caller = self.app.credentials.caller_of(ctx.sink.headers, "/v1/responses", ctx.sink.peer)
         endpoint = await self.locate(
-            previous, (key.endpoint for key in serving), ctx.sink.headers, "/v1/responses"
+            previous, (key.endpoint for key in serving), ctx.sink.headers, "/v1/responses", caller
         )
         if endpoint is None:
             counter.labels("unknown").inc()
@@ -219,12 +226,14 @@ class ResponsesApi:
         endpoints: Iterable[str],
         headers: Mapping[str, str],
         path: str,
+        caller: str,
     ) -> str | None:
         """The endpoint of the engine holding ``response_id``: remembered (here or in
         Redis), or else found by asking the healthy engines among ``endpoints`` (the
         first ``200`` wins, and is remembered); None when none holds it.
 
-        ``headers`` and ``path``: the client's call, whose credentials the engines see.
+        ``headers`` and ``path``: the client's call, whose credentials the engines see;
+        ``caller``: who makes it (:meth:`Credentials.caller_of`), for its share.
         """
         endpoint = await self.store.engine_of(response_id)
         if endpoint is not None:
@@ -240,8 +249,7 @@ class ResponsesApi:
         ][: config.ask_engines]
         if not engines:
             return None
-        rate = config.ask_per_second
-        if self._questions.take([(_ASKING, rate, max(1.0, rate))])[0] >= 0:
+        if not self._may_ask(caller):
             app.metrics.responses_queries.labels("not_asked").inc()
             return None
         auth = app.credentials.upstream_authorization_of(headers, path)
@@ -271,6 +279,22 @@ class ResponsesApi:
             await self.store.remember(response_id, found)
         return found
 
+    def _may_ask(self, caller: str) -> bool:
+        """Take one question from the caller's bucket and the router's, or from none."""
+        config = self.store.config
+        rate, mine = config.ask_per_second, config.ask_per_caller_per_second
+        cap = max(1.0, mine)
+        own = Limit(f"responses:ask:{caller}", 1, 1, "requests", caller)
+        if self._callers.take([(own, mine, cap)])[0] >= 0:
+            return False
+        if self._questions.take([(_ASKING, rate, max(1.0, rate))])[0] >= 0:
+            self._callers.add([(Limit(own.bucket, 1, -1, "requests", caller), mine, cap)])
+            return False
+        if len(self._callers) > self._callers_kept:
+            self._callers.forget_full(mine, cap)
+            self._callers_kept = max(_CALLERS_KEPT, 2 * len(self._callers))
+        return True
+
     # ------------------------------------------------------------------ retrieval
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
@@ -295,6 +319,7 @@ class ResponsesApi:
                 (engine.endpoint for engine in app.registry),
                 request.headers,
                 request.path,
+                app.credentials.caller_of(request.headers, request.path, request.remote),
             )
             engine = app.registry.get(endpoint) if endpoint is not None else None
             if engine is None:
@@ -340,7 +365,7 @@ class ResponsesApi:
         headers = {"Content-Type": _JSON}
         if request_id:
             headers["X-Request-Id"] = request_id
-        auth = app.credentials.upstream_authorization(request.headers.get("authorization"))
+        auth = app.credentials.upstream_authorization_of(request.headers, request.path)
         if auth:
             headers["Authorization"] = auth
         deadline = upstream.deadlines.start(app.config.proxy.first_byte_timeout_s)

@@ -95,6 +95,19 @@ class LocalBuckets:
             self._buckets[lim.bucket] = (level - lim.cost, now)
         return -1, 0.0
 
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def forget_full(self, rate: float, cap: float) -> None:
+        """Drop the buckets that have refilled to ``cap`` at ``rate`` (a full bucket is
+        the same as none): what keeps buckets per caller bounded."""
+        now = self.clock()
+        self._buckets = {
+            name: (tokens, at)
+            for name, (tokens, at) in self._buckets.items()
+            if tokens + (now - at) * rate < cap
+        }
+
     def add(self, limits: Sequence[tuple[Limit, float, float]]) -> None:
         """Charge ``cost`` more (a negative cost gives tokens back), whatever the level."""
         now = self.clock()

@@ -9,7 +9,6 @@ answer's usage corrects it at the end (:meth:`router.flow.control.FlowControl.fi
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from router.security import bearer
+from router.security import bearer, key_digest
 
 if TYPE_CHECKING:
     from router.config import FlowConfig, FlowKeyConfig, FlowTenantConfig
@@ -66,11 +65,6 @@ def body_facts(body: bytes) -> BodyFacts:
     return BodyFacts(
         peek.model, peek.user, len(body) // 4, output * n if output is not None else None
     )
-
-
-def key_digest(key: str) -> str:
-    """A tenant name for an API key that names none: never the key itself."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _tenant_name(value: str | None) -> str | None:

@@ -376,3 +376,52 @@ async def test_made_up_ids_are_asked_about_at_most_ask_per_second(
         assert metric_sum(samples, queries, result="not_asked") == 2
     finally:
         await app.stop()
+
+
+async def test_one_caller_cannot_use_up_the_questions_of_another(
+    pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    app = await start_router([e.url for e in pair], responses={"ask_per_caller_per_second": 0.01})
+    queries = "kvroute_responses_engine_queries_total"
+    other = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
+    try:
+        for n in range(3):  # one caller: a burst of one, then none for 100 s
+            status, _, answer = await holder_get(http, f"{app.url}/v1/responses/resp_mine{n}")
+            assert status == 404, answer
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, queries, result="not_found") == 1
+        assert metric_sum(samples, queries, result="not_asked") == 2
+        # Another address still has its own question, within the router's 20 a second.
+        status, _, answer = await holder_get(other, f"{app.url}/v1/responses/resp_theirs")
+        assert status == 404, answer
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, queries, result="not_found") == 2
+        assert metric_sum(samples, queries, result="not_asked") == 2
+    finally:
+        await other.close()
+        await app.stop()
+
+
+async def test_a_key_sent_as_x_api_key_reaches_the_engine_holding_the_response(
+    http: aiohttp.ClientSession,
+) -> None:
+    # Engines that want the key (vLLM's --api-key), a router passing the client's key.
+    engine = await start_test_engine(engine_id="keyed", api_key="k1")
+    # Without a key of its own the router cannot list the engine's models: configured.
+    static = [{"url": engine.url, "models": [MODEL]}]
+    app = await start_router(static, auth={"api_keys": ["k1"], "accept_x_api_key": "all"})
+    try:
+        reply = await post_reply(
+            http, f"{app.url}/v1/responses", {"model": MODEL, "input": words("k", 20)},
+            headers={"x-api-key": "k1"},
+        )  # fmt: skip
+        assert reply.status == 200, reply.body
+        for suffix, method in (("", "GET"), ("/cancel", "POST")):
+            url = f"{app.url}/v1/responses/{reply.body['id']}{suffix}"
+            async with http.request(method, url, headers={"x-api-key": "k1"}) as resp:
+                # The engine saw the key as Bearer: its own answer, not its 401.
+                assert resp.status != 401, await resp.text()
+                assert resp.headers["x-kvroute-engine"]
+    finally:
+        await app.stop()
+        await engine.stop()

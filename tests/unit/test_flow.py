@@ -188,6 +188,21 @@ def test_a_bucket_passes_its_burst_then_its_rate() -> None:
     assert buckets.take(shaped)[0] == -1
 
 
+def test_buckets_that_refilled_are_forgotten() -> None:
+    clock = Clock()
+    buckets = LocalBuckets(clock)
+    shaped = [(_rpm(60), 1.0, 3.0)]
+    other = [(Limit("key:b:rpm", 60, 1, "requests", "key 'b'"), 1.0, 3.0)]
+    buckets.take(shaped)
+    clock.now = 0.5
+    buckets.take(other)
+    clock.now = 1.2  # the first has refilled to 3, the second holds 2.7
+    buckets.forget_full(1.0, 3.0)
+    assert len(buckets) == 1
+    assert [buckets.take(other)[0] for _ in range(3)] == [-1, -1, 0]  # remembered: 2.7
+    assert [buckets.take(shaped)[0] for _ in range(4)] == [-1, -1, -1, 0]  # a full one
+
+
 def test_a_request_takes_from_every_bucket_or_from_none() -> None:
     buckets = LocalBuckets(Clock())
     rpm = (_rpm(60), 1.0, 5.0)

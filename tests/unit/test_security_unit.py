@@ -108,6 +108,24 @@ def test_upstream_modes() -> None:
         AuthConfig(upstream="token")
 
 
+def test_a_caller_is_its_key_when_keys_are_checked_else_its_host() -> None:
+    open_ = Credentials(AuthConfig())
+    # Anyone may send any Authorization to an open router: the address names the caller.
+    assert open_.caller_of({"authorization": "Bearer a"}, "/v1/responses", "10.0.0.1") == (
+        "peer:10.0.0.1"
+    )
+    assert open_.caller_of({}, "/v1/responses", "ipv4:10.0.0.1:5000") == "peer:10.0.0.1"
+    assert open_.caller_of({}, "/v1/responses", "ipv6:[::1]:5000") == "peer:::1"
+    assert open_.caller_of({}, "/v1/responses", None) == "peer:?"
+    keyed = Credentials(AuthConfig(api_keys=["k1", "k2"], accept_x_api_key="all"))
+    one = keyed.caller_of({"authorization": "Bearer k1"}, "/v1/responses", "10.0.0.1")
+    assert one == keyed.caller_of({"authorization": "Bearer k1"}, "/v1/responses", "10.0.0.2")
+    assert one == keyed.caller_of({"x-api-key": "k1"}, "/v1/responses", "10.0.0.3")
+    two = keyed.caller_of({"authorization": "Bearer k2"}, "/v1/responses", "10.0.0.1")
+    assert one.startswith("key-") and two.startswith("key-") and one != two
+    assert "k1" not in one  # a digest, never the key itself
+
+
 def test_secrets_print_masked() -> None:
     cfg = AuthConfig(api_keys=["sk-visible-not"], upstream="token", upstream_token="tok-123")
     assert "sk-visible-not" not in repr(cfg) and "tok-123" not in cfg.model_dump_json()
