@@ -220,10 +220,9 @@ class Credentials:
         anyone may set names nobody)."""
         if self.client:
             token = bearer(headers.get("authorization"))
-            if token is None and (x_api_key := self.x_api_key_of(headers, path)):
-                token = x_api_key.strip().encode()
-            if token is not None:
-                return key_digest(token.decode())
+            key = token.decode() if token else (self.x_api_key_of(headers, path) or "").strip()
+            if key:
+                return key_digest(key)
         return f"peer:{peer_host(peer) or '?'}"
 
     def upstream_authorization_of(self, headers: Mapping[str, str], path: str) -> str | None:
