@@ -6,7 +6,8 @@ first-token overhead, the TPOT line) or the configured priors (lower total wins)
 
     ttft     = b + a * (queued prefill tokens + uncached prompt tokens) + transfer seconds
     queue    = queue_weight   * a * queued prefill tokens
-    prefill  = prefill_weight * a * uncached prompt tokens
+    prefill  = prefill_weight * a * uncached prompt tokens   (idle_prefill_weight, when
+               set, on an engine with nothing in flight)
     transfer = prefill_weight * the transfer's seconds (a split's prefill, topology known)
     decode   = decode_weight  * a * block_size * blocks held by decoding requests
     reported = (kv_cost's engine-reported terms, in blocks) * a * block_size
@@ -20,6 +21,14 @@ sequence decoding on that engine, so a long prompt is worth placing where few ar
 decoding) and the engines' **own speed** (a slower engine's queue costs more). The
 weights are ``kv_cost``'s (``prefill_weight`` 2 counts the request's prefill once for
 itself and once for what queues behind it); ``itl_weight`` is this policy's.
+
+**Idle engines.** ``idle_prefill_weight`` (unset: ``prefill_weight``) prices the
+request's prefill on an engine with nothing in flight, whose time would otherwise be
+spent on nothing. At 1 a recompute there costs only the request's own wait: 16 chats
+opening at once on 4 idle engines with a new system prompt split 4/4/4/4 instead of
+queueing five deep behind the engines computing it (5/5/5/1), which cuts that burst's
+TTFT tail, but on traces it copies prefixes onto engines that fall idle for a moment
+and lowers the hit rate (docs/benchmarks.md, "The first burst of multi-turn chat").
 
 **SLOs.** A request with ``slo_ttft_s`` / ``slo_tpot_s`` (headers ``x-slo-ttft-ms``,
 ``x-slo-tpot-ms``, or the model's defaults) goes to the lowest-cost engine predicted to
@@ -115,6 +124,8 @@ class LatencyPolicy(KVCostPolicy):
         speeds = self._speeds(candidates, loads)
         backlog = lat.queue_model == "backlog"
         by_decoding = lat.harm_counts == "decoding"
+        per_uncached = cfg.prefill_weight
+        idle_weight = per_uncached if lat.idle_prefill_weight is None else lat.idle_prefill_weight
         scores: list[Score] = []
         for engine in candidates:
             match = matches.get(engine)
@@ -143,9 +154,10 @@ class LatencyPolicy(KVCostPolicy):
             else:
                 wait = a * queued
             queue = cfg.queue_weight * wait
-            prefill = cfg.prefill_weight * a * uncached
+            weight = per_uncached if requests else idle_weight
+            prefill = weight * a * uncached
             transfer_s = moved * per_moved if per_moved is not None else a * moved
-            transfer = cfg.prefill_weight * transfer_s
+            transfer = per_uncached * transfer_s
             decode = cfg.decode_weight * a * bs * decode_blocks
             # Those ahead of it in the queue decode by the time its chunks run.
             harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)

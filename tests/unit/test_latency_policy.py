@@ -183,6 +183,41 @@ async def test_a_reload_keeps_the_fitted_lines_and_the_sessions() -> None:
     assert core.policy.config.latency.itl_weight == 0.5
 
 
+async def first_burst(idle_prefill_weight: float | None) -> list[int]:
+    """Requests per engine after 16 chats open at once on 4 idle engines with one new
+    1,000-token system prompt (+200 tokens of question each): the real index (each
+    choice recorded as pending) and load tracker, nothing finished yet."""
+    config = PolicyConfig(
+        name="latency", latency=LatencyPolicyConfig(idle_prefill_weight=idle_prefill_weight)
+    )
+    tracker = LoadTracker(block_size=16)
+    core = RoutingCore(MemoryIndex(), make_policy(config), config, tracker)
+    engines = [EngineKey(f"127.0.0.1:{9000 + i}") for i in range(4)]
+    system = list(range(62))  # 992 tokens: the shared blocks
+    for n in range(16):
+        keys = system + [1000 * (n + 1) + k for k in range(13)]
+        decision = await core.route(RouteRequest(f"c{n}", keys, 1205, 16), engines)
+        tracker.begin(decision.engine, 1205, decision.cached_tokens, 100)
+    return sorted((tracker.view[e].requests for e in engines), reverse=True)
+
+
+async def test_a_first_burst_takes_the_idle_engines_at_the_idle_prefill_weight() -> None:
+    # Counting the recompute twice everywhere, queueing fifth behind the engine
+    # computing the prompt looks cheaper than computing it on an idle engine.
+    assert await first_burst(None) == [5, 5, 5, 1]
+    # Once on an idle engine: every engine computes it once, then the burst spreads.
+    assert await first_burst(1.0) == [4, 4, 4, 4]
+
+
+def test_the_idle_prefill_weight_prices_only_engines_with_nothing_in_flight() -> None:
+    busy = {A: EngineLoad(requests=1, prefill_tokens=100), B: EngineLoad()}
+    scores = {s.engine: s for s in policy(idle_prefill_weight=0.5).score(req(), [A, B], {}, busy)}
+    a = 50e-6  # the prior's seconds per token
+    assert scores[A].prefill == pytest.approx(2 * a * 8000)  # prefill_weight
+    assert scores[B].prefill == pytest.approx(0.5 * a * 8000)
+    assert scores[B].ttft == pytest.approx(scores[A].ttft - a * 100)  # the prediction is not
+
+
 def test_of_two_engines_the_slow_one_stands_out() -> None:
     loads = {A: fitted(EngineLoad(), 50e-6), B: fitted(EngineLoad(), 5000e-6)}
     scores = {s.engine: s for s in policy().score(req(prompt_tokens=2000), [A, B], {}, loads)}
