@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,11 @@ _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
 _SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
 """What an event of a server-sent event stream starts with."""
+_STREAM_END = re.compile(
+    rb"(?:^|\n)(?:data: \[DONE\]|event: (?:message_stop|response\.(?:completed|incomplete|failed)))"
+)
+"""The last event of an OpenAI, Anthropic or Responses stream, at the start of a line
+(a JSON string holds no raw newline, so generated text cannot fake it)."""
 _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -562,8 +568,12 @@ class HttpApi:
             app.core.loads.end(ticket)
             raise
         try:
+            # The engine is done with a request once its answer is read: the ticket ends
+            # before the client has the last byte, or a client that sends its next turn
+            # at once could find this one still counted on the engine.
             if upstream.status >= 400:  # the engine refused the request itself: pass it on
                 data = await self._read_all(upstream, deadline, engine, url)
+                app.core.loads.end(ticket)
                 app.registry.record_success(engine)
                 outcome.set("client_error", upstream.status)
                 ctype = upstream.headers.get("content-type", _JSON)
@@ -571,6 +581,7 @@ class HttpApi:
                 return
             if not parsed.stream:
                 data = await self._read_all(upstream, deadline, engine, url)
+                app.core.loads.end(ticket)
                 if not self._check_tokenizer(parsed, data, outcome):
                     app.registry.record_failure(engine)
                     raise ApiError(502, f"the engine {engine.url} answered with invalid JSON")
@@ -653,6 +664,11 @@ class HttpApi:
                     )
                 if watch is not None:
                     await watch.chunk(chunk)
+                if not ticket.released and _STREAM_END.search(chunk):
+                    # The engine is done with it: off its load before the client, which
+                    # may stop reading here, has the event (see attempt).
+                    ticket.output_tokens = self._stream_tokens(ctx.path, events, chunk, parsed.n)
+                    app.core.loads.end(ticket)
                 await sink.write(tap.chunk(chunk) if tap is not None else chunk)
                 tail = chunk
         except HTTPError as exc:
@@ -668,7 +684,9 @@ class HttpApi:
             return
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
-        ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, parsed.n)
+        if not ticket.released:
+            ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, parsed.n)
+            app.core.loads.end(ticket)  # before the client's last byte (see attempt)
         await sink.end()
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')

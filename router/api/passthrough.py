@@ -162,6 +162,7 @@ class Passthrough:
                 await api._relay(ctx, ctx.sink, upstream, deadline, engine, ticket, ours)
                 return
             data = await api._read_all(upstream, deadline, engine, url)
+            app.core.loads.end(ticket)  # done at the engine: before the client's last byte
             app.registry.record_success(engine)
             ctx.outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
             await ctx.sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)

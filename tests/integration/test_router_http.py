@@ -18,6 +18,7 @@ from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
+from router.api.http import HttpDownstream
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.engines.registry import EngineState
@@ -406,6 +407,50 @@ async def test_per_engine_limit_spreads_then_waits_then_429(
         await app.stop()
         for engine in engines:
             await engine.stop()
+
+
+async def test_an_answer_leaves_the_engines_load_before_the_client_has_its_end(
+    router: RouterApp, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends its next turn as soon as it reads the last event (as the
+    OpenAI and Anthropic SDKs stop at it) must not find the turn before still counted on
+    the engine that served it: the router's own load would push the conversation away
+    from the engine holding its cache. So the ticket ends before the last event is
+    written, not after the stream closes."""
+    in_flight: list[tuple[bytes, int]] = []  # (what was written, requests counted then)
+
+    def counted() -> int:
+        return sum(load.requests for load in router.loads.view.values())
+
+    write, whole = HttpDownstream.write, HttpDownstream.whole
+
+    async def recording_write(self: HttpDownstream, chunk: bytes) -> None:
+        in_flight.append((chunk, counted()))
+        await write(self, chunk)
+
+    async def recording_whole(
+        self: HttpDownstream, status: int, headers: dict[str, str], body: bytes
+    ) -> None:
+        in_flight.append((body, counted()))
+        await whole(self, status, headers, body)
+
+    monkeypatch.setattr(HttpDownstream, "write", recording_write)
+    monkeypatch.setattr(HttpDownstream, "whole", recording_whole)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}]}
+    messages = {**chat, "max_tokens": 4}
+    for path, body, end in (
+        ("/v1/chat/completions", {**chat, "max_tokens": 4, "stream": True}, b"data: [DONE]"),
+        ("/v1/messages", {**messages, "stream": True}, b"event: message_stop"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 4}, b'"choices"'),
+    ):
+        in_flight.clear()
+        async with http.post(f"{router.url}{path}", json=body) as resp:
+            assert resp.status == 200
+            assert end in await resp.read()
+        last = [n for chunk, n in in_flight if end in chunk]
+        assert last == [0], (path, in_flight)  # the answer's end: off the load already
+        assert max(n for _, n in in_flight) == 1 or len(in_flight) == 1  # before: counted
+    assert counted() == 0
 
 
 async def test_a_chat_is_checked_and_accounted_by_its_max_completion_tokens(
