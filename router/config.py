@@ -118,11 +118,12 @@ class LatencyPolicyConfig(_Section):
         None,
         ge=0,
         description="The weight of the request's uncached prefill on an engine with nothing "
-        "in flight (null: `prefill_weight` there too). 1 counts a recompute on an idle "
-        "engine as the request's own wait only, so a burst of a new shared prompt takes the "
-        "idle engines before queueing behind the one computing it: a lower TTFT tail for "
-        'such bursts, a lower hit rate on traces (docs/benchmarks.md, "The first burst of '
-        'multi-turn chat").',
+        "in flight from this router or its peers (null: `prefill_weight` there too; traffic "
+        "from elsewhere, seen only in the engine's metrics, does not count). 1 counts a "
+        "recompute on an idle engine as the request's own wait only, so a burst of a new "
+        "shared prompt takes the idle engines before queueing behind the one computing it: "
+        "a lower TTFT tail for such bursts, a lower hit rate on traces (docs/benchmarks.md, "
+        '"The first burst of multi-turn chat").',
     )
     speed_tolerance: float = Field(
         1.0,

@@ -74,10 +74,20 @@ _JSON = "application/json"
 _SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
 """What an event of a server-sent event stream starts with."""
 _STREAM_END = re.compile(
-    rb"(?:^|\n)(?:data: \[DONE\]|event: (?:message_stop|response\.(?:completed|incomplete|failed)))"
+    rb"\n(?:data: ?\[DONE\]|event: ?(?:message_stop|response\.(?:completed|incomplete|failed)))"
 )
-"""The last event of an OpenAI, Anthropic or Responses stream, at the start of a line
-(a JSON string holds no raw newline, so generated text cannot fake it)."""
+"""The last event of an OpenAI, Anthropic or Responses stream, after a line break (a
+JSON string holds no raw newline, so generated text cannot fake one)."""
+_SEAM = 48
+"""Bytes of the stream before a chunk searched with it: longer than any end marker."""
+
+
+def _ends_stream(before: bytes, chunk: bytes) -> bool:
+    """Whether ``chunk`` holds the stream's last event, also when its marker began in
+    ``before`` (what the stream sent before it; a line break for the first chunk)."""
+    return _STREAM_END.search(before[-_SEAM:] + chunk) is not None
+
+
 _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -645,10 +655,12 @@ class HttpApi:
         app.metrics.ttft_seconds.observe(time.perf_counter() - ctx.started)
         if watch is not None:
             await watch.chunk(first)
+        events = first.count(b"data:")  # about one token each: the pace the model learns
+        if _ends_stream(b"\n", first):  # a short answer, whole in its first chunk
+            self._done(ctx, ticket, events, first)
         await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
         await sink.write(tap.chunk(first) if tap is not None else first)
         tail = first
-        events = first.count(b"data:")  # about one token each: the pace the model learns
         try:
             while True:
                 chunk = await upstream.readany()
@@ -664,11 +676,8 @@ class HttpApi:
                     )
                 if watch is not None:
                     await watch.chunk(chunk)
-                if not ticket.released and _STREAM_END.search(chunk):
-                    # The engine is done with it: off its load before the client, which
-                    # may stop reading here, has the event (see attempt).
-                    ticket.output_tokens = self._stream_tokens(ctx.path, events, chunk, parsed.n)
-                    app.core.loads.end(ticket)
+                if not ticket.released and _ends_stream(tail, chunk):
+                    self._done(ctx, ticket, events, chunk)
                 await sink.write(tap.chunk(chunk) if tap is not None else chunk)
                 tail = chunk
         except HTTPError as exc:
@@ -679,20 +688,27 @@ class HttpApi:
                 else ApiError(502, f"the engine's stream broke: {exc}")
             )
             outcome.set("stream_error", err.status)
+            app.core.loads.end(ticket)  # the engine is done with it, before the client
             await sink.write(shape_for(ctx.path).sse(err))
             await sink.end()
             return
         app.registry.record_success(engine)
         outcome.set("ok", upstream.status)
-        if not ticket.released:
-            ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, parsed.n)
-            app.core.loads.end(ticket)  # before the client's last byte (see attempt)
+        if not ticket.released:  # no end event seen: the stream's end is the answer's
+            self._done(ctx, ticket, events, tail)
         await sink.end()
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
                 usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
                 self._check_tokenizer(parsed, usage, outcome)
+
+    def _done(self, ctx: RequestContext, ticket: Ticket, events: int, tail: bytes) -> None:
+        """The engine has sent a stream's last event: the request leaves its load now,
+        before the client has the event (a client may stop reading and send its next
+        turn there; see :meth:`attempt`), with the output tokens its pace is learnt by."""
+        ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, ctx.parsed.n)
+        self.app.core.loads.end(ticket)
 
     @staticmethod
     def _stream_tokens(path: str, events: int, tail: bytes, n: int) -> int | None:

@@ -23,12 +23,13 @@ weights are ``kv_cost``'s (``prefill_weight`` 2 counts the request's prefill onc
 itself and once for what queues behind it); ``itl_weight`` is this policy's.
 
 **Idle engines.** ``idle_prefill_weight`` (unset: ``prefill_weight``) prices the
-request's prefill on an engine with nothing in flight, whose time would otherwise be
-spent on nothing. At 1 a recompute there costs only the request's own wait: 16 chats
-opening at once on 4 idle engines with a new system prompt split 4/4/4/4 instead of
-queueing five deep behind the engines computing it (5/5/5/1), which cuts that burst's
-TTFT tail, but on traces it copies prefixes onto engines that fall idle for a moment
-and lowers the hit rate (docs/benchmarks.md, "The first burst of multi-turn chat").
+request's prefill on an engine with nothing in flight from this router or its peers
+(``requests`` 0), whose time would otherwise be spent on nothing. At 1 a recompute there
+costs only the request's own wait: 16 chats opening at once on 4 idle engines with a new
+system prompt split 4/4/4/4 instead of queueing five deep behind the engines computing
+it (5/5/5/1), which cuts that burst's TTFT tail, but on traces it copies prefixes onto
+engines that fall idle for a moment and lowers the hit rate (docs/benchmarks.md, "The
+first burst of multi-turn chat").
 
 **SLOs.** A request with ``slo_ttft_s`` / ``slo_tpot_s`` (headers ``x-slo-ttft-ms``,
 ``x-slo-tpot-ms``, or the model's defaults) goes to the lowest-cost engine predicted to

@@ -22,6 +22,7 @@ from router.api.http import HttpDownstream
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.engines.registry import EngineState
+from router.http1 import Response
 from router.types import EngineKey
 
 MODEL = "kvroute-emulated"
@@ -451,6 +452,48 @@ async def test_an_answer_leaves_the_engines_load_before_the_client_has_its_end(
         assert last == [0], (path, in_flight)  # the answer's end: off the load already
         assert max(n for _, n in in_flight) == 1 or len(in_flight) == 1  # before: counted
     assert counted() == 0
+
+
+@pytest.mark.parametrize("cut", ["whole", "inside_the_marker"])
+async def test_a_stream_end_is_seen_however_the_bytes_arrive(
+    router: RouterApp, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """TCP decides how an engine's stream is cut into reads, which a test cannot force on
+    a real socket: here the router's reads of the upstream are regrouped (the bytes are
+    the emulated engine's own) as one read holding the whole stream, or as reads cut
+    inside ``data: [DONE]``. Either way the request leaves the load before the client
+    is sent the end."""
+    readany = Response.readany
+    pending: dict[int, list[bytes]] = {}  # per response: the reads still to give
+
+    async def regrouped(self: Response) -> bytes:
+        if id(self) not in pending:
+            parts = []
+            while data := await readany(self):
+                parts.append(data)
+            whole = b"".join(parts)
+            marker = whole.find(b"data: [DONE]")
+            at = marker + 8 if cut == "inside_the_marker" and marker >= 0 else 0
+            pending[id(self)] = [p for p in (whole[:at], whole[at:]) if p]
+        reads = pending[id(self)]
+        return reads.pop(0) if reads else b""
+
+    counts: list[tuple[bytes, int]] = []
+    write = HttpDownstream.write
+
+    async def recording_write(self: HttpDownstream, chunk: bytes) -> None:
+        counts.append((chunk, sum(load.requests for load in router.loads.view.values())))
+        await write(self, chunk)
+
+    monkeypatch.setattr(Response, "readany", regrouped)
+    monkeypatch.setattr(HttpDownstream, "write", recording_write)
+    body = {"model": MODEL, "prompt": "hi " * 30, "max_tokens": 3, "stream": True}
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert counts[-1][1] == 0, counts  # the write that completes the end event
+    if cut == "inside_the_marker":
+        assert [n for _, n in counts] == [1, 0]
 
 
 async def test_a_chat_is_checked_and_accounted_by_its_max_completion_tokens(
