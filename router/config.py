@@ -67,7 +67,7 @@ class SGLangCacheAwareConfig(_Section):
     max_tree_size: int = Field(
         2**26, gt=0, description="Tokens per engine tree before LRU eviction."
     )
-    eviction_interval_s: float = Field(120.0, gt=0)
+    eviction_interval_s: float = Field(60.0, gt=0)
 
 
 #: The smallest latency objective, in milliseconds (a microsecond): below it an

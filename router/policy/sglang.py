@@ -7,7 +7,9 @@ The rule, as sglang-router applies it (``policies/cache_aware.rs``):
   ``max > min * balance_rel_threshold``; then the least-loaded engine wins;
 * otherwise the request's longest prefix match in an approximate tree of routing
   history wins if it covers more than ``cache_threshold`` of the prompt, else the
-  engine with the smallest tree;
+  engine with the fewest requests in flight (the first of them on a tie), as 0.3.2
+  does (``select_worker``'s low-match branch; releases before December 2025 took the
+  engine with the smallest tree, which spread prefill work instead of requests);
 * the chosen engine's tree gets the prompt inserted either way; trees are trimmed to
   ``max_tree_size`` by LRU every ``eviction_interval_s``.
 
@@ -70,8 +72,8 @@ class CacheAwareSGLang(Policy):
             if holder is not None and rate > cfg.cache_threshold:
                 engine, reason = holder, "cache_hit"
             else:
-                engine = min(candidates, key=lambda e: len(self._lru.get(e, ())))
-                reason = "smallest_tree"
+                engine = candidates[counts.index(lo)]
+                reason = "min_load"
                 depth = 0
         self._insert(request.keys, engine, now)
         if now - self._last_eviction >= cfg.eviction_interval_s:

@@ -152,11 +152,18 @@ class TestCacheAwareSGLang:
         second = policy.choose(req("b", keys=[*range(90), 5000]), ENGINES, {}, {})
         assert second.engine == first.engine and second.reason == "cache_hit"
 
-    def test_a_weak_match_goes_to_the_smallest_tree(self) -> None:
+    def test_a_weak_match_goes_to_the_fewest_requests_in_flight(self) -> None:
+        # As sglang-router 0.3.2: the fewest in flight, the first of them on a tie, not
+        # the smallest tree (A's tree is the largest here, yet it has room).
         policy = self.make()
-        first = policy.choose(req("a", keys=list(range(100))), ENGINES, {}, {})
-        other = policy.choose(req("b", keys=[*range(10), *range(500, 600)]), ENGINES, {}, {})
-        assert other.engine != first.engine and other.reason == "smallest_tree"
+        policy.choose(req("a", keys=list(range(100))), [A], {}, {})
+        policy.choose(req("b", keys=list(range(200, 210))), [B], {}, {})
+        loads = {A: EngineLoad(requests=2), B: EngineLoad(requests=3), C: EngineLoad(requests=5)}
+        weak = req("c", keys=[*range(10), *range(500, 600)])
+        d = policy.choose(weak, [A, B, C], {}, loads)
+        assert d.engine == A and d.reason == "min_load"
+        tied = {A: EngineLoad(requests=3), B: EngineLoad(requests=3), C: EngineLoad(requests=3)}
+        assert policy.choose(req("d", keys=[9000]), [C, B, A], {}, tied).engine == C
 
     def test_imbalance_means_least_loaded_whatever_the_cache(self) -> None:
         policy = self.make()
