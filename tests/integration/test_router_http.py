@@ -442,6 +442,11 @@ async def test_an_answer_leaves_the_engines_load_before_the_client_has_its_end(
     for path, body, end in (
         ("/v1/chat/completions", {**chat, "max_tokens": 4, "stream": True}, b"data: [DONE]"),
         ("/v1/messages", {**messages, "stream": True}, b"event: message_stop"),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": "hi " * 50, "max_output_tokens": 4, "stream": True},
+            b"event: response.completed",
+        ),
         ("/v1/chat/completions", {**chat, "max_tokens": 4}, b'"choices"'),
     ):
         in_flight.clear()
