@@ -238,6 +238,25 @@ def add_workload_arguments(
         "--question-tokens", type=int, default=100, help="question length (both workloads)"
     )
     gen.add_argument("--output-tokens", type=int, default=64, help="answer length (both workloads)")
+    gen.add_argument(
+        "--output-spread",
+        type=_spread,
+        default=0.0,
+        metavar="F",
+        help="chat: each answer's length drawn uniformly within --output-tokens x (1 +- F), "
+        "F in [0, 1) (default 0: all equal, which keeps conversations in step)",
+    )
+
+
+def _spread(text: str) -> float:
+    """``--output-spread``: a fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a fraction from 0 up to (not) 1")
+    return value
 
 
 @dataclass(slots=True)
@@ -283,6 +302,7 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
             args.output_tokens,
             think_s=args.think_time,
             seed=args.seed,
+            output_spread=args.output_spread,
         )
         total = len(specs) * args.turns
         if args.requests is not None:
@@ -290,8 +310,9 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
         text = (
             f"chat: {args.conversations} conversations x {args.turns} turns, "
             f"{args.system_tokens}-token shared system prompt, {args.question_tokens}-token "
-            f"questions, {args.output_tokens}-token answers, each turn repeating the whole "
-            f"conversation; {closed} conversations in flight"
+            f"questions, {args.output_tokens}-token answers"
+            + (f" (+-{args.output_spread:.0%})" if args.output_spread else "")
+            + f", each turn repeating the whole conversation; {closed} conversations in flight"
         )
         title = f"chat, {args.conversations} conversations x {args.turns} turns"
         return Workload(title, text, specs, total, closed, {"kind": "chat"})

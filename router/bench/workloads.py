@@ -431,7 +431,7 @@ def _chat_turn(
     messages: list[dict[str, Any]],
     questions: Sequence[str],
     turn: int,
-    max_tokens: int,
+    lengths: Sequence[int],
     group: str,
     think_s: float,
 ) -> RequestSpec:
@@ -439,11 +439,11 @@ def _chat_turn(
         if turn + 1 >= len(questions):
             return None
         following = next_turn(messages, answer, questions[turn + 1])
-        return _chat_turn(following, questions, turn + 1, max_tokens, group, think_s)
+        return _chat_turn(following, questions, turn + 1, lengths, group, think_s)
 
     return RequestSpec(
         messages=messages,
-        max_tokens=max_tokens,
+        max_tokens=lengths[turn],
         group=group,
         delay=think_s if turn else 0.0,
         then=then,
@@ -458,20 +458,34 @@ def chat_workload(
     max_tokens: int,
     think_s: float = 0.0,
     seed: int = 0,
+    output_spread: float = 0.0,
 ) -> list[RequestSpec]:
     """Multi-turn conversations, one first turn each; later turns follow from answers.
 
     Every conversation starts with the same system prompt (one application's) and its
     own question; each next turn appends the previous answer and a new question, so it
-    repeats the whole conversation so far (a prefix an engine may still hold).
+    repeats the whole conversation so far (a prefix an engine may still hold). Answers
+    are ``max_tokens`` long, or with ``output_spread`` > 0 each drawn uniformly from
+    ``max_tokens * (1 +- output_spread)`` (seeded per conversation; the prompts are those
+    of ``output_spread`` 0): equal lengths and no think time keep conversations that
+    start together in step for ever, which real answers do not.
     """
+    if not 0.0 <= output_spread < 1.0:
+        raise ValueError(f"output_spread must be in [0, 1), not {output_spread}")
     rng = random.Random(seed)
     system = words(rng, system_tokens, "sys")
     specs = []
     for c in range(conversations):
         questions = [words(rng, question_tokens, f"c{c}t{t}q") for t in range(turns)]
+        spread = random.Random(f"{seed}:answers:{c}")
+        lengths = [
+            max(1, round(max_tokens * (1 + output_spread * spread.uniform(-1.0, 1.0))))
+            if output_spread
+            else max_tokens
+            for _ in range(turns)
+        ]
         first = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
-        specs.append(_chat_turn(first, questions, 0, max_tokens, f"conversation-{c}", think_s))
+        specs.append(_chat_turn(first, questions, 0, lengths, f"conversation-{c}", think_s))
     return specs
 
 

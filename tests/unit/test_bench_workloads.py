@@ -10,6 +10,7 @@ import pytest
 from router.bench.loadgen import percentile
 from router.bench.workloads import (
     PromptExpander,
+    RequestSpec,
     TraceError,
     TraceRequest,
     chat_workload,
@@ -216,6 +217,29 @@ def test_chat_turns_append_the_previous_answer_and_a_new_question() -> None:
     assert (third.messages or [])[:4] == second.messages
     assert third.then is not None
     assert third.then("the last answer") is None
+
+
+def answer_lengths(spec: RequestSpec) -> list[int]:
+    lengths = []
+    turn: RequestSpec | None = spec
+    while turn is not None:
+        lengths.append(turn.max_tokens)
+        turn = turn.then("an answer") if turn.then is not None else None
+    return lengths
+
+
+def test_an_output_spread_varies_answers_around_the_length_and_keeps_the_prompts() -> None:
+    even = chat_workload(20, 6, 50, 10, 100, seed=3)
+    spread = chat_workload(20, 6, 50, 10, 100, seed=3, output_spread=0.5)
+    assert [s.messages for s in spread] == [s.messages for s in even]
+    assert all(answer_lengths(s) == [100] * 6 for s in even)
+    lengths = [n for s in spread for n in answer_lengths(s)]
+    assert all(50 <= n <= 150 for n in lengths) and len(set(lengths)) > 30
+    assert 90 <= sum(lengths) / len(lengths) <= 110
+    again = chat_workload(20, 6, 50, 10, 100, seed=3, output_spread=0.5)
+    assert [answer_lengths(s) for s in again] == [answer_lengths(s) for s in spread]
+    with pytest.raises(ValueError, match="output_spread"):
+        chat_workload(1, 1, 5, 5, 5, output_spread=1.0)
 
 
 def test_next_turn_leaves_the_earlier_messages_alone() -> None:
