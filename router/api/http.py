@@ -578,20 +578,19 @@ class HttpApi:
             app.core.loads.end(ticket)
             raise
         try:
-            # The engine is done with a request once its answer is read: the ticket ends
-            # before the client has the last byte, or a client that sends its next turn
-            # at once could find this one still counted on the engine.
-            if upstream.status >= 400:  # the engine refused the request itself: pass it on
+            if upstream.status >= 400 or not parsed.stream:
                 data = await self._read_all(upstream, deadline, engine, url)
+                # The engine is done with a request once its answer is read: the ticket
+                # ends before the client has the last byte, or a client that sends its
+                # next turn at once could find this one still counted on the engine.
                 app.core.loads.end(ticket)
+            if upstream.status >= 400:  # the engine refused the request itself: pass it on
                 app.registry.record_success(engine)
                 outcome.set("client_error", upstream.status)
                 ctype = upstream.headers.get("content-type", _JSON)
                 await sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
                 return
             if not parsed.stream:
-                data = await self._read_all(upstream, deadline, engine, url)
-                app.core.loads.end(ticket)
                 if not self._check_tokenizer(parsed, data, outcome):
                     app.registry.record_failure(engine)
                     raise ApiError(502, f"the engine {engine.url} answered with invalid JSON")

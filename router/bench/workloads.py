@@ -477,13 +477,13 @@ def chat_workload(
     specs = []
     for c in range(conversations):
         questions = [words(rng, question_tokens, f"c{c}t{t}q") for t in range(turns)]
-        spread = random.Random(f"{seed}:answers:{c}")
-        lengths = [
-            max(1, round(max_tokens * (1 + output_spread * spread.uniform(-1.0, 1.0))))
-            if output_spread
-            else max_tokens
-            for _ in range(turns)
-        ]
+        lengths = [max_tokens] * turns
+        if output_spread:
+            spread = random.Random(f"{seed}:answers:{c}")
+            lengths = [
+                max(1, round(max_tokens * (1 + output_spread * spread.uniform(-1.0, 1.0))))
+                for _ in lengths
+            ]
         first = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
         specs.append(_chat_turn(first, questions, 0, lengths, f"conversation-{c}", think_s))
     return specs

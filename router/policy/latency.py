@@ -125,8 +125,7 @@ class LatencyPolicy(KVCostPolicy):
         speeds = self._speeds(candidates, loads)
         backlog = lat.queue_model == "backlog"
         by_decoding = lat.harm_counts == "decoding"
-        per_uncached = cfg.prefill_weight
-        idle_weight = per_uncached if lat.idle_prefill_weight is None else lat.idle_prefill_weight
+        idle = cfg.prefill_weight if lat.idle_prefill_weight is None else lat.idle_prefill_weight
         scores: list[Score] = []
         for engine in candidates:
             match = matches.get(engine)
@@ -155,10 +154,9 @@ class LatencyPolicy(KVCostPolicy):
             else:
                 wait = a * queued
             queue = cfg.queue_weight * wait
-            weight = per_uncached if requests else idle_weight
-            prefill = weight * a * uncached
+            prefill = (cfg.prefill_weight if requests else idle) * a * uncached
             transfer_s = moved * per_moved if per_moved is not None else a * moved
-            transfer = per_uncached * transfer_s
+            transfer = cfg.prefill_weight * transfer_s
             decode = cfg.decode_weight * a * bs * decode_blocks
             # Those ahead of it in the queue decode by the time its chunks run.
             harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)

@@ -410,6 +410,31 @@ async def test_per_engine_limit_spreads_then_waits_then_429(
             await engine.stop()
 
 
+def record_writes(router: RouterApp, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, int]]:
+    """What the router writes to its clients, each with the requests counted in flight
+    on the engines at that moment (filled as the writes happen)."""
+    writes: list[tuple[bytes, int]] = []
+
+    def counted() -> int:
+        return sum(load.requests for load in router.loads.view.values())
+
+    write, whole = HttpDownstream.write, HttpDownstream.whole
+
+    async def recording_write(self: HttpDownstream, chunk: bytes) -> None:
+        writes.append((chunk, counted()))
+        await write(self, chunk)
+
+    async def recording_whole(
+        self: HttpDownstream, status: int, headers: dict[str, str], body: bytes
+    ) -> None:
+        writes.append((body, counted()))
+        await whole(self, status, headers, body)
+
+    monkeypatch.setattr(HttpDownstream, "write", recording_write)
+    monkeypatch.setattr(HttpDownstream, "whole", recording_whole)
+    return writes
+
+
 async def test_an_answer_leaves_the_engines_load_before_the_client_has_its_end(
     router: RouterApp, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -418,25 +443,7 @@ async def test_an_answer_leaves_the_engines_load_before_the_client_has_its_end(
     the engine that served it: the router's own load would push the conversation away
     from the engine holding its cache. So the ticket ends before the last event is
     written, not after the stream closes."""
-    in_flight: list[tuple[bytes, int]] = []  # (what was written, requests counted then)
-
-    def counted() -> int:
-        return sum(load.requests for load in router.loads.view.values())
-
-    write, whole = HttpDownstream.write, HttpDownstream.whole
-
-    async def recording_write(self: HttpDownstream, chunk: bytes) -> None:
-        in_flight.append((chunk, counted()))
-        await write(self, chunk)
-
-    async def recording_whole(
-        self: HttpDownstream, status: int, headers: dict[str, str], body: bytes
-    ) -> None:
-        in_flight.append((body, counted()))
-        await whole(self, status, headers, body)
-
-    monkeypatch.setattr(HttpDownstream, "write", recording_write)
-    monkeypatch.setattr(HttpDownstream, "whole", recording_whole)
+    in_flight = record_writes(router, monkeypatch)  # (what was written, requests then)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}]}
     messages = {**chat, "max_tokens": 4}
     for path, body, end in (
@@ -456,7 +463,7 @@ async def test_an_answer_leaves_the_engines_load_before_the_client_has_its_end(
         last = [n for chunk, n in in_flight if end in chunk]
         assert last == [0], (path, in_flight)  # the answer's end: off the load already
         assert max(n for _, n in in_flight) == 1 or len(in_flight) == 1  # before: counted
-    assert counted() == 0
+    assert sum(load.requests for load in router.loads.view.values()) == 0
 
 
 @pytest.mark.parametrize("cut", ["whole", "inside_the_marker"])
@@ -483,15 +490,8 @@ async def test_a_stream_end_is_seen_however_the_bytes_arrive(
         reads = pending[id(self)]
         return reads.pop(0) if reads else b""
 
-    counts: list[tuple[bytes, int]] = []
-    write = HttpDownstream.write
-
-    async def recording_write(self: HttpDownstream, chunk: bytes) -> None:
-        counts.append((chunk, sum(load.requests for load in router.loads.view.values())))
-        await write(self, chunk)
-
     monkeypatch.setattr(Response, "readany", regrouped)
-    monkeypatch.setattr(HttpDownstream, "write", recording_write)
+    counts = record_writes(router, monkeypatch)
     body = {"model": MODEL, "prompt": "hi " * 30, "max_tokens": 3, "stream": True}
     async with http.post(f"{router.url}/v1/completions", json=body) as resp:
         assert resp.status == 200
