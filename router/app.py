@@ -885,10 +885,13 @@ class RouterApp:
             self.metrics.state.sources.snapshots = self.snapshots
 
     def _share_sessions(self, *_: Any) -> None:
-        """With Redis (either mode) and a policy that keeps sessions (``latency``): its
-        session pins go to the other replicas on the decision stream and theirs come
-        back, so a conversation's next turn finds its engine whichever replica it
-        reaches. Called at start and when a reload changes the policy."""
+        """With Redis (either mode): the decision stream carries what replicas tell each
+        other at once. With a policy that keeps sessions (``latency``) its session pins
+        go to the other replicas and theirs come back, so a conversation's next turn
+        finds its engine whichever replica it reaches; with ``index.redis.load_push``,
+        changes of in-flight load go and come back too. In the shared index's mode a
+        follower of the stream (:attr:`session_sync`) lives while either needs it.
+        Called at start and when a reload changes the policy."""
         from router.index.redis import replica_id
         from router.index.replicated import DecisionSync
 
@@ -896,21 +899,29 @@ class RouterApp:
         redis = self.redis
         if redis is None:
             return
+        keeps = isinstance(sessions, SessionMap)
+        pushes = self.shared_load is not None and self.config.index.redis.load_push
         sync = self.replicated.sync if self.replicated is not None else self.session_sync
-        if not isinstance(sessions, SessionMap):  # (no longer) a policy with sessions
-            if sync is not None:
-                sync.sessions = None
-            if self.session_sync is not None:
-                self.session_sync.halt()  # nothing left to publish that anyone reads
-                self.session_sync = None
-                self.metrics.state.sources.session_sync = None
-            return
-        if sync is None:
+        if sync is None and (keeps or pushes):
             replica = self.shared_load.replica if self.shared_load is not None else replica_id()
             sync = self.session_sync = DecisionSync(
                 None, redis, self.config.index.replicated, replica, known=self._serves
             )
             self._spawn(sync.start(catch_up_timeout=max(redis.admin_timeout, 1.0)))
+            self.metrics.state.sources.session_sync = sync
+        if pushes and sync is not None and self.shared_load is not None and sync.load is None:
+            sync.load = self.shared_load
+            self.shared_load.on_change = sync.wake
+            self.loads.on_change = self.shared_load.changed
+        if not keeps:  # (no longer) a policy with sessions
+            if sync is not None:
+                sync.sessions = None
+            if self.session_sync is not None and not pushes:
+                self.session_sync.halt()  # nothing left to publish that anyone reads
+                self.session_sync = None
+                self.metrics.state.sources.session_sync = None
+            return
+        assert sync is not None and isinstance(sessions, SessionMap)
         sessions.on_note = sync.publish_session
         sync.sessions = sessions
         self.metrics.state.sources.session_sync = sync

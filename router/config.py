@@ -344,6 +344,16 @@ class RedisIndexConfig(_Section):
         description="A replica's published load counts this long without a refresh (a "
         "replica that died stops counting after it).",
     )
+    load_push: bool = Field(
+        True,
+        description="Between exchanges, send each change of this replica's in-flight work "
+        "(a request sent, its first token, its end) to the other replicas at once, on the "
+        "decision stream (paced by `index.replicated.sync_interval_s`; in the `redis` mode "
+        "every replica then follows the stream). A conversation's next turn through "
+        "another replica then no longer finds the previous turn counted on its engine for "
+        "up to `load_interval_s`. Needs `share_load`; figures from a host whose clock is "
+        "more than `load_ttl_s` behind are left to the exchange.",
+    )
 
     @model_validator(mode="after")
     def _ttl_outlives_interval(self) -> RedisIndexConfig:

@@ -99,7 +99,8 @@ class StateSources:
     replicated: ReplicatedIndex | None = None
     """The replicated mode's index (decision sharing through Redis)."""
     session_sync: DecisionSync | None = None
-    """The stream the ``latency`` policy's session pins travel on, when shared."""
+    """The shared index's follower of the decision stream (the ``latency`` policy's
+    session pins, in-flight load changes), when there is one."""
     snapshots: SnapshotWriter | None = None
     """The replicated mode's writer of engine stream snapshots."""
     writer: WriterStats | None = None
@@ -206,6 +207,18 @@ class StateCollector(Collector):
                 "kvroute_load_peers",
                 "Other router replicas whose in-flight load this router counts",
                 value=src.shared_load.peers,
+            )
+            yield CounterMetricFamily(
+                "kvroute_load_changes_sent",
+                "Engines' in-flight figures this replica sent to its peers on the decision "
+                "stream between exchanges (index.redis.load_push)",
+                value=src.shared_load.pushed,
+            )
+            yield CounterMetricFamily(
+                "kvroute_load_changes_applied",
+                "Peers' in-flight figures from the decision stream newer than what this "
+                "replica had",
+                value=src.shared_load.applied,
             )
         if src.replicated is not None:
             yield from self._replicated(src.replicated)

@@ -17,10 +17,12 @@ this process, on loopback. Then:
 * **Multi-turn conversations.** ``--conversations`` conversations of ``--turns`` turns,
   all at once, each turn sent to the other replica than the one before, ``--think-ms``
   after the answer to the turn before (a user reading it); *kept* is the share of turns
-  after the first that reached the engine of the turn before. (Without a think time,
-  the next turn meets the previous one's request still counted in flight by the other
-  replica, whose view of its peer's load is up to ``index.redis.load_interval_s`` old,
-  and is steered away from its engine by load in either mode.)
+  after the first that reached the engine of the turn before. (Without a think time and
+  with ``--no-load-push``, the next turn meets the previous one's request still counted
+  in flight by the other replica, whose view of its peer's load is then up to
+  ``index.redis.load_interval_s`` old, and is steered away from its engine by load in
+  either mode; with ``index.redis.load_push`` the end reaches the peer on the decision
+  stream first.)
 
 Engine caches are reset between runs; Redis is a throw-away ``redis-server`` unless
 ``--redis-url`` names one (each run uses a namespace of its own).
@@ -69,9 +71,14 @@ async def _engines(directory: str, count: int) -> list[EmulatedEngine]:
 
 
 async def _router(
-    urls: list[str], mode: str, redis_url: str, namespace: str, budget_ms: float | None
+    urls: list[str],
+    mode: str,
+    redis_url: str,
+    namespace: str,
+    budget_ms: float | None,
+    load_push: bool = True,
 ) -> RouterApp:
-    redis: dict[str, Any] = {"url": redis_url, "namespace": namespace}
+    redis: dict[str, Any] = {"url": redis_url, "namespace": namespace, "load_push": load_push}
     if budget_ms is not None:
         redis["budget_ms"] = budget_ms
     config = load_config(
@@ -179,6 +186,7 @@ async def run(
     turns: int,
     think_s: float,
     budget_ms: float | None = None,
+    load_push: bool = True,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-consistency-") as directory:
@@ -189,7 +197,8 @@ async def run(
                 for mode in MODES:
                     namespace = f"bench-{uuid.uuid4().hex[:8]}"
                     apps = [
-                        await _router(urls, mode, redis_url, namespace, budget_ms) for _ in range(2)
+                        await _router(urls, mode, redis_url, namespace, budget_ms, load_push)
+                        for _ in range(2)
                     ]
                     try:
                         for app in apps:
@@ -260,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="index.redis.budget_ms of the routers (default: the configuration's default)",
     )
+    parser.add_argument(
+        "--load-push",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="index.redis.load_push of the routers (--no-load-push: peers' load only "
+        "through the exchange every load_interval_s)",
+    )
     args = parser.parse_args(argv)
     gaps = [float(g) for g in args.gaps_ms.split(",") if g.strip()]
     logging.basicConfig(level=logging.ERROR)
@@ -274,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             args.turns,
             args.think_ms / 1000,
             args.budget_ms,
+            args.load_push,
         ),
     )
     report(results)

@@ -5,8 +5,9 @@ Two sources, kept apart because they age differently:
 * in-flight accounting: requests, prompt tokens still to prefill, decode tokens still
   to generate, KV blocks pinned. This router's own part is exact and instant; with
   replicas sharing Redis, the peers' part (``peer_*``) is added in by a background task
-  (``router/engines/shared_load.py``) about every 100 ms, so the fields every policy
-  reads are totals over the replicas and no decision merges anything;
+  (``router/engines/shared_load.py``) about every 100 ms, and in between as each peer's
+  changes arrive on the decision stream, so the fields every policy reads are totals
+  over the replicas and no decision merges anything;
 * values the engine reports on ``/metrics`` (waiting, running, KV usage), which include
   other routers' traffic but are as old as the last scrape.
 """
@@ -164,6 +165,10 @@ class LoadTracker:
     """Called after a request's load is released, and after the first token of one with
     a flow ticket (requests waiting for room, or yielding to its prefill, retry)."""
     clock: Callable[[], float] = time.monotonic
+    on_change: Callable[[EngineKey], None] | None = None
+    """Called with the engine whenever this router's own work on it changed (a request
+    sent, its first token, its end): the replicas' load sharing sends such changes at
+    once (:meth:`~router.engines.shared_load.SharedLoad.changed`)."""
     track_prefills: bool = False
     """Keep :attr:`prefilling` (prefill isolation is on)."""
     prefilling: dict[EngineKey, dict[int, Ticket]] = field(default_factory=dict)
@@ -229,6 +234,8 @@ class LoadTracker:
         load.prefill_tokens += ticket.prefill_tokens
         load.decode_tokens += ticket.decode_tokens
         self._open[ticket.id] = ticket
+        if self.on_change is not None:
+            self.on_change(engine)
         return ticket
 
     def prefilled(self, ticket: Ticket) -> None:
@@ -244,6 +251,8 @@ class LoadTracker:
         load.prefill_tokens -= ticket.prefill_tokens
         load.decode_blocks += ticket.blocks
         load.decoding += 1
+        if self.on_change is not None:
+            self.on_change(ticket.engine)
         if load.latency is None:
             return
         now = ticket.first_at = self.clock()
@@ -285,6 +294,8 @@ class LoadTracker:
                         # What was left of its own prefill: the queue behind it moves up.
                         left = min(ticket.prefill_s, ticket.done_by - now)
                         load.backlog_until = max(now, load.backlog_until - left)
+            if self.on_change is not None:
+                self.on_change(ticket.engine)
         if self.on_end is not None:
             self.on_end()
 
@@ -355,6 +366,11 @@ class LoadTracker:
                 load.set_peers(NO_PEERS)
         for engine, work in peers.items():
             self._load(engine).set_peers(work)
+
+    def set_peer(self, engine: EngineKey, work: InFlight) -> None:
+        """Replace the other replicas' in-flight work on one engine (a change a peer
+        sent on the stream); the caller passes only engines of this router's fleet."""
+        self._load(engine).set_peers(work)
 
     @property
     def in_flight(self) -> int:

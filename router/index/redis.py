@@ -687,15 +687,18 @@ class RedisIndex(FencedIndex):
         min_id: str | None,
         timeout: float | None = None,
         sessions: bytes | None = None,
+        load: bytes | None = None,
     ) -> str:
         """Append one entry (``r`` the replica, ``d`` its decisions, ``s`` its session
-        pins when it has some) to the decision stream, trimming entries older than
-        ``min_id`` (approximately: whole stream nodes); returns the entry's id.
-        ``timeout`` defaults to ``admin_timeout``. Readers that know no ``s`` field
-        read the decisions alone."""
+        pins and ``l`` its load changes when it has some) to the decision stream,
+        trimming entries older than ``min_id`` (approximately: whole stream nodes);
+        returns the entry's id. ``timeout`` defaults to ``admin_timeout``. Readers that
+        know no ``s`` or ``l`` field read the decisions alone."""
         fields = {"r": replica, "d": payload}
         if sessions is not None:
             fields["s"] = sessions
+        if load is not None:
+            fields["l"] = load
         entry = await self._call(
             lambda: self._client.xadd(
                 self._keys.decisions,
@@ -709,9 +712,10 @@ class RedisIndex(FencedIndex):
 
     async def read_decisions(
         self, after: str, count: int, block_ms: int | None
-    ) -> list[tuple[str, bytes, bytes, bytes]]:
+    ) -> list[tuple[str, bytes, bytes, bytes, bytes]]:
         """Entries of the decision stream after id ``after``, oldest first, as (id,
-        replica (bytes, as stored), payload, session pins (empty when none)); with
+        replica (bytes, as stored), payload, session pins, load changes (empty when
+        none)); with
         ``block_ms``, waits that long for one to arrive. Bounded by the wait plus
         ``admin_timeout``; a blocking read's answer does not reset the count of slow
         calls (:attr:`slow_calls_to_outage`)."""
@@ -721,7 +725,7 @@ class RedisIndex(FencedIndex):
             wait + self.admin_timeout,
             reset_slow=not block_ms,
         )
-        entries: list[tuple[str, bytes, bytes, bytes]] = []
+        entries: list[tuple[str, bytes, bytes, bytes, bytes]] = []
         for _, items in reply or ():
             for entry_id, fields in items:
                 entries.append(
@@ -730,6 +734,7 @@ class RedisIndex(FencedIndex):
                         fields.get(b"r", b""),
                         fields.get(b"d", b""),
                         fields.get(b"s", b""),
+                        fields.get(b"l", b""),
                     )
                 )
         return entries

@@ -41,6 +41,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -51,6 +52,9 @@ from router.index.redis import RedisIndex, pack_keys
 from router.sessions import MAX_KEY_CHARS, SessionMap
 from router.types import EngineKey, Tier
 
+if TYPE_CHECKING:
+    from router.engines.shared_load import SharedLoad
+
 log = logging.getLogger("kvroute.index.replicated")
 
 _NATIVE_LE = sys.byteorder == "little"
@@ -60,8 +64,12 @@ _Decision = tuple[str, int, int, float, bytes]
 _Pin = tuple[str, str, int, int, float]
 """(session key, endpoint, rank, ttl ms, made at): the ``latency`` policy's session
 affinity (:class:`~router.sessions.SessionMap`), in an entry's ``s`` field."""
-_Entry = tuple[str, bytes, bytes] | tuple[str, bytes, bytes, bytes]
-"""A stream entry as read: (id, replica, decisions[, session pins])."""
+_Entry = (
+    tuple[str, bytes, bytes]
+    | tuple[str, bytes, bytes, bytes]
+    | tuple[str, bytes, bytes, bytes, bytes]
+)
+"""A stream entry as read: (id, replica, decisions[, session pins[, load changes]])."""
 _encode = msgspec.msgpack.Encoder().encode
 _decode_decisions = msgspec.msgpack.Decoder(list[_Decision]).decode
 _decode_pins = msgspec.msgpack.Decoder(list[_Pin]).decode
@@ -159,6 +167,9 @@ class DecisionSync:
         """Where peers' session pins go (the ``latency`` policy's map); None: ignored."""
         self.clock: Callable[[], float] = time.monotonic
         """The clock of :attr:`sessions` (pins' expiry)."""
+        self.load: SharedLoad | None = None
+        """The replicas' load sharing whose changes ride this stream (its ``l`` field,
+        ``index.redis.load_push``) and which applies the peers'; None: neither."""
         self._pending: deque[tuple[float, _Decision]] = deque()
         self._pins: deque[tuple[float, _Pin]] = deque()
         self._wake = asyncio.Event()
@@ -245,6 +256,10 @@ class DecisionSync:
         )
         self._wake.set()
 
+    def wake(self) -> None:
+        """Something new to publish (own load changed): the next append carries it."""
+        self._wake.set()
+
     def publish_session(self, session: str, engine: EngineKey, ttl: float) -> None:
         """Queue one session pin (never waits): peers send the session's next request to
         ``engine`` as this replica would (``SessionMap.on_note``)."""
@@ -287,12 +302,15 @@ class DecisionSync:
 
     async def flush(self) -> None:
         """Publish the decisions queued now that are still live, ``max_batch`` to a
-        stream entry (those queued meanwhile wait for the next call). Raises
-        :class:`IndexUnavailable` (the batch in hand is queued again)."""
+        stream entry (those queued meanwhile wait for the next call), with the own load
+        changes (:attr:`load`) in the first. Raises :class:`IndexUnavailable` (the batch
+        in hand is queued again)."""
         pending, pins = self._pending, self._pins
         epoch = self._epoch
         left, pins_left = len(pending), len(pins)
-        while (pending and left > 0) or (pins and pins_left > 0):
+        load = self.load
+        changes = load is not None and load.has_changes
+        while (pending and left > 0) or (pins and pins_left > 0) or changes:
             now = self.wall()
             batch: list[tuple[float, _Decision]] = []
             while pending and left > 0 and len(batch) < self.config.max_batch:
@@ -308,7 +326,9 @@ class DecisionSync:
                 pin = pins.popleft()
                 if pin[0] > now:
                     pinned.append(pin)
-            if not batch and not pinned:
+            taken = load.take_changes() if changes and load is not None else None
+            changes = False
+            if not batch and not pinned and taken is None:
                 continue  # everything left in the round had expired
             try:
                 entry = await self.redis.publish_decisions(
@@ -317,10 +337,13 @@ class DecisionSync:
                     self._min_id,
                     timeout=max(self.redis.budget, 0.25),
                     sessions=_encode([p for _, p in pinned]) if pinned else None,
+                    load=taken[0] if taken is not None else None,
                 )
             except BaseException:  # unavailable, or cancelled mid-append by stop()
                 pending.extendleft(reversed(batch))
                 pins.extendleft(reversed(pinned))
+                if taken is not None and load is not None:
+                    load.restore(taken[1])
                 for queue in (pending, pins):
                     while len(queue) > self.config.max_pending:
                         queue.popleft()
@@ -392,6 +415,11 @@ class DecisionSync:
                 continue
             if rest and rest[0]:
                 self._apply_pins(rest[0], now)
+            if len(rest) > 1 and rest[1] and self.load is not None:
+                try:
+                    self.load.apply_changes(replica.decode(errors="replace"), rest[1])
+                except (msgspec.DecodeError, ValueError):
+                    counters.malformed += 1
             if self.index is None:
                 continue  # sessions only (the shared index keeps decisions in Redis)
             add = self.index.add_now

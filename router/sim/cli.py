@@ -243,6 +243,14 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
         "as index.redis.load_interval_s)",
     )
     group.add_argument(
+        "--load-push",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="between exchanges, each change of a replica's in-flight work on an engine "
+        "reaches the others one sync delay later, as index.redis.load_push sends it on the "
+        "decision stream (default on; --no-load-push: through the exchange alone)",
+    )
+    group.add_argument(
         "--replica-pick",
         choices=REPLICA_PICKS,
         default="random",
@@ -512,6 +520,7 @@ def settings_for(
     if hasattr(args, "load_interval_ms"):
         shared = {
             "load_interval_s": args.load_interval_ms / 1e3,
+            "load_push": args.load_push,
             "replica_pick": args.replica_pick,
             "group_prefix_tokens": args.group_prefix_tokens,
             "burst_window_s": args.burst_window_ms / 1e3,
@@ -598,7 +607,9 @@ def run(args: argparse.Namespace) -> int:
     if replicated:
         print(
             f"replicas  {args.replica_pick} pick, in-flight load exchanged every "
-            f"{args.load_interval_ms:g} ms; prefix groups of {args.group_prefix_tokens:,} "
+            f"{args.load_interval_ms:g} ms"
+            f"{' and its changes sent at once' if args.load_push else ''}; "
+            f"prefix groups of {args.group_prefix_tokens:,} "
             f"tokens, pairs at most {args.burst_window_ms:g} ms apart"
         )
     print(f"runs      {', '.join(names)}\n")

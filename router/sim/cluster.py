@@ -83,7 +83,7 @@ from router.types import EngineKey, Tier
 #: The model name requests carry (seeds the block keys, as in the live router).
 MODEL = "kvroute-emulated"
 
-_ARRIVE, _STEP, _DELIVER, _WAKE, _SYNC = range(5)
+_ARRIVE, _STEP, _DELIVER, _WAKE, _SYNC, _LOAD = range(6)
 _words = WordTokenizer()
 
 
@@ -194,6 +194,9 @@ class SimSettings:
     sync_delay_s: float = 0.0
     #: Seconds between the replicas' exchanges of their in-flight load per engine.
     load_interval_s: float = 0.1
+    #: Between exchanges, each change of a replica's in-flight work on an engine reaches
+    #: the others ``sync_delay_s`` later, on the decision stream (``index.redis.load_push``).
+    load_push: bool = True
     #: Which replica routes a request: ``random`` (a hash of the request id, as a
     #: Kubernetes Service spreads connections) or ``round_robin`` (in arrival order).
     replica_pick: str = "random"
@@ -569,6 +572,11 @@ class ClusterSim:
         """Requests routed so far (the ``round_robin`` replica pick)."""
         self._next_exchange = 0.0
         """When the replicas next exchange their in-flight load."""
+        self._exchanged_at = -math.inf
+        """When the last exchange was due (changes sent before it are older)."""
+        self._believed: dict[tuple[int, EngineKey], InFlight] = {}
+        """(replica, engine) -> that replica's work there as the others know it (from the
+        last exchange, or a newer change; absent: none)."""
         self._group_blocks = max(1, math.ceil(settings.group_prefix_tokens / p.block_size))
         self._previous: dict[int, str] = {}
         """Follow-up turns not yet arrived (by ``id``) -> the engine of the previous turn."""
@@ -643,6 +651,8 @@ class ClusterSim:
             clock=clock,
             latency=LatencyModel(priors_of(settings.policy)),
         )
+        if settings.replicas > 1 and settings.load_push:
+            loads.on_change = functools.partial(self._load_changed, number)
         policy = make_policy(settings.policy, clock)
         core = RoutingCore(
             index,
@@ -681,6 +691,38 @@ class ClusterSim:
             if replica.index is not origin:
                 replica.index.add_now(engine, keys, Tier.GPU, ttl)
 
+    def _load_changed(self, number: int, engine: EngineKey) -> None:
+        """Replica ``number``'s own work on ``engine`` changed: the others learn its
+        figures ``sync_delay_s`` later (at once without a delay), as
+        ``index.redis.load_push`` sends them on the decision stream."""
+        load = self.replicas[number].loads.view.get(engine)
+        change = (number, engine, self.now, load.own() if load is not None else InFlight())
+        delay = self.settings.sync_delay_s
+        if delay <= 0:
+            self._apply_load(change)
+        else:
+            self._push(self.now + delay, _LOAD, change)
+
+    def _apply_load(self, change: tuple[int, EngineKey, float, InFlight]) -> None:
+        """A replica's figures for one engine reach the others, unless an exchange due
+        after they were sent has copied newer ones (changes of one replica arrive in the
+        order they were sent: one delay for all)."""
+        self._exchange_loads()
+        number, engine, sent, figures = change
+        if sent < self._exchanged_at:
+            return
+        self._believed[number, engine] = figures
+        believed = self._believed
+        for n, replica in enumerate(self.replicas):
+            if n == number:
+                continue
+            total = InFlight()
+            for other in range(len(self.replicas)):
+                have = believed.get((other, engine)) if other != n else None
+                if have is not None:
+                    total = InFlight(*(a + b for a, b in zip(total, have, strict=True)))
+            replica.loads.set_peer(engine, total)
+
     def _exchange_loads(self) -> None:
         """The replicas' exchange of in-flight load, due at every multiple of
         ``load_interval_s``: each replica's peers' part becomes the others' own work.
@@ -693,8 +735,12 @@ class ClusterSim:
         if now < self._next_exchange:
             return
         interval = self.settings.load_interval_s
-        self._next_exchange = (math.floor(now / interval) + 1) * interval
+        self._exchanged_at = math.floor(now / interval) * interval
+        self._next_exchange = self._exchanged_at + interval
         own = [r.loads.own() for r in self.replicas]
+        self._believed = {
+            (n, engine): mine for n, work in enumerate(own) for engine, mine in work.items()
+        }
         for replica in self.replicas:
             peers: dict[EngineKey, InFlight] = {}
             for other, work in zip(self.replicas, own, strict=True):
@@ -746,6 +792,8 @@ class ClusterSim:
                 await self._arrive(item)
             elif kind == _SYNC:
                 self._apply_record(item)
+            elif kind == _LOAD:
+                self._apply_load(item)
             elif item.wake_at == now:
                 item.wake_at = None
                 self._kick(item)

@@ -40,9 +40,10 @@ async def pair(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
 
 
 #: The latency policy with a session bonus that outweighs what tells two idle engines
-#: apart here: on a busy machine a scrape can still show the previous turn running on
-#: the pinned engine (turns follow each other at once), more than the default 5 ms of
-#: cost. What these tests check is where the pins go.
+#: apart here: turns follow each other at once, so on a busy machine the previous turn
+#: can still be counted on the pinned engine (by a scrape, or by a peer whose load
+#: change has not arrived yet), more than the default 5 ms of cost. What these tests
+#: check is where the pins go.
 SESSIONS = {"name": "latency", "latency": {"session_bonus_ms": 500}}
 
 
@@ -287,30 +288,44 @@ async def test_a_replica_started_later_learns_the_live_pins_at_start(
     assert pinned is not None and pinned.label == engine
 
 
+@pytest.mark.parametrize("load_push", [False, True])
 async def test_a_reload_to_another_policy_stops_sharing_sessions(
     routers: StartRouter,
     pair: list[EmulatedEngine],
     redis_url: str,
     redis_namespace: str,
+    load_push: bool,
 ) -> None:
-    """The shared index's sessions-only stream reader lives while the policy keeps
-    sessions: a reload to kv_cost stops it, one back to latency starts it again."""
+    """The shared index's stream reader lives while the policy keeps sessions or load
+    changes travel on the stream: without load changes a reload to kv_cost stops it,
+    with them it stays and carries no pins; one back to latency shares them again."""
     index = {
         "backend": "redis",
-        "redis": {"url": redis_url, "namespace": redis_namespace, "budget_ms": 1000},
+        "redis": {
+            "url": redis_url,
+            "namespace": redis_namespace,
+            "budget_ms": 1000,
+            "load_push": load_push,
+        },
     }
     app = await routers([e.url for e in pair], policy={"name": "latency"}, index=index)
     assert app.session_sync is not None and app.session_sync.sessions is not None
+    assert (app.session_sync.load is app.shared_load) is load_push
     source = [app.config]
     reloader = Reloader(app.live, lambda: source[0], app.credentials)
     tree = app.config.model_dump()
     tree["policy"]["name"] = "kv_cost"
     source[0] = Config.model_validate(tree)
     stopped = app.session_sync
+    await poll(lambda: stopped._tasks != [])  # it follows the stream
     assert await reloader.reload() is not None
-    assert app.session_sync is None
-    assert stopped._tasks == []  # its stream reader is gone
-    assert app.metrics.state.sources.session_sync is None
+    if load_push:
+        assert app.session_sync is stopped and stopped.sessions is None
+        assert stopped._tasks != []  # still following the stream, for the load
+    else:
+        assert app.session_sync is None
+        assert stopped._tasks == []  # its stream reader is gone
+        assert app.metrics.state.sources.session_sync is None
     tree["policy"]["name"] = "latency"
     source[0] = Config.model_validate(tree)
     assert await reloader.reload() is not None

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 from support.redis import RedisServer, monitored_commands
 
-from router.engines.load import LoadTracker
+from router.engines.load import LoadTracker, load_of
 from router.engines.shared_load import SharedLoad
 from router.index import Match
 from router.index.base import IndexUnavailable
@@ -295,5 +295,84 @@ async def test_peers_load_is_dropped_when_redis_is_gone_longer_than_the_ttl(
 
         await until(dropped)
         assert shared.peers == 0
+    finally:
+        await index.close()
+
+
+async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """``index.redis.load_push``: a request's start, first token and end reach the other
+    replica through the decision stream, with no exchange in between; and an exchange
+    that reads an entry written before the end does not bring the ended request back."""
+    from router.config import ReplicatedIndexConfig
+    from router.index.replicated import DecisionSync
+
+    index = RedisIndex(redis_url, redis_namespace)
+    trackers = [LoadTracker(16), LoadTracker(16)]
+    shared = [
+        SharedLoad(index, t, lambda e: e != C, replica=f"p{i}") for i, t in enumerate(trackers)
+    ]
+    syncs = [
+        DecisionSync(None, index, ReplicatedIndexConfig(), f"p{i}", known=lambda e: e != C)
+        for i in range(2)
+    ]
+    for tracker, load, sync in zip(trackers, shared, syncs, strict=True):
+        sync.load = load
+        load.on_change = sync.wake
+        tracker.on_change = load.changed
+    one, two = trackers
+    try:
+        for sync in syncs:
+            await sync.start()
+        for load in shared:
+            await load.exchange()
+        ticket = one.begin(A, 320, 0, 8)
+        one.begin(C, 320, 0, 8)  # an engine the peer does not serve
+        await until(lambda: load_of(two.view, A).peer_requests == 1)
+        assert two.view[A].prefill_tokens == 320 and C not in two.view
+        one.prefilled(ticket)
+        await until(lambda: two.view[A].prefill_tokens == 0)
+        assert two.view[A].decode_blocks == 21  # 20 prompt blocks + 1 output block
+        await shared[0].exchange()  # Redis now holds an entry with the request in it
+        one.end(ticket)
+        await until(lambda: two.view[A].requests == 0)
+        await shared[1].exchange()  # reads that older entry: the end stands
+        assert two.view[A].requests == 0 and two.view[A].decode_blocks == 0
+        assert two.own() == {}  # what it publishes stays its own
+        assert shared[0].pushed >= 3 and shared[1].applied >= 3
+        # A new request: the next exchange's entry is newer than the stream's last change
+        # and replaces it (1 request, prefill queued).
+        one.begin(A, 160, 0, 1)
+        await shared[0].exchange()
+        await shared[1].exchange()
+        assert two.view[A].requests == 1 and two.view[A].prefill_tokens == 160
+    finally:
+        for sync in syncs:
+            await sync.stop()
+        await index.close()
+
+
+async def test_stale_or_malformed_load_changes_are_left_to_the_exchange(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Figures older than the load's ttl (a stream replayed at start, a clock far
+    behind) and payloads that do not decode change nothing; a replica's own are ignored."""
+    from router.engines.load import InFlight
+    from router.engines.shared_load import encode_load
+
+    index = RedisIndex(redis_url, redis_namespace)
+    tracker = LoadTracker(16)
+    shared = SharedLoad(index, tracker, lambda e: True, replica="me", ttl=1.0)
+    try:
+        old = time.time_ns() - 2_000_000_000
+        shared.apply_changes("peer", encode_load({A: InFlight(1, 10, 1, 0)}, old))
+        shared.apply_changes("peer", encode_load({A: InFlight(1, 10, 1, 0)}))  # no version
+        shared.apply_changes("me", encode_load({A: InFlight(1, 10, 1, 0)}, time.time_ns()))
+        assert A not in tracker.view or tracker.view[A].requests == 0
+        with pytest.raises(ValueError):
+            shared.apply_changes("peer", b"\xc1")
+        shared.apply_changes("peer", encode_load({A: InFlight(2, 10, 1, 0)}, time.time_ns()))
+        assert tracker.view[A].peer_requests == 2 and shared.applied == 1
     finally:
         await index.close()

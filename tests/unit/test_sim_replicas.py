@@ -97,12 +97,14 @@ def test_synced_replicas_keep_bursts_together_as_one_router_does() -> None:
     assert unsynced < one - 1
 
 
-def test_a_peers_load_counts_only_from_the_next_exchange() -> None:
+def test_a_peers_load_counts_from_the_next_exchange_or_when_its_change_arrives() -> None:
     """Replica 0 routes a long request at t=0; replica 1 routes short probes (round robin
-    alternates the replicas). Until the exchange at 0.5 s replica 1 sees two idle engines
-    and breaks the tie by request id, so some probes land beside the long request; from
-    then on it sees that engine busy and none does. Exchanging every millisecond, none
-    ever does."""
+    alternates the replicas). Through the exchange alone (no load push), until the
+    exchange at 0.5 s replica 1 sees two idle engines and breaks the tie by request id,
+    so some probes land beside the long request; from then on it sees that engine busy
+    and none does. Exchanging every millisecond, none ever does. With the changes sent
+    on the stream (``load_push``), replica 1 sees the long request one sync delay after
+    it was sent, whatever the exchange's interval."""
 
     def workload() -> list[RequestSpec]:
         specs = [RequestSpec(prompt=list(range(10_000, 10_064)), max_tokens=400, at=0.0)]
@@ -111,7 +113,9 @@ def test_a_peers_load_counts_only_from_the_next_exchange() -> None:
             specs.append(RequestSpec(prompt=prompt, max_tokens=1, at=0.03 + 0.04 * k))
         return specs
 
-    def probes_beside_the_long_one(interval: float) -> tuple[int, int]:
+    def probes_beside_the_long_one(
+        interval: float, push: bool = False, delay: float = 0.0
+    ) -> tuple[int, int]:
         run = simulate(
             workload(),
             Fleet(engines=2),
@@ -119,19 +123,25 @@ def test_a_peers_load_counts_only_from_the_next_exchange() -> None:
             replicas=2,
             replica_pick="round_robin",
             load_interval_s=interval,
+            load_push=push,
+            sync_delay_s=delay,
             scrape_interval_s=1_000.0,  # engine-reported load stays that of t=0: idle
         )
         long = next(r for r in run.records if r.output_tokens == 400)
         assert long.replica == 0
         probes = [r for r in run.records if r.output_tokens == 1 and r.replica == 1]
         assert len(probes) == 10
-        before = sum(r.engine == long.engine for r in probes if r.arrival < interval)
-        after = sum(r.engine == long.engine for r in probes if r.arrival >= interval)
+        seen = min(interval, delay) if push else interval
+        before = sum(r.engine == long.engine for r in probes if r.arrival < seen)
+        after = sum(r.engine == long.engine for r in probes if r.arrival >= seen)
         return before, after
 
     before, after = probes_beside_the_long_one(0.5)
     assert before >= 1 and after == 0
     assert probes_beside_the_long_one(0.001) == (0, 0)
+    assert probes_beside_the_long_one(0.5, push=True) == (0, 0)
+    before, after = probes_beside_the_long_one(5.0, push=True, delay=0.3)
+    assert before >= 1 and after == 0
 
 
 def test_conversation_turns_stay_on_their_engine_with_unsynced_replicas() -> None:
