@@ -649,6 +649,16 @@ def run(args: argparse.Namespace) -> int:
     print(report.render_text(rows))
     if oracle is not None:
         print(f"\ntrace block oracle (blocks repeating an earlier block): {oracle:.1%}")
+    floor = summaries[0].get("floor") if summaries else None
+    if floor and floor.get("ttft_p99_s") is not None:
+        itl = floor.get("itl_p99_s")
+        print(
+            "floor for any router (each prompt's own prefill alone on an idle engine, every "
+            "block an earlier request computed served from cache; each token a decode step "
+            f"of its sequence alone): TTFT mean {floor['ttft_mean_s'] * 1e3:,.1f} ms, "
+            f"p99 {floor['ttft_p99_s'] * 1e3:,.1f} ms"
+            + (f"; inter-token p99 {itl * 1e3:,.2f} ms" if itl is not None else "")
+        )
     document: dict[str, Any] = {
         "kvroute_version": __version__,
         "command": " ".join(["kvroute", *sys.argv[1:]]) if sys.argv[1:2] == ["simulate"] else None,

@@ -69,7 +69,7 @@ from router.engines.latency import LatencyModel
 from router.engines.load import InFlight, LoadTracker, Ticket
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
-from router.hashing import block_keys, seed_for
+from router.hashing import block_keys, cacheable_blocks, seed_for
 from router.index.base import IndexStats, KVIndex, Match, footprint
 from router.index.memory import MemoryIndex
 from router.plan import Planner
@@ -357,6 +357,61 @@ class _Flight:
     """Racks whose uplinks its transfer shares, until the decode leg has its KV."""
 
 
+def routing_floor(
+    sequences: Iterable[tuple[Sequence[int], int, Sequence[int]]],
+    outputs: Iterable[int],
+    params: EngineParams,
+) -> dict[str, float | None]:
+    """What no router can beat on a run's requests, whatever engine it picks: each
+    request's TTFT is at least its own prefill on an idle engine with every block an
+    earlier request computed (prompt or answer) served from cache, as one engine with an
+    infinite cache holds them; each of its inter-token gaps is at least a decode step of
+    that sequence alone (the step-time model of :class:`EngineParams` with no other
+    sequence in the batch). ``sequences`` as :func:`ceiling_of_keys` takes them, in
+    arrival order; ``outputs`` the tokens each produced. The p99 of the gaps is the
+    nearest rank."""
+    bs = params.block_size
+    seen: set[int] = set()
+    ttft: list[float] = []
+    spans: list[tuple[int, int]] = []
+    """(first context, gaps): a request's gaps decode over contexts first .. first+gaps-1."""
+    for (keys, length, computed), output in zip(sequences, outputs, strict=True):
+        depth = 0
+        for key in keys[: cacheable_blocks(length, bs)]:
+            if key not in seen:
+                break
+            depth += 1
+        seen.update(keys)
+        seen.update(computed)
+        own = length - depth * bs
+        chunks = -(-own // params.max_num_batched_tokens)
+        ttft.append(chunks * params.step_overhead_s + own * params.prefill_token_s)
+        if output > 1:
+            spans.append((length, output - 1))
+    gaps = sum(n for _, n in spans)
+    step = params.step_overhead_s + params.decode_seq_s
+    itl_mean = itl_p99 = None
+    if gaps:
+        contexts = sum(n * first + n * (n - 1) // 2 for first, n in spans)
+        itl_mean = step + params.context_token_s * contexts / gaps
+        rank = math.ceil(0.99 * gaps)
+        low, high = 0, max(first + n - 1 for first, n in spans)
+        while low < high:  # the least context with ``rank`` gaps at or below it
+            mid = (low + high) // 2
+            if sum(min(max(mid - first + 1, 0), n) for first, n in spans) >= rank:
+                high = mid
+            else:
+                low = mid + 1
+        itl_p99 = step + params.context_token_s * low
+    stats = latency_stats(ttft)
+    return {
+        "ttft_mean_s": stats["mean"],
+        "ttft_p99_s": stats["p99"],
+        "itl_mean_s": itl_mean,
+        "itl_p99_s": itl_p99,
+    }
+
+
 @dataclass(slots=True)
 class SimRun:
     """The outcome of one simulated run."""
@@ -370,6 +425,8 @@ class SimRun:
     decisions: dict[str, int]
     preemptions: int
     index_events_skipped: int
+    floor: dict[str, float | None] = field(default_factory=dict)
+    """:func:`routing_floor` of its requests: latencies no router could go below."""
     errors: dict[str, int] = field(default_factory=dict)
     """Requests the engines refused, by reason (answered with an error, not served)."""
     wall_s: float = 0.0
@@ -414,6 +471,7 @@ class SimRun:
             "e2e_s": latency_stats([r.e2e for r in recs]),
             "hit_rate": cached / prompt if prompt else None,
             "ceiling": self.ceiling,
+            "floor": self.floor,
             "prefill_imbalance": _imbalance([e["prefill_tokens"] for e in prefilling]),
             "request_imbalance": _imbalance([e["requests"] for e in serving]),
             "split_share": (
@@ -1068,6 +1126,11 @@ class ClusterSim:
         order = sorted(range(len(self._records)), key=lambda i: self._records[i].arrival)
         records = [self._records[i] for i in order]
         ceiling = ceiling_of_keys((self._sequences[i] for i in order), self.block_size)
+        floor = routing_floor(
+            (self._sequences[i] for i in order),
+            (r.output_tokens for r in records),
+            self.settings.params,
+        )
         engines = []
         preemptions = 0
         for e in self.engines:
@@ -1098,6 +1161,7 @@ class ClusterSim:
             dict(decisions),
             preemptions,
             sum(self.ingestor.counters.skipped.values()),
+            floor,
             dict(self._errors),
             **self._router_memory(),
         )

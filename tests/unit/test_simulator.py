@@ -245,3 +245,57 @@ def test_kvroute_simulate_compares_policies_and_writes_results(tmp_path: Path) -
 def test_kvroute_simulate_refuses_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--workload", "shared-prefix", "--policy", "fastest"]) == 2
     assert "unknown policy 'fastest'" in capsys.readouterr().err
+
+
+def test_a_lone_request_runs_at_its_routing_floor() -> None:
+    """The floor is the engine model's own arithmetic: one request on an idle fleet has
+    exactly the floor's TTFT (its prefill in chunks of the step budget) and gaps."""
+    spec = RequestSpec(prompt=list(range(100_000, 112_000)), max_tokens=20, at=0.0)
+    run = simulate([spec], Fleet(engines=2))
+    floor = run.summary()["floor"]
+    (record,) = run.records
+    assert record.output_tokens == 20
+    assert record.ttft == pytest.approx(floor["ttft_mean_s"], rel=1e-9)
+    assert floor["ttft_mean_s"] == pytest.approx(
+        2 * PARAMS.step_overhead_s + 12_000 * PARAMS.prefill_token_s
+    )
+    assert max(run.itl) == pytest.approx(floor["itl_p99_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", ["kv_cost", "latency", "round_robin", "cache_aware_sglang"])
+def test_no_policy_goes_below_the_routing_floor(policy: str) -> None:
+    """Every policy's TTFT and inter-token figures are at or above the floor, which
+    counts a shared prefix as cached for all but the first request of a group."""
+    run = simulate(timed(groups(), 0.002), Fleet(engines=4), policy)
+    s = run.summary()
+    floor = s["floor"]
+    assert s["ttft_s"]["mean"] >= floor["ttft_mean_s"] > 0
+    assert s["ttft_s"]["p99"] >= floor["ttft_p99_s"]
+    assert s["itl_s"]["p99"] >= floor["itl_p99_s"]
+    assert s["itl_s"]["mean"] >= floor["itl_mean_s"]
+    alone = [simulate([spec], Fleet(engines=1)).records[0].ttft for spec in timed(groups(), 0.002)]
+    assert floor["ttft_mean_s"] < sum(alone) / len(alone)  # shared prefixes count as cached
+
+
+def test_the_routing_floor_counts_only_what_an_earlier_request_computed() -> None:
+    from router.sim.cluster import routing_floor
+
+    params = EngineParams(
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        step_overhead_s=1.0,
+        prefill_token_s=0.1,
+        decode_seq_s=0.0,
+        context_token_s=0.01,
+    )
+    first = ([1, 2, 3], 12, [])  # 12 tokens, 3 blocks: nothing cached
+    second = ([1, 2, 9], 12, [])  # its first two blocks were computed: 4 tokens its own
+    third = ([1, 2, 3], 12, [])  # all three blocks, but never the last token: 4 its own
+    floor = routing_floor([first, second, third], [1, 3, 1], params)
+    # 12 tokens in two chunks (2 steps): 2 + 1.2 s; then 4 tokens in one step: 1.4 s.
+    assert floor["ttft_mean_s"] == pytest.approx((3.2 + 1.4 + 1.4) / 3)
+    # The second request's two gaps decode over contexts 12 and 13.
+    assert floor["itl_mean_s"] == pytest.approx(1.0 + 0.01 * 12.5)
+    assert floor["itl_p99_s"] == pytest.approx(1.0 + 0.01 * 13)
+    assert routing_floor([first], [1], params)["itl_p99_s"] is None
