@@ -966,6 +966,12 @@ class RouterApp:
         if self.upstream is not None:
             await self.upstream.close()
         if self.shared_load is not None:
+            # No change may follow the withdrawal on the stream (peers would count this
+            # replica again until their next exchange).
+            self.shared_load.on_change = None
+            for sync in (self.session_sync, self.replicated.sync if self.replicated else None):
+                if sync is not None:
+                    sync.load = None
             await self.shared_load.stop()
         if self.session_sync is not None:
             await self.session_sync.stop()

@@ -31,10 +31,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import msgspec
 
-from router.engines.load import InFlight, LoadTracker
+from router.engines.load import NO_PEERS, InFlight, LoadTracker
 from router.index.base import IndexUnavailable
 from router.index.redis import RedisIndex, replica_id
 from router.types import EngineKey
@@ -45,7 +46,6 @@ _Entry = tuple[str, int, int, int, int, int]
 """(endpoint, rank, requests, prefill tokens, decode tokens, decode blocks)."""
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[_Entry]).decode
-_ZERO = InFlight()
 
 
 def encode_load(work: Mapping[EngineKey, InFlight], version: int = 0) -> bytes:
@@ -75,16 +75,14 @@ def decode_load(payload: bytes) -> dict[EngineKey, InFlight]:
     return decode_versioned(payload)[1]
 
 
+@dataclass(slots=True)
 class _Peer:
     """What this replica knows of one peer's work: per engine, the figures and the
     version they carry (from the last exchange, or newer from the stream)."""
 
-    __slots__ = ("read", "work")
-
-    def __init__(self) -> None:
-        self.read = 0
-        """The version of the last exchange's entry (0: none yet)."""
-        self.work: dict[EngineKey, tuple[int, InFlight]] = {}
+    read: int = 0
+    """The version of the last exchange's entry (0: none yet)."""
+    work: dict[EngineKey, tuple[int, InFlight]] = field(default_factory=dict)
 
 
 class SharedLoad:
@@ -175,8 +173,9 @@ class SharedLoad:
                 self._timeout(),
             )
         except IndexUnavailable:
-            if self._last_ok is not None and now - self._last_ok > self.ttl:
-                # Peers' figures are older than they would be allowed to live in Redis.
+            if self._peers and (self._last_ok is None or now - self._last_ok > self.ttl):
+                # Peers' figures are older than they would be allowed to live in Redis
+                # (or came from the stream alone, which cannot say that a peer died).
                 self._last_ok = None
                 self.peers = 0
                 self._peers.clear()
@@ -206,6 +205,8 @@ class SharedLoad:
         self.peers = len(payloads)
         self.exchanges += 1
         self._last_ok = now
+        if self.peers and self._dirty and self.on_change is not None:
+            self.on_change()  # changes held while no peer was there to read them
 
     # ------------------------------------------------------------------ changes on the stream
 
@@ -214,17 +215,18 @@ class SharedLoad:
         dirty = self._dirty
         if engine not in dirty:
             dirty.add(engine)
-            if len(dirty) == 1 and self.on_change is not None:
+            if self.peers and self.on_change is not None:
                 self.on_change()
 
     @property
     def has_changes(self) -> bool:
-        return bool(self._dirty)
+        """Changes to send, and peers to read them (the last exchange found some)."""
+        return bool(self._dirty) and self.peers > 0
 
     def take_changes(self) -> tuple[bytes, set[EngineKey]] | None:
         """This replica's work now on the engines whose work changed since the last
         call (with a new version), for the stream, and those engines (to :meth:`restore`
-        if it could not be sent); None when nothing changed."""
+        if it could not be sent, else to :meth:`sent`); None when nothing changed."""
         dirty = self._dirty
         if not dirty:
             return None
@@ -233,9 +235,12 @@ class SharedLoad:
         work = {}
         for engine in dirty:
             load = view.get(engine)
-            work[engine] = load.own() if load is not None else _ZERO
-        self.pushed += len(work)
+            work[engine] = load.own() if load is not None else NO_PEERS
         return encode_load(work, self._next_version()), dirty
+
+    def sent(self, engines: set[EngineKey]) -> None:
+        """Changes :meth:`take_changes` gave reached the stream."""
+        self.pushed += len(engines)
 
     def restore(self, engines: set[EngineKey]) -> None:
         """Changes :meth:`take_changes` gave that did not reach Redis: send them later."""
@@ -243,9 +248,13 @@ class SharedLoad:
 
     def apply_changes(self, replica: str, payload: bytes) -> None:
         """A peer's figures from the stream: each engine's replaces what this replica
-        has when newer. Figures older than ``ttl`` (a stream replayed at start) are
-        left to the exchange. Raises ``msgspec.DecodeError`` on a malformed payload."""
+        has when newer. Figures older than ``ttl`` (a stream replayed at start), and any
+        while the exchange has not succeeded within ``ttl`` (only it can tell that a peer
+        died), are left to the exchange. Raises ``msgspec.DecodeError`` on a malformed
+        payload."""
         if replica == self.replica:
+            return
+        if self._last_ok is None or time.monotonic() - self._last_ok > self.ttl:
             return
         version, work = decode_versioned(payload)
         if not version or time.time_ns() - version > self.ttl * 1e9:
@@ -263,7 +272,7 @@ class SharedLoad:
             peer.work[engine] = (version, figures)
             touched.append(engine)
         for engine in touched:
-            total = _ZERO
+            total = NO_PEERS
             for other in self._peers.values():
                 seen = other.work.get(engine)
                 if seen is not None:

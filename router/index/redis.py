@@ -707,6 +707,9 @@ class RedisIndex(FencedIndex):
                 approximate=True,
             ),
             self.admin_timeout if timeout is None else timeout,
+            # Held to a looser time than the budget: its answer says nothing of whether
+            # lookups are answered within it.
+            reset_slow=False,
         )
         return entry.decode() if isinstance(entry, bytes) else str(entry)
 
@@ -714,8 +717,8 @@ class RedisIndex(FencedIndex):
         self, after: str, count: int, block_ms: int | None
     ) -> list[tuple[str, bytes, bytes, bytes, bytes]]:
         """Entries of the decision stream after id ``after``, oldest first, as (id,
-        replica (bytes, as stored), payload, session pins, load changes (empty when
-        none)); with
+        replica (bytes, as stored), payload, session pins, load changes; the last two
+        empty when none); with
         ``block_ms``, waits that long for one to arrive. Bounded by the wait plus
         ``admin_timeout``; a blocking read's answer does not reset the count of slow
         calls (:attr:`slow_calls_to_outage`)."""

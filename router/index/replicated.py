@@ -13,7 +13,8 @@ other travels through Redis off the request path:
   blocking ``XREAD`` and records its peers' decisions in its own index with what is left
   of their life. Entries older than ``window_s`` are trimmed as new ones are added.
 * **Load.** In-flight work per engine is exchanged as with the shared index
-  (:class:`~router.engines.shared_load.SharedLoad`).
+  (:class:`~router.engines.shared_load.SharedLoad`), and its changes in between ride
+  the stream's entries (an ``l`` field, ``index.redis.load_push``).
 * **Warm start.** A replica that starts reads the stream from its oldest entry (the
   decisions still live), and one replica, elected by a lease, writes a snapshot of each
   engine stream's state (the engine-hash maps of what it holds, the last batch's sequence
@@ -182,6 +183,8 @@ class DecisionSync:
         """Changes when Redis comes back without its data: reads and appends begun before
         must not move the position or the trim point of the new stream."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._halted = False
+        """Stopped (or halted): a start still catching up starts no tasks."""
         redis.listeners.append(self._on_availability)
 
     # ------------------------------------------------------------------ lifecycle
@@ -196,7 +199,7 @@ class DecisionSync:
             pass  # the background reader goes on from where it got
         except Exception:  # a bug must not keep the router from starting
             log.exception("reading peers' decisions failed")
-        if not self._tasks:
+        if not self._tasks and not self._halted:
             self._tasks = [
                 asyncio.ensure_future(self._publish_forever()),
                 asyncio.ensure_future(self._read_forever()),
@@ -204,6 +207,7 @@ class DecisionSync:
 
     async def stop(self, flush_timeout: float = 1.0) -> None:
         """Publish what is queued (bounded), then stop."""
+        self._halted = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -215,6 +219,7 @@ class DecisionSync:
 
     def halt(self) -> None:
         """Stop at once, publishing nothing more (what is queued is dropped)."""
+        self._halted = True
         for task in self._tasks:
             task.cancel()
         self._tasks = []
@@ -352,6 +357,8 @@ class DecisionSync:
             self.counters.entries += 1
             self.counters.published += len(batch)
             self.counters.sessions_published += len(pinned)
+            if taken is not None and load is not None:
+                load.sent(taken[1])
             if epoch == self._epoch:  # else the id is the lost stream's
                 ms = int(entry.partition("-")[0])
                 self._min_id = f"{max(ms - int(self.config.window_s * 1000), 0)}-0"
@@ -402,8 +409,8 @@ class DecisionSync:
                 log.exception("recording peers' decisions failed")
 
     def apply(self, entries: Sequence[_Entry]) -> None:
-        """Record peers' decisions (and session pins) from stream entries (id, replica,
-        payload[, session pins])."""
+        """Record peers' decisions (and session pins, and load changes) from stream
+        entries (id, replica, payload[, session pins[, load changes]])."""
         if not entries:
             return
         self._last_id = entries[-1][0]

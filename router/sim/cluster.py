@@ -25,7 +25,8 @@ reach every replica after the same ``event_lag_s``; a replica's decisions are re
 in its own index at once and reach the others' ``sync_delay_s`` later, as the same
 expiring records with their ttl shortened by the delay; a replica knows its own
 in-flight load exactly and its peers' as they were at the last exchange, one every
-``load_interval_s``. What it costs shows in the run's replica split rate
+``load_interval_s``, or at their last change, which reaches the others ``sync_delay_s``
+after it (``load_push``). What it costs shows in the run's replica split rate
 (:func:`replica_split`) and turn stickiness.
 
 A disaggregated request follows the NIXL dialect's timing: a prefill leg with
@@ -497,6 +498,7 @@ class SimRun:
             "load_interval_s": (
                 self.settings.load_interval_s if self.settings.replicas > 1 else None
             ),
+            "load_push": self.settings.load_push if self.settings.replicas > 1 else None,
             "replica_split": replica_split(recs, self.settings.burst_window_s),
             **turn_stickiness(recs),
             "engines": self.engines,
@@ -793,8 +795,10 @@ class ClusterSim:
         if now < self._next_exchange:
             return
         interval = self.settings.load_interval_s
-        self._exchanged_at = math.floor(now / interval) * interval
-        self._next_exchange = self._exchanged_at + interval
+        self._next_exchange = (math.floor(now / interval) + 1) * interval
+        # The trackers hold what they held when it was due: a change sent before now is
+        # older than the copy (the due time itself can round above now).
+        self._exchanged_at = now
         own = [r.loads.own() for r in self.replicas]
         self._believed = {
             (n, engine): mine for n, work in enumerate(own) for engine, mine in work.items()

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 from support.redis import RedisServer, monitored_commands
 
-from router.engines.load import LoadTracker, load_of
-from router.engines.shared_load import SharedLoad
+from router.engines.load import InFlight, LoadTracker, load_of
+from router.engines.shared_load import SharedLoad, encode_load
 from router.index import Match
 from router.index.base import IndexUnavailable
 from router.index.redis import RedisIndex
@@ -295,6 +295,10 @@ async def test_peers_load_is_dropped_when_redis_is_gone_longer_than_the_ttl(
 
         await until(dropped)
         assert shared.peers == 0
+        # A change from the stream now (were it still answering) cannot bring a peer
+        # back: only an exchange could tell whether that peer is alive.
+        shared.apply_changes("other", encode_load({A: InFlight(3, 0, 0, 0)}, time.time_ns()))
+        assert mine.view[A].peer_requests == 0
     finally:
         await index.close()
 
@@ -310,8 +314,10 @@ async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
 
     index = RedisIndex(redis_url, redis_namespace)
     trackers = [LoadTracker(16), LoadTracker(16)]
+    # A long ttl: a busy machine's stall must not age the figures out of the test.
     shared = [
-        SharedLoad(index, t, lambda e: e != C, replica=f"p{i}") for i, t in enumerate(trackers)
+        SharedLoad(index, t, lambda e: e != C, replica=f"p{i}", ttl=30.0)
+        for i, t in enumerate(trackers)
     ]
     syncs = [
         DecisionSync(None, index, ReplicatedIndexConfig(), f"p{i}", known=lambda e: e != C)
@@ -325,8 +331,10 @@ async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
     try:
         for sync in syncs:
             await sync.start()
-        for load in shared:
-            await load.exchange()
+        for _ in range(2):  # each finds the other (a replica alone sends no changes)
+            for load in shared:
+                await load.exchange()
+        assert [load.peers for load in shared] == [1, 1]
         ticket = one.begin(A, 320, 0, 8)
         one.begin(C, 320, 0, 8)  # an engine the peer does not serve
         await until(lambda: load_of(two.view, A).peer_requests == 1)
@@ -341,9 +349,12 @@ async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
         assert two.view[A].requests == 0 and two.view[A].decode_blocks == 0
         assert two.own() == {}  # what it publishes stays its own
         assert shared[0].pushed >= 3 and shared[1].applied >= 3
-        # A new request: the next exchange's entry is newer than the stream's last change
-        # and replaces it (1 request, prefill queued).
+        # A new request, sent with the stream detached: the next exchange's entry is
+        # newer than the stream's last change and replaces it.
+        syncs[0].load = None
         one.begin(A, 160, 0, 1)
+        await asyncio.sleep(0.05)
+        assert two.view[A].requests == 0  # nothing came on the stream
         await shared[0].exchange()
         await shared[1].exchange()
         assert two.view[A].requests == 1 and two.view[A].prefill_tokens == 160
@@ -358,13 +369,14 @@ async def test_stale_or_malformed_load_changes_are_left_to_the_exchange(
 ) -> None:
     """Figures older than the load's ttl (a stream replayed at start, a clock far
     behind) and payloads that do not decode change nothing; a replica's own are ignored."""
-    from router.engines.load import InFlight
-    from router.engines.shared_load import encode_load
-
     index = RedisIndex(redis_url, redis_namespace)
     tracker = LoadTracker(16)
     shared = SharedLoad(index, tracker, lambda e: True, replica="me", ttl=1.0)
     try:
+        now = time.time_ns()
+        shared.apply_changes("peer", encode_load({A: InFlight(1, 10, 1, 0)}, now))
+        assert A not in tracker.view  # no exchange has succeeded yet: nothing is taken
+        await shared.exchange()
         old = time.time_ns() - 2_000_000_000
         shared.apply_changes("peer", encode_load({A: InFlight(1, 10, 1, 0)}, old))
         shared.apply_changes("peer", encode_load({A: InFlight(1, 10, 1, 0)}))  # no version

@@ -1,6 +1,6 @@
 """The simulator with several router replicas (issue 29): each replica has its own index,
-load view and policy; decisions reach the peers ``sync_delay_s`` late and in-flight load
-every ``load_interval_s``."""
+load view and policy; decisions reach the peers ``sync_delay_s`` late, and in-flight load
+every ``load_interval_s`` and, with ``load_push``, each change ``sync_delay_s`` late."""
 
 from __future__ import annotations
 
@@ -83,9 +83,10 @@ def test_a_huge_sync_delay_splits_bursts_across_replicas() -> None:
 
 def test_synced_replicas_keep_bursts_together_as_one_router_does() -> None:
     """With no sync delay and an exchange of load every millisecond, each replica's index
-    is the single router's and its load view nearly so. Two things still differ: the
-    prompts a peer routes at the same instant count in the load only from the next
-    exchange, and each replica orders otherwise equal engines by its own routing count.
+    is the single router's and its load view nearly so. Two things still differ: without
+    the load push, the prompts a peer routes at the same instant count in the load only
+    from the next exchange, and each replica orders otherwise equal engines by its own
+    routing count.
     Either can turn a close choice, so one burst in the 16 may differ; a replica that
     never hears of its peer's decisions (the last run) loses far more than that."""
     fleet = Fleet(engines=4)
