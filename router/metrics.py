@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from router.events.writer import WriterStats
     from router.flow.control import FlowControl
     from router.index.base import IndexStats
-    from router.index.replicated import DecisionSync, ReplicatedIndex
+    from router.index.replicated import DecisionSync, ReplicatedIndex, SyncCounters
     from router.index.shadow import ShadowedIndex
     from router.tokenization import Tokenizers
 
@@ -234,6 +234,8 @@ class StateCollector(Collector):
                 "Session pins other replicas shared that this replica learnt",
                 value=c.sessions_applied,
             )
+            if src.replicated is None:  # the shared index's follower of the stream
+                yield _sync_errors(c)
         if src.writer is not None:
             yield CounterMetricFamily(
                 "kvroute_kv_event_resnapshots",
@@ -375,15 +377,7 @@ class StateCollector(Collector):
         for reason in ("queue_full", "expired"):
             dropped.add_metric([reason], c.dropped.get(reason, 0))
         yield dropped
-        errors = CounterMetricFamily(
-            "kvroute_replica_sync_errors",
-            "Failed calls of decision sharing, by operation",
-            labels=["op"],
-        )
-        errors.add_metric(["publish"], c.publish_errors)
-        errors.add_metric(["read"], c.read_errors)
-        errors.add_metric(["malformed"], c.malformed)
-        yield errors
+        yield _sync_errors(c)
         yield GaugeMetricFamily(
             "kvroute_replica_sync_pending",
             "This replica's decisions waiting to be published",
@@ -802,3 +796,17 @@ def _family(
     for values, value in sorted(samples.items()):
         family.add_metric(list(values), value)
     return family
+
+
+def _sync_errors(c: SyncCounters) -> CounterMetricFamily:
+    """Failed calls of a decision-stream follower (the replicated mode's, or the shared
+    index's for session pins and load changes) and entries it could not decode."""
+    errors = CounterMetricFamily(
+        "kvroute_replica_sync_errors",
+        "Failed calls of decision sharing, by operation",
+        labels=["op"],
+    )
+    errors.add_metric(["publish"], c.publish_errors)
+    errors.add_metric(["read"], c.read_errors)
+    errors.add_metric(["malformed"], c.malformed)
+    return errors

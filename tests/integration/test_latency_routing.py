@@ -258,6 +258,7 @@ async def test_a_session_finds_its_engine_through_another_replica(
             assert reply.headers["x-kvroute-engine"] == engine, (sessions, turn)
     assert await metric(http, a.url, "kvroute_session_pins_published_total") == 3
     assert await metric(http, b.url, "kvroute_session_pins_learnt_total") == 3
+    assert await metric(http, b.url, "kvroute_replica_sync_errors_total") == 0  # either mode
 
 
 async def test_a_replica_started_later_learns_the_live_pins_at_start(
