@@ -653,9 +653,10 @@ def run(args: argparse.Namespace) -> int:
     if floor and floor.get("ttft_p99_s") is not None:
         itl = floor.get("itl_p99_s")
         print(
-            "floor for any router (each prompt's own prefill alone on an idle engine, every "
-            "block an earlier request computed served from cache; each token a decode step "
-            f"of its sequence alone): TTFT mean {floor['ttft_mean_s'] * 1e3:,.1f} ms, "
+            "floor for any router on the first run's requests (each prompt's own prefill "
+            "alone on an idle engine, every block an earlier request computed served from "
+            "cache; each token a decode step of its sequence alone): "
+            f"TTFT mean {floor['ttft_mean_s'] * 1e3:,.1f} ms, "
             f"p99 {floor['ttft_p99_s'] * 1e3:,.1f} ms"
             + (f"; inter-token p99 {itl * 1e3:,.2f} ms" if itl is not None else "")
         )

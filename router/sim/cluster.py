@@ -369,8 +369,12 @@ def routing_floor(
     infinite cache holds them; each of its inter-token gaps is at least a decode step of
     that sequence alone (the step-time model of :class:`EngineParams` with no other
     sequence in the batch). ``sequences`` as :func:`ceiling_of_keys` takes them, in
-    arrival order; ``outputs`` the tokens each produced. The p99 of the gaps is the
-    nearest rank."""
+    arrival order; ``outputs`` the tokens each produced. Percentiles interpolate as the
+    run's own (:func:`latency_stats`), so a run whose every value is at or above its own
+    floor has statistics at or above these.
+
+    It holds for aggregated fleets: an engine that receives KV by transfer holds blocks
+    no step of it computed, which the bound does not count."""
     bs = params.block_size
     seen: set[int] = set()
     ttft: list[float] = []
@@ -389,28 +393,37 @@ def routing_floor(
         ttft.append(chunks * params.step_overhead_s + own * params.prefill_token_s)
         if output > 1:
             spans.append((length, output - 1))
+    stats = latency_stats(ttft)
+    floor: dict[str, float | None] = {
+        "ttft_mean_s": stats["mean"],
+        "ttft_p99_s": stats["p99"],
+        "itl_mean_s": None,
+        "itl_p99_s": None,
+    }
     gaps = sum(n for _, n in spans)
+    if not gaps:
+        return floor
     step = params.step_overhead_s + params.decode_seq_s
-    itl_mean = itl_p99 = None
-    if gaps:
-        contexts = sum(n * first + n * (n - 1) // 2 for first, n in spans)
-        itl_mean = step + params.context_token_s * contexts / gaps
-        rank = math.ceil(0.99 * gaps)
-        low, high = 0, max(first + n - 1 for first, n in spans)
-        while low < high:  # the least context with ``rank`` gaps at or below it
+    top = max(first + n - 1 for first, n in spans)
+
+    def context_at(rank: int) -> int:
+        """The ``rank``-th smallest context (1-based) over every gap."""
+        low, high = 0, top
+        while low < high:
             mid = (low + high) // 2
             if sum(min(max(mid - first + 1, 0), n) for first, n in spans) >= rank:
                 high = mid
             else:
                 low = mid + 1
-        itl_p99 = step + params.context_token_s * low
-    stats = latency_stats(ttft)
-    return {
-        "ttft_mean_s": stats["mean"],
-        "ttft_p99_s": stats["p99"],
-        "itl_mean_s": itl_mean,
-        "itl_p99_s": itl_p99,
-    }
+        return low
+
+    contexts = sum(n * first + n * (n - 1) // 2 for first, n in spans)
+    position = (gaps - 1) * 0.99  # as the run's percentile: between two order statistics
+    below = int(position)
+    low, high = context_at(below + 1), context_at(min(below + 2, gaps))
+    floor["itl_mean_s"] = step + params.context_token_s * contexts / gaps
+    floor["itl_p99_s"] = step + params.context_token_s * (low + (high - low) * (position - below))
+    return floor
 
 
 @dataclass(slots=True)
@@ -427,7 +440,8 @@ class SimRun:
     preemptions: int
     index_events_skipped: int
     floor: dict[str, float | None] = field(default_factory=dict)
-    """:func:`routing_floor` of its requests: latencies no router could go below."""
+    """:func:`routing_floor` of its requests: latencies no router could go below (empty
+    for a disaggregated fleet)."""
     errors: dict[str, int] = field(default_factory=dict)
     """Requests the engines refused, by reason (answered with an error, not served)."""
     wall_s: float = 0.0
@@ -1130,10 +1144,14 @@ class ClusterSim:
         order = sorted(range(len(self._records)), key=lambda i: self._records[i].arrival)
         records = [self._records[i] for i in order]
         ceiling = ceiling_of_keys((self._sequences[i] for i in order), self.block_size)
-        floor = routing_floor(
-            (self._sequences[i] for i in order),
-            (r.output_tokens for r in records),
-            self.settings.params,
+        floor = (
+            routing_floor(
+                (self._sequences[i] for i in order),
+                (r.output_tokens for r in records),
+                self._fastest_params(),
+            )
+            if not self.settings.fleet.disaggregated
+            else {}
         )
         engines = []
         preemptions = 0
@@ -1168,6 +1186,19 @@ class ClusterSim:
             floor,
             dict(self._errors),
             **self._router_memory(),
+        )
+
+    def _fastest_params(self) -> EngineParams:
+        """The engine parameters no engine of the fleet runs faster than (slow engines
+        with a factor below 1 are faster)."""
+        p, factor = self.settings.params, self.settings.slowdown
+        if not self.settings.slow_engines or factor >= 1:
+            return p
+        return p.replace(
+            step_overhead_s=p.step_overhead_s * factor,
+            prefill_token_s=p.prefill_token_s * factor,
+            decode_seq_s=p.decode_seq_s * factor,
+            context_token_s=p.context_token_s * factor,
         )
 
     def _router_memory(self) -> dict[str, Any]:

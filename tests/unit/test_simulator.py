@@ -259,7 +259,9 @@ def test_a_lone_request_runs_at_its_routing_floor() -> None:
     assert floor["ttft_mean_s"] == pytest.approx(
         2 * PARAMS.step_overhead_s + 12_000 * PARAMS.prefill_token_s
     )
-    assert max(run.itl) == pytest.approx(floor["itl_p99_s"], rel=1e-9)
+    assert max(run.itl) == pytest.approx(floor["itl_mean_s"] * 2 - min(run.itl), rel=1e-9)
+    # The same percentile as the run's own: every gap at its floor, so the same p99.
+    assert run.summary()["itl_s"]["p99"] == pytest.approx(floor["itl_p99_s"], rel=1e-12)
 
 
 @pytest.mark.parametrize("policy", ["kv_cost", "latency", "round_robin", "cache_aware_sglang"])
@@ -297,5 +299,11 @@ def test_the_routing_floor_counts_only_what_an_earlier_request_computed() -> Non
     assert floor["ttft_mean_s"] == pytest.approx((3.2 + 1.4 + 1.4) / 3)
     # The second request's two gaps decode over contexts 12 and 13.
     assert floor["itl_mean_s"] == pytest.approx(1.0 + 0.01 * 12.5)
-    assert floor["itl_p99_s"] == pytest.approx(1.0 + 0.01 * 13)
+    assert floor["itl_p99_s"] == pytest.approx(1.0 + 0.01 * 12.99)  # interpolated
     assert routing_floor([first], [1], params)["itl_p99_s"] is None
+
+
+def test_a_disaggregated_fleet_has_no_routing_floor() -> None:
+    """A decode engine holds blocks it received, which no step of it computed."""
+    run = simulate(groups(2, 2), Fleet(prefill=1, decode=1))
+    assert run.records and run.summary()["floor"] == {}
