@@ -101,6 +101,15 @@ class InFlight(NamedTuple):
     decode_tokens: int = 0
     decode_blocks: int = 0
 
+    def plus(self, other: InFlight) -> InFlight:
+        """Both engines' (or replicas') work together."""
+        return InFlight(
+            self.requests + other.requests,
+            self.prefill_tokens + other.prefill_tokens,
+            self.decode_tokens + other.decode_tokens,
+            self.decode_blocks + other.decode_blocks,
+        )
+
 
 NO_PEERS = InFlight()
 

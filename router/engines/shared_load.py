@@ -198,7 +198,7 @@ class SharedLoad:
             for engine, (_, work) in peer.work.items():
                 seen = totals.get(engine)
                 if seen is not None:
-                    work = _add(seen, work)
+                    work = seen.plus(work)
                 if any(work):
                     totals[engine] = work
         self.tracker.set_peers(totals)
@@ -276,15 +276,6 @@ class SharedLoad:
             for other in self._peers.values():
                 seen = other.work.get(engine)
                 if seen is not None:
-                    total = _add(total, seen[1])
+                    total = total.plus(seen[1])
             self.tracker.set_peer(engine, total)
         self.applied += len(touched)
-
-
-def _add(a: InFlight, b: InFlight) -> InFlight:
-    return InFlight(
-        a.requests + b.requests,
-        a.prefill_tokens + b.prefill_tokens,
-        a.decode_tokens + b.decode_tokens,
-        a.decode_blocks + b.decode_blocks,
-    )

@@ -358,6 +358,16 @@ class _Flight:
     """Racks whose uplinks its transfer shares, until the decode leg has its KV."""
 
 
+def _slowed(p: EngineParams, factor: float) -> EngineParams:
+    """``p`` taking ``factor`` times as long for every step (``--slow-engines``)."""
+    return p.replace(
+        step_overhead_s=p.step_overhead_s * factor,
+        prefill_token_s=p.prefill_token_s * factor,
+        decode_seq_s=p.decode_seq_s * factor,
+        context_token_s=p.context_token_s * factor,
+    )
+
+
 def routing_floor(
     sequences: Iterable[tuple[Sequence[int], int, Sequence[int]]],
     outputs: Iterable[int],
@@ -664,16 +674,7 @@ class ClusterSim:
         self.engines: list[_Engine] = []
         order = [role for role, count in roles for _ in range(count)]
         places = settings.layout.place(order) if settings.layout else [None] * len(order)
-        slow = (
-            p.replace(
-                step_overhead_s=p.step_overhead_s * settings.slowdown,
-                prefill_token_s=p.prefill_token_s * settings.slowdown,
-                decode_seq_s=p.decode_seq_s * settings.slowdown,
-                context_token_s=p.context_token_s * settings.slowdown,
-            )
-            if settings.slow_engines
-            else p
-        )
+        slow = _slowed(p, settings.slowdown) if settings.slow_engines else p
         for n, (role, where) in enumerate(zip(order, places, strict=True)):
             key = EngineKey(endpoints[n] if endpoints else f"sim-{role}-{n}:8000")
             own = slow if n < settings.slow_engines else p
@@ -785,8 +786,8 @@ class ClusterSim:
         number, engine, sent, figures = change
         if sent < self._exchanged_at:
             return
-        self._believed[number, engine] = figures
         believed = self._believed
+        believed[number, engine] = figures
         for n, replica in enumerate(self.replicas):
             if n == number:
                 continue
@@ -794,7 +795,7 @@ class ClusterSim:
             for other in range(len(self.replicas)):
                 have = believed.get((other, engine)) if other != n else None
                 if have is not None:
-                    total = InFlight(*(a + b for a, b in zip(total, have, strict=True)))
+                    total = total.plus(have)
             replica.loads.set_peer(engine, total)
 
     def _exchange_loads(self) -> None:
@@ -824,11 +825,7 @@ class ClusterSim:
                     continue
                 for engine, mine in work.items():
                     have = peers.get(engine)
-                    peers[engine] = (
-                        mine
-                        if have is None
-                        else InFlight(*(a + b for a, b in zip(have, mine, strict=True)))
-                    )
+                    peers[engine] = mine if have is None else have.plus(mine)
             replica.loads.set_peers(peers)
 
     def _pick_replica(self, rid: str) -> _Replica:
@@ -1192,14 +1189,7 @@ class ClusterSim:
         """The engine parameters no engine of the fleet runs faster than (slow engines
         with a factor below 1 are faster)."""
         p, factor = self.settings.params, self.settings.slowdown
-        if not self.settings.slow_engines or factor >= 1:
-            return p
-        return p.replace(
-            step_overhead_s=p.step_overhead_s * factor,
-            prefill_token_s=p.prefill_token_s * factor,
-            decode_seq_s=p.decode_seq_s * factor,
-            context_token_s=p.context_token_s * factor,
-        )
+        return _slowed(p, factor) if self.settings.slow_engines and factor < 1 else p
 
     def _router_memory(self) -> dict[str, Any]:
         """The router's index and engine-hash maps as the run leaves them (the first
