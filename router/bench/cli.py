@@ -58,7 +58,7 @@ from router.bench.workloads import (
     trace_specs,
 )
 
-GENERATED = ("shared-prefix", "chat")
+GENERATED = ("shared-prefix", "samples", "chat")
 #: In-flight limit for trace replay on timestamps: high enough never to hold a request
 #: back, bounded so a stalled target cannot make the client open unbounded connections.
 TRACE_MAX_IN_FLIGHT = 4_096
@@ -215,13 +215,21 @@ def add_workload_arguments(
         "results per tenant: TTFT p50/p99, throughput, refusals",
     )
 
-    gen = parser.add_argument_group("generated workloads (shared-prefix, chat)")
-    gen.add_argument("--groups", type=int, default=16, help="shared-prefix: groups")
+    gen = parser.add_argument_group("generated workloads (shared-prefix, samples, chat)")
     gen.add_argument(
-        "--prompts-per-group", type=int, default=8, help="shared-prefix: prompts per group"
+        "--groups", type=int, default=16, help="shared-prefix: groups; samples: prompts"
     )
     gen.add_argument(
-        "--prefix-tokens", type=int, default=2_000, help="shared-prefix: shared prefix length"
+        "--prompts-per-group",
+        type=int,
+        default=8,
+        help="shared-prefix: prompts per group; samples: samples of each prompt",
+    )
+    gen.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=2_000,
+        help="shared-prefix: shared prefix length; samples: prompt length",
     )
     gen.add_argument("--conversations", type=int, default=32, help="chat: conversations")
     gen.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
@@ -235,16 +243,19 @@ def add_workload_arguments(
         help="chat: seconds between an answer and the next turn",
     )
     gen.add_argument(
-        "--question-tokens", type=int, default=100, help="question length (both workloads)"
+        "--question-tokens", type=int, default=100, help="question length (shared-prefix, chat)"
     )
-    gen.add_argument("--output-tokens", type=int, default=64, help="answer length (both workloads)")
+    gen.add_argument(
+        "--output-tokens", type=int, default=64, help="answer length (every generated workload)"
+    )
     gen.add_argument(
         "--output-spread",
         type=_spread,
         default=0.0,
         metavar="F",
-        help="chat: each answer's length drawn uniformly within --output-tokens x (1 +- F), "
-        "F in [0, 1) (default 0: all equal, which keeps conversations in step)",
+        help="each answer's length drawn uniformly within --output-tokens x (1 +- F), "
+        "F in [0, 1) (default 0: all equal, which keeps requests that start together in "
+        "step for ever)",
     )
 
 
@@ -277,6 +288,7 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
     """The workload the flags describe (pure: nothing is sent); ``compact``: token-id
     trace prompts as arrays (see :func:`~router.bench.workloads.trace_specs`)."""
     closed = args.concurrency or DEFAULT_CONCURRENCY
+    spread = f" (+-{args.output_spread:.0%})" if args.output_spread else ""
     if args.workload == "shared-prefix":
         specs = shared_prefix_workload(
             args.groups,
@@ -285,14 +297,35 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
             args.question_tokens,
             args.output_tokens,
             seed=args.seed,
+            output_spread=args.output_spread,
         )[: args.requests]
         text = (
             f"shared-prefix: {args.groups} groups x {args.prompts_per_group} prompts, "
             f"{args.prefix_tokens}-token prefix + {args.question_tokens}-token question, "
-            f"{args.output_tokens} output tokens, {len(specs)} requests, {closed} in flight"
+            f"{args.output_tokens} output tokens{spread}, {len(specs)} requests, "
+            f"{closed} in flight"
         )
         title = f"shared-prefix, {args.groups} groups x {args.prompts_per_group}"
         return Workload(title, text, specs, len(specs), closed, {"kind": "shared-prefix"})
+    if args.workload == "samples":
+        specs = shared_prefix_workload(
+            args.groups,
+            args.prompts_per_group,
+            args.prefix_tokens,
+            0,
+            args.output_tokens,
+            seed=args.seed,
+            shuffle=False,
+            output_spread=args.output_spread,
+        )[: args.requests]
+        text = (
+            f"samples: {args.groups} prompts of {args.prefix_tokens} tokens, each sampled "
+            f"{args.prompts_per_group} times one after another (reinforcement-learning "
+            f"rollouts), {args.output_tokens} output tokens{spread}, {len(specs)} requests, "
+            f"{closed} in flight"
+        )
+        title = f"samples, {args.groups} prompts x {args.prompts_per_group}"
+        return Workload(title, text, specs, len(specs), closed, {"kind": "samples"})
     if args.workload == "chat":
         specs = chat_workload(
             args.conversations,
@@ -311,7 +344,7 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
             f"chat: {args.conversations} conversations x {args.turns} turns, "
             f"{args.system_tokens}-token shared system prompt, {args.question_tokens}-token "
             f"questions, {args.output_tokens}-token answers"
-            + (f" (+-{args.output_spread:.0%})" if args.output_spread else "")
+            + spread
             + f", each turn repeating the whole conversation; {closed} conversations in flight"
         )
         title = f"chat, {args.conversations} conversations x {args.turns} turns"

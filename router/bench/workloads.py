@@ -394,6 +394,20 @@ def words(rng: random.Random, count: int, tag: str = "w") -> str:
     return " ".join(f"{tag}{rng.getrandbits(40):x}" for _ in range(count))
 
 
+def answer_lengths(max_tokens: int, spread: float, count: int, seed: str) -> list[int]:
+    """``count`` answer lengths: ``max_tokens`` each, or with ``spread`` > 0 each drawn
+    uniformly from ``max_tokens * (1 +- spread)`` (seeded by ``seed``, apart from the
+    prompts' own draws, so the prompts do not depend on the spread)."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"output_spread must be in [0, 1), not {spread}")
+    if not spread:
+        return [max_tokens] * count
+    draw = random.Random(seed)
+    return [
+        max(1, round(max_tokens * (1 + spread * draw.uniform(-1.0, 1.0)))) for _ in range(count)
+    ]
+
+
 def shared_prefix_workload(
     groups: int,
     per_group: int,
@@ -402,15 +416,21 @@ def shared_prefix_workload(
     max_tokens: int,
     seed: int = 0,
     shuffle: bool = True,
+    output_spread: float = 0.0,
 ) -> list[RequestSpec]:
-    """Groups of prompts that share a long prefix and end in distinct questions."""
+    """Groups of prompts that share a long prefix and end in distinct questions; with
+    ``question_tokens`` 0 a group is one prompt asked ``per_group`` times (n samples of
+    one prompt, as reinforcement-learning rollouts send them). ``shuffle`` mixes the
+    groups; unshuffled, each group's prompts are sent one after another.
+    ``output_spread``: as :func:`chat_workload`'s."""
     rng = random.Random(seed)
     specs = []
     for g in range(groups):
         prefix = words(rng, prefix_tokens, f"g{g}x")
-        for _ in range(per_group):
-            prompt = f"{prefix} {words(rng, question_tokens, 'q')}"
-            specs.append(RequestSpec(prompt=prompt, max_tokens=max_tokens, group=f"group-{g}"))
+        lengths = answer_lengths(max_tokens, output_spread, per_group, f"{seed}:answers:{g}")
+        for length in lengths:
+            prompt = f"{prefix} {words(rng, question_tokens, 'q')}" if question_tokens else prefix
+            specs.append(RequestSpec(prompt=prompt, max_tokens=length, group=f"group-{g}"))
     if shuffle:
         rng.shuffle(specs)
     return specs
@@ -470,20 +490,12 @@ def chat_workload(
     of ``output_spread`` 0): equal lengths and no think time keep conversations that
     start together in step for ever, which real answers do not.
     """
-    if not 0.0 <= output_spread < 1.0:
-        raise ValueError(f"output_spread must be in [0, 1), not {output_spread}")
     rng = random.Random(seed)
     system = words(rng, system_tokens, "sys")
     specs = []
     for c in range(conversations):
         questions = [words(rng, question_tokens, f"c{c}t{t}q") for t in range(turns)]
-        lengths = [max_tokens] * turns
-        if output_spread:
-            spread = random.Random(f"{seed}:answers:{c}")
-            lengths = [
-                max(1, round(max_tokens * (1 + output_spread * spread.uniform(-1.0, 1.0))))
-                for _ in lengths
-            ]
+        lengths = answer_lengths(max_tokens, output_spread, turns, f"{seed}:answers:{c}")
         first = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
         specs.append(_chat_turn(first, questions, 0, lengths, f"conversation-{c}", think_s))
     return specs

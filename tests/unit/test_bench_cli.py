@@ -46,3 +46,17 @@ def test_a_chat_workload_counts_every_turn() -> None:
     assert len(workload.specs) == 3
     assert workload.total == 12
     assert workload.concurrency == 8
+
+
+def test_a_samples_workload_sends_each_prompt_n_times_in_a_row() -> None:
+    workload = build_workload(
+        flags(
+            "--workload", "samples", "--groups", "3", "--prompts-per-group", "5",
+            "--prefix-tokens", "40", "--output-spread", "0.25",
+        )
+    )  # fmt: skip
+    assert workload.total == len(workload.specs) == 15
+    assert len({s.prompt for s in workload.specs[:5]}) == 1
+    assert workload.specs[5].prompt != workload.specs[4].prompt
+    assert "3 prompts of 40 tokens, each sampled 5 times" in workload.description
+    assert "(+-25%)" in workload.description

@@ -21,6 +21,7 @@ from router.bench.workloads import (
     prefix_ceiling,
     read_trace,
     select,
+    shared_prefix_workload,
     spec_tokens,
     trace_specs,
 )
@@ -240,6 +241,28 @@ def test_an_output_spread_varies_answers_around_the_length_and_keeps_the_prompts
     assert [answer_lengths(s) for s in again] == [answer_lengths(s) for s in spread]
     with pytest.raises(ValueError, match="output_spread"):
         chat_workload(1, 1, 5, 5, 5, output_spread=1.0)
+
+
+def test_shared_prefix_answers_vary_with_a_spread_and_the_prompts_do_not() -> None:
+    even = shared_prefix_workload(6, 10, 40, 8, 64, seed=2)
+    spread = shared_prefix_workload(6, 10, 40, 8, 64, seed=2, output_spread=0.5)
+    assert [s.prompt for s in spread] == [s.prompt for s in even]
+    assert {s.max_tokens for s in even} == {64}
+    lengths = [s.max_tokens for s in spread]
+    assert all(32 <= n <= 96 for n in lengths) and len(set(lengths)) > 20
+    with pytest.raises(ValueError, match="output_spread"):
+        shared_prefix_workload(1, 1, 5, 5, 5, output_spread=-0.1)
+
+
+def test_samples_repeat_each_prompt_one_after_another() -> None:
+    """Without a question and unshuffled, a group is n samples of one prompt, sent
+    together (reinforcement-learning rollouts)."""
+    specs = shared_prefix_workload(3, 4, 30, 0, 16, shuffle=False)
+    assert [s.group for s in specs] == [f"group-{g}" for g in range(3) for _ in range(4)]
+    prompts = [s.prompt for s in specs]
+    assert all(prompts[4 * g : 4 * g + 4] == [prompts[4 * g]] * 4 for g in range(3))
+    assert len(set(prompts)) == 3
+    assert all(len(WordTokenizer().encode(p)) == 30 for p in prompts if isinstance(p, str))
 
 
 def test_next_turn_leaves_the_earlier_messages_alone() -> None:
