@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,23 @@ class EngineLoad:
     latency: EngineLatency | None = None
     """The engine's fitted latency lines (:mod:`router.engines.latency`), when the
     tracker keeps a model."""
+    offered: float = 0.0
+    """Uncached prompt tokens this router has sent there, each weighing half as much
+    every :data:`OFFERED_HALF_LIFE_S` since it was sent (as of :attr:`offered_at`): the
+    prefill work offered to the engine lately (:meth:`offered_tokens_per_s`)."""
+    offered_at: float = 0.0
+    replicas: int = 1
+    """Router replicas whose work this router's share of :attr:`offered` stands for (1 +
+    the peers of the last load exchange): each sends about as much."""
+
+    def offered_tokens_per_s(self, now: float) -> float:
+        """Prefill tokens per second offered to the engine lately, by this router and (as
+        many again each) its peers."""
+        if not self.offered:
+            return 0.0
+        age = now - self.offered_at
+        kept = self.offered * 0.5 ** (age / OFFERED_HALF_LIFE_S) if age > 0 else self.offered
+        return kept * self.replicas * _LN2 / OFFERED_HALF_LIFE_S
 
     def copy(self) -> EngineLoad:
         return dataclasses.replace(self)
@@ -91,6 +109,13 @@ class EngineLoad:
         self.peer_prefill_tokens = peers.prefill_tokens
         self.peer_decode_tokens = peers.decode_tokens
         self.peer_decode_blocks = peers.decode_blocks
+
+
+#: The window of :meth:`EngineLoad.offered_tokens_per_s`: long enough to average over a
+#: handful of requests, short enough to follow a burst (the routing results of
+#: ``kvroute simulate --matrix`` barely move between 1 and 5 s).
+OFFERED_HALF_LIFE_S = 2.0
+_LN2 = math.log(2.0)
 
 
 class InFlight(NamedTuple):
@@ -186,6 +211,8 @@ class LoadTracker:
     latency: LatencyModel | None = None
     """The online latency model (:mod:`router.engines.latency`) the tracker feeds with
     first-token times and output pace; None keeps none."""
+    replicas: int = 1
+    """Router replicas sharing the engines, this one included (:meth:`set_replicas`)."""
     _loads: dict[EngineKey, EngineLoad] = field(default_factory=dict)
     _open: dict[int, Ticket] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -197,7 +224,7 @@ class LoadTracker:
     def _load(self, engine: EngineKey) -> EngineLoad:
         load = self._loads.get(engine)
         if load is None:
-            load = self._loads[engine] = EngineLoad()
+            load = self._loads[engine] = EngineLoad(replicas=self.replicas)
             if self.latency is not None:
                 load.latency = self.latency.of(engine)
         return load
@@ -229,6 +256,12 @@ class LoadTracker:
             ticket.estimated = not sees_first_token
             self.prefilling.setdefault(engine, {})[ticket.id] = ticket
         load = self._load(engine)
+        if uncached:
+            at = self.clock()
+            if load.offered and at > load.offered_at:
+                load.offered *= 0.5 ** ((at - load.offered_at) / OFFERED_HALF_LIFE_S)
+            load.offered += uncached
+            load.offered_at = max(at, load.offered_at)
         if self.latency is not None:
             ticket.timed = sees_first_token if timed is None else timed
             now = ticket.sent_at = self.clock()
@@ -375,6 +408,14 @@ class LoadTracker:
                 load.set_peers(NO_PEERS)
         for engine, work in peers.items():
             self._load(engine).set_peers(work)
+
+    def set_replicas(self, count: int) -> None:
+        """How many router replicas send work to these engines, this one included (the
+        load exchange counts them): each engine's offered load is this router's share
+        times that."""
+        self.replicas = max(count, 1)
+        for load in self._loads.values():
+            load.replicas = self.replicas
 
     def set_peer(self, engine: EngineKey, work: InFlight) -> None:
         """Replace the other replicas' in-flight work on one engine (a change a peer

@@ -180,6 +180,7 @@ class SharedLoad:
                 self.peers = 0
                 self._peers.clear()
                 self.tracker.set_peers({})
+                self.tracker.set_replicas(1)
             return
         peers: dict[str, _Peer] = {}
         for replica, payload in payloads.items():
@@ -203,6 +204,7 @@ class SharedLoad:
                     totals[engine] = work
         self.tracker.set_peers(totals)
         self.peers = len(payloads)
+        self.tracker.set_replicas(1 + self.peers)
         self.exchanges += 1
         self._last_ok = now
         if self.peers and self._dirty and self.on_change is not None:

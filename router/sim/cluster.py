@@ -725,6 +725,7 @@ class ClusterSim:
             block_size=self.block_size,
             clock=clock,
             latency=LatencyModel(priors_of(settings.policy)),
+            replicas=settings.replicas,
         )
         if settings.replicas > 1 and settings.load_push:
             loads.on_change = functools.partial(self._load_changed, number)
