@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # setup.py and router/native/: the compiled helper, rebuilt when its sources change.
-$(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktable.c router/native/cost.c router/native/xxhash.h
+$(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktable.c router/native/cost.c router/native/latency.c router/native/xxhash.h
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvroute needs Python >= 3.10")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -29,7 +29,7 @@ fuzz: venv
 # then the tests of the compiled paths run against it (gcc's libasan preloaded).
 SAN_DIR := build/sanitize
 SAN_TESTS := tests/unit/test_compact_index.py tests/unit/test_index_bounds.py \
-	tests/unit/test_index_suite.py tests/unit/test_kv_cost_scan.py tests/unit/test_ingest.py \
+	tests/unit/test_index_suite.py tests/unit/test_kv_cost_scan.py tests/unit/test_latency_scan.py tests/unit/test_ingest.py \
 	tests/unit/test_kv_tiers.py tests/unit/test_native_hashing.py tests/unit/test_word_chunks.py
 sanitize: venv
 	rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR) && cp -r router tests $(SAN_DIR)/
@@ -38,7 +38,7 @@ sanitize: venv
 		-fno-sanitize-recover=undefined -ffp-contract=off -I router/native \
 		-I "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 		router/native/native.c router/native/blocktable.c router/native/cost.c \
-		-o "$(SAN_DIR)/router/_native$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+		router/native/latency.c -o "$(SAN_DIR)/router/_native$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 	cd $(SAN_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
 		PYTHONMALLOC=malloc PYTHONPATH=. $(CURDIR)/$(PY) -c \
 		'import router._native as n, os; assert n.__file__.startswith(os.getcwd()), n.__file__' && \

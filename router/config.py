@@ -94,12 +94,13 @@ class LatencyPolicyConfig(_Section):
     """
 
     itl_weight: float = Field(
-        0.05,
+        1.0,
         ge=0,
-        description="Cost, in seconds of this request's TTFT, of one second added to one "
-        "other request's steps: the request's prefill time times the requests on the "
-        "engine (`harm_counts`) whose inter-token latency it lengthens is weighed by it. "
-        'Higher trades TTFT for ITL tails (docs/simulator.md, "The latency policy").',
+        description="Cost, in seconds of this request's own wait, of one second it makes "
+        "another request wait: the request's prefill time times the requests in flight on "
+        "the engine (`harm_counts`), which share its steps (those queued) or have theirs "
+        "lengthened (those decoding), is weighed by it. 1 counts everyone's time alike; "
+        'higher trades TTFT for ITL tails (docs/simulator.md, "The latency policy").',
     )
     queue_model: Literal["backlog", "tokens"] = Field(
         "tokens",
@@ -118,12 +119,19 @@ class LatencyPolicyConfig(_Section):
         None,
         ge=0,
         description="The weight of the request's uncached prefill on an engine with nothing "
-        "in flight from this router or its peers (null: `prefill_weight` there too; traffic "
-        "from elsewhere, seen only in the engine's metrics, does not count). 1 counts a "
-        "recompute on an idle engine as the request's own wait only, so a burst of a new "
-        "shared prompt takes the idle engines before queueing behind the one computing it: "
-        "a lower TTFT tail for such bursts, a lower hit rate on traces (docs/benchmarks.md, "
-        '"The first burst of multi-turn chat").',
+        "in flight from this router or its peers (null: as on any engine, 1 plus what it "
+        "costs the requests arriving behind it, measured from the engine's recent load, "
+        "which is 1 on an engine nobody has sent work to lately).",
+    )
+    slowdown_weight: float = Field(
+        0.1,
+        ge=0,
+        description="Cost, in seconds of this request's own wait, of one second its decoding "
+        "adds to the sequences decoding on the engine (its output tokens times the fitted "
+        "seconds each sequence adds to a step, per sequence there). A tenth by default: a "
+        "reader does not see a step a few percent longer as it sees a wait, and at higher "
+        "weights the matrix's shared-prefix workloads lose hit rate (docs/architecture.md, "
+        '"The default policy").',
     )
     speed_tolerance: float = Field(
         1.0,
@@ -181,7 +189,7 @@ class LatencyPolicyConfig(_Section):
 
 
 #: Every routing policy ``policy.name`` (``--policy``) accepts, as ``name: "module:Class"``
-#: (imported when chosen; ``default`` is an alias of ``kv_cost``). The class builds
+#: (imported when chosen; ``default`` is an alias of ``latency``). The class builds
 #: itself from this section with ``Policy.from_config``; a policy with parameters keeps
 #: them in its own field of :class:`PolicyConfig` (as ``sglang`` below). Adding a policy
 #: is its module and one line here (tests/unit/test_policies.py builds each).
@@ -201,13 +209,18 @@ POLICY_NAMES = tuple(POLICIES)
 class PolicyConfig(_Section):
     """How the router picks an engine."""
 
-    name: str = Field("kv_cost", description="Policy name; see `kvroute serve --help`.")
+    name: str = Field(
+        "latency",
+        description="Policy name (`default`: `latency`); see `kvroute serve --help`.",
+    )
     prefill_weight: float = Field(
         2.0,
         ge=0,
-        description="Cost per block of this prompt the engine must compute (not cached). "
-        "Counts twice by default: the request waits for it, and so does everything queued "
-        "behind it on that engine.",
+        description="`kv_cost`: cost per block of this prompt the engine must compute (not "
+        "cached). Counts twice by default: the request waits for it, and so does everything "
+        "queued behind it on that engine. `latency`: the most a second of prefill can cost "
+        "on a saturated engine (its own second, and what it costs the requests arriving "
+        "behind it, measured from the engine's load), and the weight of a KV transfer.",
     )
     queue_weight: float = Field(
         1.0, ge=0, description="Cost per block of prefill already queued on the engine."
@@ -215,7 +228,9 @@ class PolicyConfig(_Section):
     decode_weight: float = Field(
         0.25,
         ge=0,
-        description="Cost per KV block held by the engine's decoding requests. A quarter "
+        description="`kv_cost` (and the decode choice of prefill/decode pools): cost per KV "
+        "block held by the engine's decoding requests (`latency` prices decode load with "
+        "`latency.slowdown_weight` instead). A quarter "
         "of a prefill block: decoding shares each step with a newcomer rather than queueing "
         "ahead of it, but it is the load a conversation keeps on its engine for every "
         "later turn (tuned with `kvroute simulate` on chat and the Mooncake traces and "

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from router.bench.loadgen import Summary, run_load, shared_prefix_workload, summarize
+from router.policy import DEFAULT_POLICY
 from router.process import EngineProcess, ServerProcess
 
 ENGINES = 4
@@ -86,8 +87,8 @@ def main() -> int:
                 f"prefix, {QUESTION}-token questions, {OUTPUT} output tokens, "
                 f"{CONCURRENCY} in flight\n"
             )
-            kv = _run("kv_cost", urls)
-            _table("kv_cost (kvroute's default: cache affinity weighed against load)", kv)
+            kv = _run(DEFAULT_POLICY, urls)
+            _table(f"{DEFAULT_POLICY} (kvroute's default: cache affinity weighed against load)", kv)
             rr = _run("round_robin", urls)
             _table("round_robin (on freshly reset engines)", rr)
         finally:

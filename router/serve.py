@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         choices=[*POLICY_NAMES, "default"],
-        help="routing policy (default kv_cost)",
+        help="routing policy (default and `default`: latency, cache and load priced in "
+        "seconds of the engines' own measured speed; kv_cost: the previous default)",
     )
     parser.add_argument(
         "--block-size", type=int, help="tokens per KV block; must match the engines (default 16)"

@@ -6,8 +6,9 @@ so that every router, vllm-router's ``kv_aware`` included, can read them) and th
 two workloads: a reduced Mooncake conversation replay and a multi-turn chat with a
 shared system prompt. Targets:
 
-* ``kvroute``: ``kvroute serve`` with its default policy (``kv_cost``);
-* ``latency``: ``kvroute serve --policy latency`` (predicted TTFT and decode harm);
+* ``kvroute``: ``kvroute serve`` with its default policy (``latency``: each placement's
+  cost to everyone, in seconds of the engines' measured speed);
+* ``kv_cost``: ``kvroute serve --policy kv_cost`` (the previous default);
 * ``rr``: ``kvroute serve --policy round_robin`` (the baseline of every ratio);
 * ``sglang_ca``: kvroute's re-implementation of sglang-router's ``cache_aware``;
 * ``sglang``, ``vllm_ca``, ``vllm_kv``: the real sglang-router (cache_aware) and
@@ -40,8 +41,8 @@ def targets() -> list[str]:
     """The ``NAME=SPEC`` of every target, installing the peer routers first (a peer that
     cannot be installed is left out, with the reason on stderr)."""
     found = [
-        "kvroute=policy:kv_cost",
-        "latency=policy:latency",
+        "kvroute=policy:default",
+        "kv_cost=policy:kv_cost",
         "rr=policy:round_robin",
         "sglang_ca=policy:cache_aware_sglang",
     ]

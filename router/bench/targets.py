@@ -36,7 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from router.policy import POLICY_NAMES
+from router.policy import DEFAULT_POLICY, POLICY_NAMES
 from router.process import EngineProcess, ServerProcess, start_group, stop_group
 
 HOST = "127.0.0.1"
@@ -72,7 +72,7 @@ def parse_target(text: str, name: str | None = None) -> Target:
         return Target(name or "target", "url", spec.rstrip("/"))
     kind, _, value = spec.partition(":")
     if kind == "policy":
-        policy = "kv_cost" if value == "default" else value
+        policy = DEFAULT_POLICY if value == "default" else value
         if policy not in POLICY_NAMES:
             raise TargetError(
                 f"unknown kvroute policy {value!r} in {text!r}; one of {', '.join(POLICY_NAMES)}"

@@ -30,6 +30,7 @@
  * BlockMap, in blocktable.c (which says what they are).
  *
  * 4. The kv_cost policy's cost terms over every candidate: kv_cost_scan, in cost.c.
+ * 5. The latency policy's cost terms over every candidate: latency_scan, in latency.c.
  *
  * xxhash.h is xxHash 0.8.4 (BSD 2-Clause, LICENSE.xxhash), the version python-xxhash
  * 4.1.0 bundles; it is compiled in here, inlined.
@@ -318,11 +319,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "router._native",
-    "kvroute's compiled helpers: block keys, word ids, the compact index, kv_cost's scan (router/native/).", -1, methods,
+    "kvroute's compiled helpers: block keys, word ids, the compact index, the cost policies' scans (router/native/).", -1, methods,
 };
 
 int kvroute_add_block_types(PyObject *module);    /* blocktable.c */
 int kvroute_add_cost_functions(PyObject *module); /* cost.c */
+int kvroute_add_latency_functions(PyObject *module); /* latency.c */
 
 PyMODINIT_FUNC
 PyInit__native(void)
@@ -332,7 +334,8 @@ PyInit__native(void)
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "XXH_VERSION", XXH_versionNumber()) != 0 ||
-        kvroute_add_block_types(m) != 0 || kvroute_add_cost_functions(m) != 0) {
+        kvroute_add_block_types(m) != 0 || kvroute_add_cost_functions(m) != 0 ||
+        kvroute_add_latency_functions(m) != 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,7 +10,7 @@ from router.config import POLICIES, POLICY_NAMES, DisaggregationConfig, PolicyCo
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest, Score
 from router.policy.kv_cost import DecodeCostPolicy
 
-DEFAULT_POLICY = "kv_cost"
+DEFAULT_POLICY = "latency"
 
 
 def make_policy(config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> Policy:

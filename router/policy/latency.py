@@ -1,35 +1,41 @@
-"""The ``latency`` policy: the engine with the lowest predicted latency cost.
+"""The ``latency`` policy (the default): the engine where the request costs everyone least.
 
 Per candidate, in seconds, from the engine's fitted latency lines
 (:mod:`router.engines.latency`: ``a`` seconds per prefill token, ``b`` seconds of
-first-token overhead, the TPOT line) or the configured priors (lower total wins)::
+first-token overhead, the TPOT line ``tpot_base + tpot_per_seq`` per sequence decoding)
+or the configured priors while it has not been timed (lower total wins)::
 
-    ttft     = b + a * (queued prefill tokens + uncached prompt tokens) + transfer seconds
-    queue    = queue_weight   * a * queued prefill tokens
-    prefill  = prefill_weight * a * uncached prompt tokens   (idle_prefill_weight, when
-               set, on an engine with nothing in flight)
-    transfer = prefill_weight * the transfer's seconds (a split's prefill, topology known)
-    decode   = decode_weight  * a * block_size * blocks held by decoding requests
+    wait     = a * prefill tokens queued there          (or the backlog clock, queue_model)
+    queue    = queue_weight * wait                       the queue ahead of it
+    prefill  = (1 + busy) * a * uncached prompt tokens   its own prefill, and the requests
+               busy = u / (1 - u), at most prefill_weight - 1, u = a * prefill tokens
+               offered to the engine per second lately   arriving behind it meanwhile
+    harm     = itl_weight * a * uncached * requests there (harm_counts): those queued
+               share its steps, those decoding have theirs lengthened by its chunks
+    decode   = slowdown_weight * max_tokens * tpot_per_seq * sequences decoding there
+               (the seconds its decoding adds to theirs)
+    transfer = prefill_weight * the KV transfer's seconds (a split's prefill, topology known)
     reported = (kv_cost's engine-reported terms, in blocks) * a * block_size
-    harm     = itl_weight * a * uncached prompt tokens * requests there (``harm_counts``)
-    tpot     = the TPOT line at the sequences decoding there, plus this one
+    ttft     = b + wait + a * uncached + transfer seconds          (the prediction)
     total    = b + queue + prefill + transfer + decode + reported + harm - session bonus
 
-It is ``kv_cost`` measured in each engine's own seconds, plus two things ``kv_cost``
-cannot see: the **decode harm** (every chunk of a prefill lengthens the step of each
-sequence decoding on that engine, so a long prompt is worth placing where few are
-decoding) and the engines' **own speed** (a slower engine's queue costs more). The
-weights are ``kv_cost``'s (``prefill_weight`` 2 counts the request's prefill once for
-itself and once for what queues behind it); ``itl_weight`` is this policy's.
+Every term is time that someone spends waiting because of this placement, so the sum
+is the placement's cost to everyone, not only to the request (docs/architecture.md,
+"The default policy", says why each term exists and what it does on the workload matrix
+of ``kvroute simulate --matrix``):
 
-**Idle engines.** ``idle_prefill_weight`` (unset: ``prefill_weight``) prices the
-request's prefill on an engine with nothing in flight from this router or its peers
-(``requests`` 0), whose time would otherwise be spent on nothing. At 1 a recompute there
-costs only the request's own wait: 16 chats opening at once on 4 idle engines with a new
-system prompt split 4/4/4/4 instead of queueing five deep behind the engines computing
-it (5/5/5/1), which cuts that burst's TTFT tail, but on traces it copies prefixes onto
-engines that fall idle for a moment and lowers the hit rate (docs/benchmarks.md, "The
-first burst of multi-turn chat").
+* A shared prefix held by a busy engine is worth **copying** onto an idle one: there the
+  recompute costs only the request's own wait (``busy`` 0), while on the holder every
+  request in flight waits for the request's chunks (``harm``) and the holder's load
+  makes each second of its prefill cost up to ``prefill_weight`` seconds. Conversations
+  sharing a system prompt spread over the engines once their holders are busy, and stay
+  (a follow-up turn's cache makes its own engine by far the cheapest).
+* A **long prompt** goes where few requests are in flight: its chunks delay each of
+  them (``harm``).
+* An engine's **own speed** prices its queue: a slower engine's seconds are its own.
+
+**Idle engines.** ``idle_prefill_weight`` (unset: measured, as on any engine) prices the
+request's prefill on an engine with nothing in flight from this router or its peers.
 
 **SLOs.** A request with ``slo_ttft_s`` / ``slo_tpot_s`` (headers ``x-slo-ttft-ms``,
 ``x-slo-tpot-ms``, or the model's defaults) goes to the lowest-cost engine predicted to
@@ -44,21 +50,26 @@ conversation and never pulls it onto a saturated one (engines at the in-flight l
 are no candidates at all).
 
 Ties break as ``kv_cost``'s (fewer requests in flight, least recently routed, a hash of
-the request id); ``temperature`` > 0 samples as ``kv_cost`` does.
+the request id); ``temperature`` > 0 samples as ``kv_cost`` does. Without an SLO and at
+temperature 0 the compiled helper scores every candidate (``router/native/latency.c``,
+the same float operations in the same order as :meth:`LatencyPolicy.score`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from router.config import PolicyConfig
 from router.engines.latency import LatencyPriors
-from router.engines.load import LoadView
-from router.hashing import cacheable_blocks
+from router.engines.load import OFFERED_HALF_LIFE_S, LoadView
+from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
-from router.policy.base import Decision, RouteRequest, Score
+from router.policy.base import Decision, LazyScores, RouteRequest, Score
 from router.policy.kv_cost import (
     KVCostPolicy,
     cached_tokens,
@@ -108,6 +119,7 @@ class LatencyPolicy(KVCostPolicy):
         lat = cfg.latency
         bs = request.block_size
         isl = request.prompt_tokens
+        out = max(request.max_tokens, 0)
         cap = cacheable_blocks(isl, bs) * bs
         offload_discount, disk_extra = tier_discounts(cfg)
         ww, wr, wk = cfg.waiting_weight, cfg.running_weight, cfg.kv_usage_weight
@@ -125,9 +137,11 @@ class LatencyPolicy(KVCostPolicy):
         speeds = self._speeds(candidates, loads)
         backlog = lat.queue_model == "backlog"
         by_decoding = lat.harm_counts == "decoding"
-        idle = cfg.prefill_weight if lat.idle_prefill_weight is None else lat.idle_prefill_weight
+        busiest = max(cfg.prefill_weight - 1.0, 0.0)
+        idle = lat.idle_prefill_weight
+        slowdown = lat.slowdown_weight * out
         scores: list[Score] = []
-        for engine in candidates:
+        for engine, (a, b, tpot_base, tpot_seq) in zip(candidates, speeds, strict=True):
             match = matches.get(engine)
             blocks = cached = 0
             if match is not None:
@@ -136,17 +150,12 @@ class LatencyPolicy(KVCostPolicy):
             uncached = isl - cached
             moved = transfers.get(engine, 0.0) if transfers else 0.0
             load = loads.get(engine)
-            a, b, tpot_base, tpot_seq = speeds[engine]
-            queued = decode_blocks = decoding = requests = 0
-            reported = 0.0
+            queued = decoding = requests = 0
+            reported = busy = 0.0
             if load is not None:
-                queued, decode_blocks, decoding, requests = (
-                    load.prefill_tokens,
-                    load.decode_blocks,
-                    load.decoding,
-                    load.requests,
-                )
+                queued, decoding, requests = load.prefill_tokens, load.decoding, load.requests
                 reported = reported_load(load, fresh_after, ww, wr, wk) * a * bs
+                busy = _busy(a * load.offered_tokens_per_s(now), busiest)
             if backlog and load is not None and load.latency is not None:
                 # The router's own queue as the backlog clock says (work in progress
                 # counts what is left of it), the peers' at the fitted speed.
@@ -154,12 +163,16 @@ class LatencyPolicy(KVCostPolicy):
             else:
                 wait = a * queued
             queue = cfg.queue_weight * wait
-            prefill = (cfg.prefill_weight if requests else idle) * a * uncached
+            if idle is not None and not requests:
+                prefill = idle * a * uncached
+            else:
+                prefill = (1.0 + busy) * a * uncached
             transfer_s = moved * per_moved if per_moved is not None else a * moved
             transfer = cfg.prefill_weight * transfer_s
-            decode = cfg.decode_weight * a * bs * decode_blocks
-            # Those ahead of it in the queue decode by the time its chunks run.
+            # Everyone in flight there waits for its chunks: the queued share its steps,
+            # the decoding have theirs lengthened.
             harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)
+            decode = slowdown * tpot_seq * decoding
             ttft = b + wait + a * uncached + transfer_s
             bonus = 0.0
             if pinned == engine and wait_cap > 0:
@@ -186,8 +199,9 @@ class LatencyPolicy(KVCostPolicy):
 
     def _speeds(
         self, candidates: Sequence[EngineKey], loads: LoadView
-    ) -> dict[EngineKey, tuple[float, float, float, float]]:
-        """Each candidate's (prefill s/token, TTFT overhead s, TPOT base s, TPOT s/seq).
+    ) -> list[tuple[float, float, float, float]]:
+        """Each candidate's (prefill s/token, TTFT overhead s, TPOT base s, TPOT s/seq),
+        in candidate order.
 
         A fitted coefficient within a factor ``1 + speed_tolerance`` of the
         candidates' lower median is taken as that median: fits of alike engines differ
@@ -196,43 +210,44 @@ class LatencyPolicy(KVCostPolicy):
         first-token overhead is always the median: the fit's intercept is its noisiest
         term (a slow engine's shows in its slope, where the fit puts it), and a few
         milliseconds of it would otherwise decide between alike engines."""
-        tol = self.config.latency.speed_tolerance
-        prior: LatencyPriors | None = None  # for engines never timed (no model: tests)
-        rows: dict[EngineKey, tuple[float, float, float, float]] = {}
+        prior = self._prior()  # for engines never timed (no model: tests)
+        rows: list[tuple[float, float, float, float]] = []
         for engine in candidates:
             load = loads.get(engine)
             fit = load.latency if load is not None else None
-            if fit is not None:
-                rows[engine] = (
-                    fit.prefill_s_per_token,
-                    fit.ttft_overhead_s,
-                    fit.tpot_base_s,
-                    fit.tpot_s_per_seq,
-                )
+            if fit is None:
+                rows.append(prior)
                 continue
-            prior = prior or priors_of(self.config)
-            rows[engine] = (
-                prior.prefill_s_per_token,
-                prior.ttft_overhead_s,
-                prior.tpot_base_s,
-                prior.tpot_s_per_seq,
+            rows.append(
+                (fit.prefill_s_per_token, fit.ttft_overhead_s, fit.tpot_base_s, fit.tpot_s_per_seq)
             )
         if len(rows) < 2:
             return rows
         # The lower median: with two candidates (or two groups) the faster one's own
         # value, so a slower one stands out instead of both being averaged.
-        medians = [statistics.median_low(col) for col in zip(*rows.values(), strict=True)]
+        medians = [statistics.median_low(col) for col in zip(*rows, strict=True)]
+        tol = self.config.latency.speed_tolerance
         low, high = 1.0 / (1.0 + tol), 1.0 + tol
         overhead = medians[1]
-        return {
-            engine: (
+        return [
+            (
                 _near(row[0], medians[0], low, high),
                 overhead,
                 _near(row[2], medians[2], low, high),
                 _near(row[3], medians[3], low, high),
             )
-            for engine, row in rows.items()
-        }
+            for row in rows
+        ]
+
+    def _prior(self) -> tuple[float, float, float, float]:
+        """The priors as a speeds row."""
+        prior = priors_of(self.config)
+        return (
+            prior.prefill_s_per_token,
+            prior.ttft_overhead_s,
+            prior.tpot_base_s,
+            prior.tpot_s_per_seq,
+        )
 
     def choose(
         self,
@@ -241,6 +256,17 @@ class LatencyPolicy(KVCostPolicy):
         matches: Mapping[EngineKey, Match],
         loads: LoadView,
     ) -> Decision:
+        if (
+            _SCAN is not None
+            and self.config.temperature <= 0
+            and request.slo_ttft_s is None
+            and request.slo_tpot_s is None
+            and type(self).score is LatencyPolicy.score
+            and isinstance(matches, dict)
+            and isinstance(loads, dict)
+            and (request.transfer_tokens is None or isinstance(request.transfer_tokens, dict))
+        ):
+            return self._choose_scanned(request, candidates, matches, loads)
         scores = self.score(request, candidates, matches, loads)
         pool = scores
         unmet = False
@@ -260,7 +286,7 @@ class LatencyPolicy(KVCostPolicy):
             chosen = self._sample(request, pool)
         else:
             best = min(s.total for s in pool)
-            tied = [s for s in pool if s.total - best <= 1e-12]
+            tied = [s for s in pool if s.total - best <= _TIE]
             chosen = (
                 tied[0]
                 if len(tied) == 1
@@ -270,6 +296,75 @@ class LatencyPolicy(KVCostPolicy):
         if unmet:
             decision.reason = "slo_unmet"
         elif chosen.bonus and min(s.total + s.bonus for s in pool) < chosen.total + chosen.bonus:
+            decision.reason = "session"  # the bonus decided it
+        self._pin(request, chosen.engine)
+        return decision
+
+    def _scan_params(self, request: RouteRequest) -> tuple[Any, ...]:
+        """:meth:`score`'s per-request constants, for the compiled scan."""
+        cfg = self.config
+        lat = cfg.latency
+        bs = request.block_size
+        isl = request.prompt_tokens
+        now = self._clock()
+        return (
+            bs,
+            isl,
+            cacheable_blocks(isl, bs) * bs,
+            *tier_discounts(cfg),
+            cfg.waiting_weight,
+            cfg.running_weight,
+            cfg.kv_usage_weight,
+            report_cutoff(cfg, now),
+            now,
+            cfg.queue_weight,
+            cfg.prefill_weight,
+            max(cfg.prefill_weight - 1.0, 0.0),
+            lat.idle_prefill_weight,
+            lat.itl_weight,
+            lat.harm_counts == "decoding",
+            lat.slowdown_weight * max(request.max_tokens, 0),
+            lat.queue_model == "backlog",
+            request.transfer_s_per_token,
+            lat.session_bonus_ms * 1e-3,
+            lat.session_max_wait_ms * 1e-3,
+            lat.speed_tolerance,
+            OFFERED_HALF_LIFE_S,
+            _LN2,
+            _TIE,
+            self._prior(),
+        )
+
+    def _choose_scanned(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[EngineKey],
+        matches: dict[EngineKey, Match],
+        loads: dict[EngineKey, Any],
+    ) -> Decision:
+        """:meth:`choose` without an SLO at temperature 0, from the compiled scan: the same
+        terms, the same choice; ``Score`` objects only for tied candidates and the chosen
+        one (the rest when a caller reads ``Decision.scores``)."""
+        candidates = tuple(candidates)
+        lat = self.config.latency
+        pinned = (
+            self.sessions.get(session_key(request.session), self._clock())
+            if request.session and lat.session_bonus_ms > 0
+            else None
+        )
+        tied, deepest, unbonused, columns = _SCAN(
+            candidates, matches, loads, request.transfer_tokens, pinned, self._scan_params(request)
+        )
+        scores = LazyScores(_scores_from(candidates, columns), len(candidates))
+        if len(tied) == 1:
+            chosen = _score_at(candidates, columns, tied[0])
+        else:
+            chosen = min(
+                (_score_at(candidates, columns, k) for k in tied),
+                key=lambda s: self._tie_rank(request, s, loads),
+            )
+        decision = self._decision(chosen, deepest, scores)
+        if chosen.bonus and unbonused < chosen.total + chosen.bonus:
             decision.reason = "session"  # the bonus decided it
         self._pin(request, chosen.engine)
         return decision
@@ -287,6 +382,58 @@ class LatencyPolicy(KVCostPolicy):
 
     def moved(self, request: RouteRequest, engine: EngineKey) -> None:
         self._pin(request, engine)  # the engine that served this turn has its context
+
+
+_SCAN: Any = getattr(native_helper(), "latency_scan", None)
+"""The compiled twin of :meth:`LatencyPolicy.score`'s loop (router/native/latency.c)."""
+_COLUMNS = 12
+_TIE = 1e-12
+"""Totals this close to the lowest are a tie (seconds)."""
+_LN2 = math.log(2.0)
+
+
+def _score_of(engine: EngineKey, col: array[float], k: int) -> Score:
+    """The ``Score`` of the scan's row starting at ``col[k]``."""
+    return Score(
+        engine,
+        int(col[k]),
+        int(col[k + 1]),
+        *col[k + 2 : k + 8],
+        ttft=col[k + 8],
+        harm=col[k + 9],
+        tpot=col[k + 10],
+        bonus=col[k + 11],
+    )
+
+
+def _scores_from(candidates: Sequence[EngineKey], columns: bytes) -> Callable[[], list[Score]]:
+    """What makes the scores of a scan's ``columns`` when they are first read."""
+
+    def make() -> list[Score]:
+        col = array("d")
+        col.frombytes(columns)
+        steps = range(0, len(col), _COLUMNS)
+        return [_score_of(engine, col, k) for engine, k in zip(candidates, steps, strict=False)]
+
+    return make
+
+
+def _score_at(candidates: Sequence[EngineKey], columns: bytes, k: int) -> Score:
+    """The ``Score`` of candidate ``k`` of a scan."""
+    row = array("d")
+    row.frombytes(columns[k * _COLUMNS * 8 : (k + 1) * _COLUMNS * 8])
+    return _score_of(candidates[k], row, 0)
+
+
+def _busy(utilization: float, most: float) -> float:
+    """What a prefill of one second there costs the requests that arrive behind it, in
+    seconds: ``u / (1 - u)`` at prefill utilization ``u`` (an M/G/1 queue's delay per
+    unit of work), at most ``most``."""
+    if utilization <= 0.0:
+        return 0.0
+    if utilization >= 1.0:
+        return most
+    return min(utilization / (1.0 - utilization), most)
 
 
 def _near(value: float, mid: float, low: float, high: float) -> float:

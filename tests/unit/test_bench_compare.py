@@ -53,7 +53,7 @@ def test_the_seven_targets_their_policies_and_kv_event_sources(
     targets = {t.name: t for t in map(parse_target, specs)}
     assert list(targets) == [
         "kvroute",
-        "latency",
+        "kv_cost",
         "rr",
         "sglang_ca",
         "sglang",
@@ -61,8 +61,8 @@ def test_the_seven_targets_their_policies_and_kv_event_sources(
         "vllm_kv",
     ]
     assert {n: (t.kind, t.value) for n, t in targets.items() if t.kind == "policy"} == {
-        "kvroute": ("policy", "kv_cost"),
-        "latency": ("policy", "latency"),
+        "kvroute": ("policy", "latency"),  # the default
+        "kv_cost": ("policy", "kv_cost"),
         "rr": ("policy", "round_robin"),
         "sglang_ca": ("policy", "cache_aware_sglang"),
     }
@@ -104,7 +104,7 @@ def test_a_peer_that_cannot_be_installed_is_left_out_with_the_reason(
     monkeypatch.setattr(compare, "install", not_installed)
     assert [parse_target(s).name for s in compare.targets()] == [
         "kvroute",
-        "latency",
+        "kv_cost",
         "rr",
         "sglang_ca",
     ]

@@ -13,7 +13,7 @@ def test_targets_are_urls_policies_or_commands() -> None:
         "prod", "url", "http://10.0.0.1:8000"
     )
     assert parse_target("http://127.0.0.1:9000", name="one").name == "one"
-    assert parse_target("kv=policy:default") == Target("kv", "policy", "kv_cost")
+    assert parse_target("kv=policy:default") == Target("kv", "policy", "latency")
     assert parse_target("policy:round_robin") == Target("round_robin", "policy", "round_robin")
     cmd = parse_target("sgl=cmd:router --port {port}=x")
     assert cmd == Target("sgl", "cmd", "router --port {port}=x")

@@ -42,7 +42,7 @@ def prompt(shared: list[int], unique: int, rng: random.Random) -> list[int]:
 
 async def test_a_burst_follows_the_first_choice_until_that_engine_saturates() -> None:
     clock = Clock()
-    core = make_core(clock)
+    core = make_core(clock, name="kv_cost")
     rng = random.Random(1)
     shared = [rng.randrange(1024, 100_000) for _ in range(2000)]
     chosen = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
@@ -78,15 +80,62 @@ def test_without_the_harm_weight_decoding_sequences_do_not_matter() -> None:
     assert scores[0].total == scores[1].total
 
 
-def test_with_equal_speeds_it_ranks_as_kv_cost_does() -> None:
+def test_every_term_is_in_seconds_of_the_engines_speed() -> None:
+    # A holds 300 of the request's 500 blocks and has 9,000 tokens queued, 2 requests
+    # decoding of 5 in flight; B holds 100 blocks, nothing queued, 1 decoding.
     matches = {A: Match(300), B: Match(100)}
-    loads = {A: EngineLoad(prefill_tokens=9000, decode_blocks=50), B: EngineLoad(decode_blocks=10)}
-    lat = policy(itl_weight=0.0).score(req(), ENGINES, matches, loads)
-    kv = KVCostPolicy(PolicyConfig()).score(req(), ENGINES, matches, loads)
-    a = 50e-6 * 16  # seconds per block at the prior speed
-    for ls, ks in zip(lat, kv, strict=True):
-        assert ls.total - 0.02 == pytest.approx(ks.total * a)  # 20 ms: the prior's overhead
-        assert ls.ttft >= 0.02
+    loads = {
+        A: EngineLoad(requests=5, prefill_tokens=9000, decoding=2),
+        B: EngineLoad(requests=1, decoding=1),
+    }
+    p = policy(slowdown_weight=0.5)
+    scores = {s.engine: s for s in p.score(req(max_tokens=200), ENGINES, matches, loads)}
+    a, b, per_seq = 50e-6, 0.02, 200e-6  # the priors: s/token, overhead, TPOT s/sequence
+    uncached = {A: 8000 - 300 * 16, B: 8000 - 100 * 16, C: 8000}
+    assert scores[A].queue == pytest.approx(a * 9000)  # the wait for what is queued
+    assert scores[B].queue == scores[C].queue == 0.0
+    for engine, requests, decoding in ((A, 5, 2), (B, 1, 1), (C, 0, 0)):
+        s = scores[engine]
+        # Nobody has sent either engine work lately: a prefill costs only its own time.
+        assert s.prefill == pytest.approx(a * uncached[engine])
+        # Everyone in flight there waits for its chunks.
+        assert s.harm == pytest.approx(a * uncached[engine] * requests)
+        # Its 200 tokens each lengthen the steps of the sequences decoding there.
+        assert s.decode == pytest.approx(0.5 * 200 * per_seq * decoding)
+        assert s.total == pytest.approx(b + s.queue + s.prefill + s.harm + s.decode)
+        assert s.ttft == pytest.approx(b + s.queue + a * uncached[engine])
+
+
+def test_a_prefill_costs_more_where_work_arrives_at_a_high_rate() -> None:
+    clock = [10.0]
+    tracker = LoadTracker(block_size=16, clock=lambda: clock[0])
+    # A was sent 20,000 uncached tokens just now: at 50 µs a token that is a second of
+    # prefill, offered at ln 2 / 2 s of it per second (the estimate's half-life is 2 s).
+    tracker.begin(A, 20_000, 0, 1)
+    tracker.end(tracker.begin(B, 10, 10, 1))  # B: known, idle, offered nothing
+    p = LatencyPolicy(PolicyConfig(name="latency"), clock=lambda: clock[0])
+    scores = {s.engine: s for s in p.score(req(prompt_tokens=1000), [A, B], {}, tracker.view)}
+    a = 50e-6
+    u = a * 20_000 * math.log(2) / 2.0
+    assert scores[B].prefill == pytest.approx(a * 1000)
+    assert scores[A].prefill == pytest.approx(a * 1000 * (1 + u / (1 - u)))
+    # Two half-lives later a quarter of it is left.
+    clock[0] += 4.0
+    later = {s.engine: s for s in p.score(req(prompt_tokens=1000), [A], {}, tracker.view)}
+    u4 = u / 4
+    assert later[A].prefill == pytest.approx(a * 1000 * (1 + u4 / (1 - u4)))
+    # With three router replicas sending alike, the engine is offered three times as much.
+    tracker.set_replicas(3)
+    tripled = {s.engine: s for s in p.score(req(prompt_tokens=1000), [A], {}, tracker.view)}
+    assert tripled[A].prefill == pytest.approx(a * 1000 * (1 + 3 * u4 / (1 - 3 * u4)))
+
+
+def test_on_a_saturated_engine_a_prefill_costs_at_most_prefill_weight_times_itself() -> None:
+    loads = {A: EngineLoad(offered=1e9, offered_at=0.0)}  # offered far beyond capacity
+    for weight in (2.0, 3.0):
+        p = LatencyPolicy(PolicyConfig(name="latency", prefill_weight=weight), clock=lambda: 0.0)
+        (score,) = p.score(req(prompt_tokens=1000), [A], {}, loads)
+        assert score.prefill == pytest.approx(weight * 50e-6 * 1000)
 
 
 def test_a_slow_engine_is_priced_at_its_own_speed_and_alike_ones_at_the_median() -> None:
@@ -201,19 +250,47 @@ async def first_burst(idle_prefill_weight: float | None) -> list[int]:
     return sorted((tracker.view[e].requests for e in engines), reverse=True)
 
 
-async def test_a_first_burst_takes_the_idle_engines_at_the_idle_prefill_weight() -> None:
-    # Counting the recompute twice everywhere, queueing fifth behind the engine
-    # computing the prompt looks cheaper than computing it on an idle engine.
-    assert await first_burst(None) == [5, 5, 5, 1]
-    # Once on an idle engine: every engine computes it once, then the burst spreads.
-    assert await first_burst(1.0) == [4, 4, 4, 4]
+async def test_a_first_burst_takes_the_idle_engines() -> None:
+    # Queueing behind the engine computing the new prompt delays those already queued
+    # there (they share its steps); an idle engine recomputes it at no one else's cost.
+    assert await first_burst(None) == [4, 4, 4, 4]
+
+
+async def same_prefix_burst(offered: int) -> list[int]:
+    """Where 24 requests sharing a 2,000-token prefix go, all at once, on 8 engines
+    that were each offered ``offered`` uncached tokens just before."""
+    clock = [0.0]
+    config = PolicyConfig(name="latency")
+    tracker = LoadTracker(block_size=16, clock=lambda: clock[0])
+    core = RoutingCore(MemoryIndex(), make_policy(config, lambda: clock[0]), config, tracker)
+    engines = [EngineKey(f"127.0.0.1:{9000 + i}") for i in range(8)]
+    for engine in engines:
+        tracker.end(tracker.begin(engine, offered, 0, 1))
+    shared = list(range(125))
+    counts = [0] * 8
+    for n in range(24):
+        keys = shared + [10_000 * (n + 1) + k for k in range(6)]
+        decision = await core.route(RouteRequest(f"b{n}", keys, 2096, 16), engines)
+        tracker.begin(decision.engine, 2096, decision.cached_tokens, 64)
+        counts[engines.index(decision.engine)] += 1
+    return sorted(counts, reverse=True)
+
+
+async def test_a_shared_prefix_is_copied_onto_idle_engines_and_kept_together_on_busy_ones() -> None:
+    # Idle engines: computing the prefix once on each costs nobody anything, so the
+    # burst spreads as round robin would (each engine's first request computes it).
+    assert await same_prefix_burst(0) == [3] * 8
+    # Engines each offered a second of prefill per second lately (saturated): a copy
+    # delays whoever arrives behind it there, so the burst stays on fewer engines.
+    busy = await same_prefix_burst(60_000)
+    assert busy[0] >= 6 and busy.count(0) >= 4, busy
 
 
 def test_the_idle_prefill_weight_prices_only_engines_with_nothing_in_flight() -> None:
     busy = {A: EngineLoad(requests=1, prefill_tokens=100), B: EngineLoad()}
     scores = {s.engine: s for s in policy(idle_prefill_weight=0.5).score(req(), [A, B], {}, busy)}
     a = 50e-6  # the prior's seconds per token
-    assert scores[A].prefill == pytest.approx(2 * a * 8000)  # prefill_weight
+    assert scores[A].prefill == pytest.approx(a * 8000)  # measured: nothing offered lately
     assert scores[B].prefill == pytest.approx(0.5 * a * 8000)
     assert scores[B].ttft == pytest.approx(scores[A].ttft - a * 100)  # the prediction is not
 

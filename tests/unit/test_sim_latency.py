@@ -73,10 +73,13 @@ def test_an_slo_no_engine_can_meet_is_counted_for_every_request() -> None:
 def test_a_session_stays_on_its_engine_with_a_bonus(bonus_ms: float) -> None:
     policy = PolicyConfig(
         name="latency",
-        decode_weight=5.0,  # decode load outweighs the cache: turns would wander
-        latency=LatencyPolicyConfig(session_bonus_ms=bonus_ms, session_max_wait_ms=10_000),
+        latency=LatencyPolicyConfig(
+            idle_prefill_weight=0.0,  # a recompute on an idle engine is free: turns wander
+            session_bonus_ms=bonus_ms,
+            session_max_wait_ms=10_000,
+        ),
     )
-    cluster = sim(policy)
+    cluster = sim(policy, concurrency=2)  # engines fall idle between turns
     run = asyncio.run(cluster.run(list(chat_workload(8, 4, 500, 100, 30, seed=2))))
     engines: dict[str, set[str]] = {}
     for r in run.records:

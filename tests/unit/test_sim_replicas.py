@@ -206,9 +206,9 @@ def test_kvroute_simulate_sweeps_sync_delays_side_by_side(tmp_path: Path) -> Non
     document = json.loads((tmp_path / "results.json").read_text())
     runs = document["runs"]
     assert [r["name"] for r in runs] == [
-        "kv_cost x1",
-        "kv_cost x2 sync=0ms",
-        "kv_cost x2 sync=500ms",
+        "latency x1",
+        "latency x2 sync=0ms",
+        "latency x2 sync=500ms",
     ]
     assert [(r["replicas"], r["sync_delay_s"]) for r in runs] == [(1, None), (2, 0.0), (2, 0.5)]
     assert runs[1]["load_interval_s"] == 0.05
