@@ -133,6 +133,15 @@ class LatencyPolicyConfig(_Section):
         "weights the matrix's shared-prefix workloads lose hit rate (docs/architecture.md, "
         '"The default policy").',
     )
+    tie_tolerance: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Engines whose costs are within this share of the lowest are a tie "
+        "(predictions of a few percent apart are within the latency model's error), broken "
+        "toward the engine holding more of the prompt (the placement that costs the fleet "
+        "the least compute), then fewer requests in flight, then the least recently routed.",
+    )
     speed_tolerance: float = Field(
         1.0,
         ge=0,
@@ -220,7 +229,7 @@ class PolicyConfig(_Section):
         "cached). Counts twice by default: the request waits for it, and so does everything "
         "queued behind it on that engine. `latency`: the most a second of prefill can cost "
         "on a saturated engine (its own second, and what it costs the requests arriving "
-        "behind it, measured from the engine's load), and the weight of a KV transfer.",
+        "behind it, measured from the engine's load).",
     )
     queue_weight: float = Field(
         1.0, ge=0, description="Cost per block of prefill already queued on the engine."

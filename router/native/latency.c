@@ -13,11 +13,11 @@
  * load); ``transfers`` a dict of candidate -> transfer tokens, or None; ``pinned`` the
  * engine the request's session was served by last, or None. ``params`` is (block_size,
  * prompt_tokens, cap, offload_discount, disk_extra, waiting_weight, running_weight,
- * kv_usage_weight, fresh_after or None, now, queue_weight, prefill_weight, busiest,
+ * kv_usage_weight, fresh_after or None, now, queue_weight, tie_tolerance, busiest,
  * idle_prefill_weight or None, itl_weight, by_decoding, slowdown, backlog,
  * transfer_s_per_token or None, bonus_max, wait_cap, speed_tolerance, offered_half_life,
  * ln2, tie, (prior a, b, tpot_base, tpot_per_seq)). ``tied`` lists the positions whose
- * total is within ``tie`` of the lowest, ``deepest`` is the largest match depth,
+ * total is within max(tie, tie_tolerance * |lowest|) of the lowest, ``deepest`` is the largest match depth,
  * ``unbonused_best`` the lowest total before session bonuses, and ``columns`` is bytes of
  * 12 doubles per candidate: matched blocks, cached tokens, queue, prefill, decode,
  * reported, total, transfer, ttft, harm, tpot, bonus.
@@ -150,14 +150,14 @@ latency_scan(PyObject *module, PyObject *args)
 {
     PyObject *cands_obj, *matches, *loads, *transfers, *pinned;
     long long bs, isl, cap, by_decoding, backlog;
-    double offload_discount, disk_extra, ww, wr, wk, now, qw, pw, busiest, itl_w, slowdown,
+    double offload_discount, disk_extra, ww, wr, wk, now, qw, tie_tolerance, busiest, itl_w, slowdown,
         bonus_max, wait_cap, tol, half_life, ln2, tie, pa, pb, ptb, pts;
     PyObject *fresh_obj, *idle_obj, *per_moved_obj;
     if (!PyArg_ParseTuple(args,
                           "OO!O!OO(LLLdddddOddddOdLdLOdddddd(dddd)):latency_scan", &cands_obj,
                           &PyDict_Type, &matches, &PyDict_Type, &loads, &transfers, &pinned, &bs,
                           &isl, &cap, &offload_discount, &disk_extra, &ww, &wr, &wk, &fresh_obj,
-                          &now, &qw, &pw, &busiest, &idle_obj, &itl_w, &by_decoding, &slowdown,
+                          &now, &qw, &tie_tolerance, &busiest, &idle_obj, &itl_w, &by_decoding, &slowdown,
                           &backlog, &per_moved_obj, &bonus_max, &wait_cap, &tol, &half_life,
                           &ln2, &tie, &pa, &pb, &ptb, &pts)) {
         return NULL;
@@ -342,11 +342,10 @@ latency_scan(PyObject *module, PyObject *args)
         }
         double queue = qw * wait;
         double prefill = (has_idle && !requests) ? idle * a * uncached : (1.0 + busy) * a * uncached;
-        double transfer_s = has_per_moved ? moved * per_moved : a * moved;
-        double transfer = pw * transfer_s;
+        double transfer = has_per_moved ? moved * per_moved : a * moved;
         double harm = itl_w * a * uncached * (double)(by_decoding ? decoding : requests);
         double decode = slowdown * sts[i] * (double)decoding;
-        double ttft = b + wait + a * uncached + transfer_s;
+        double ttft = b + wait + a * uncached + transfer;
         double bonus = 0.0;
         if (pinned != Py_None && wait_cap > 0) {
             int same = PyObject_RichCompareBool(engine, pinned, Py_EQ);
@@ -390,8 +389,12 @@ latency_scan(PyObject *module, PyObject *args)
     if (tied == NULL) {
         goto fail;
     }
+    double tolerance = tie_tolerance * fabs(best); /* max(tie, ...) as Python's max() */
+    if (!(tolerance > tie)) {
+        tolerance = tie;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (col[i * COLUMNS + 6] - best <= tie) {
+        if (col[i * COLUMNS + 6] - best <= tolerance) {
             PyObject *at = PyLong_FromSsize_t(i);
             if (at == NULL || PyList_Append(tied, at) != 0) {
                 Py_XDECREF(at);

@@ -184,7 +184,10 @@ class Decision:
         parts = [f"{self.summary()} engine={self.engine.label}"]
         for s in sorted(self.scores, key=lambda s: s.total):
             if self.policy == "latency":
-                parts.append(f"{s.engine.label}[match={s.matched_blocks} {latency_terms(s)}]")
+                parts.append(
+                    f"{s.engine.label}[match={s.matched_blocks} cached={s.cached_tokens}"
+                    f" {latency_terms(s)}]"
+                )
                 continue
             parts.append(
                 f"{s.engine.label}[match={s.matched_blocks} cached={s.cached_tokens}"

@@ -14,7 +14,7 @@ or the configured priors while it has not been timed (lower total wins)::
                share its steps, those decoding have theirs lengthened by its chunks
     decode   = slowdown_weight * max_tokens * tpot_per_seq * sequences decoding there
                (the seconds its decoding adds to theirs)
-    transfer = prefill_weight * the KV transfer's seconds (a split's prefill, topology known)
+    transfer = the KV transfer's seconds (a split's prefill, topology known)
     reported = (kv_cost's engine-reported terms, in blocks) * a * block_size
     ttft     = b + wait + a * uncached + transfer seconds          (the prediction)
     total    = b + queue + prefill + transfer + decode + reported + harm - session bonus
@@ -49,8 +49,13 @@ at ``session_max_wait_ms``: it tips near-ties toward the engine holding the
 conversation and never pulls it onto a saturated one (engines at the in-flight limit
 are no candidates at all).
 
-Ties break as ``kv_cost``'s (fewer requests in flight, least recently routed, a hash of
-the request id); ``temperature`` > 0 samples as ``kv_cost`` does. Without an SLO and at
+Costs within ``tie_tolerance`` (5%) of the lowest are ties: the model cannot tell them
+apart, and the engine holding more of the prompt wins them (the placement that costs the
+fleet the least compute: n samples of one prompt arriving at once stay on the engine
+computing it rather than each recomputing it on an idle one), then the session's engine,
+then ``kv_cost``'s order
+(fewer requests in flight, least recently routed, a hash of the request id);
+``temperature`` > 0 samples as ``kv_cost`` does. Without an SLO and at
 temperature 0 the compiled helper scores every candidate (``router/native/latency.c``,
 the same float operations in the same order as :meth:`LatencyPolicy.score`).
 """
@@ -69,7 +74,7 @@ from router.engines.latency import LatencyPriors
 from router.engines.load import OFFERED_HALF_LIFE_S, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
-from router.policy.base import Decision, LazyScores, RouteRequest, Score
+from router.policy.base import Decision, LazyScores, RouteRequest, Score, tiebreak
 from router.policy.kv_cost import (
     KVCostPolicy,
     cached_tokens,
@@ -167,13 +172,13 @@ class LatencyPolicy(KVCostPolicy):
                 prefill = idle * a * uncached
             else:
                 prefill = (1.0 + busy) * a * uncached
-            transfer_s = moved * per_moved if per_moved is not None else a * moved
-            transfer = cfg.prefill_weight * transfer_s
+            # The request waits for its KV to move; the link is no engine's compute.
+            transfer = moved * per_moved if per_moved is not None else a * moved
             # Everyone in flight there waits for its chunks: the queued share its steps,
             # the decoding have theirs lengthened.
             harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)
             decode = slowdown * tpot_seq * decoding
-            ttft = b + wait + a * uncached + transfer_s
+            ttft = b + wait + a * uncached + transfer
             bonus = 0.0
             if pinned == engine and wait_cap > 0:
                 bonus = max(0.0, bonus_max * (1.0 - wait / wait_cap))
@@ -286,7 +291,8 @@ class LatencyPolicy(KVCostPolicy):
             chosen = self._sample(request, pool)
         else:
             best = min(s.total for s in pool)
-            tied = [s for s in pool if s.total - best <= _TIE]
+            tolerance = max(_TIE, self.config.latency.tie_tolerance * abs(best))
+            tied = [s for s in pool if s.total - best <= tolerance]
             chosen = (
                 tied[0]
                 if len(tied) == 1
@@ -318,7 +324,7 @@ class LatencyPolicy(KVCostPolicy):
             report_cutoff(cfg, now),
             now,
             cfg.queue_weight,
-            cfg.prefill_weight,
+            lat.tie_tolerance,
             max(cfg.prefill_weight - 1.0, 0.0),
             lat.idle_prefill_weight,
             lat.itl_weight,
@@ -368,6 +374,29 @@ class LatencyPolicy(KVCostPolicy):
             decision.reason = "session"  # the bonus decided it
         self._pin(request, chosen.engine)
         return decision
+
+    @staticmethod
+    def _tie_rank(request: RouteRequest, score: Score, loads: LoadView) -> tuple[float, ...]:
+        """Costs within ``tie_tolerance`` of each other: more of the prompt cached there
+        (the least compute for the fleet), then the session's engine, then kv_cost's order
+        (fewer requests in flight, the engine routed to least recently, a hash of the
+        request id)."""
+        load = loads.get(score.engine)
+        if load is None:
+            return (
+                -score.cached_tokens,
+                -score.bonus,
+                0,
+                0,
+                tiebreak(request.request_id, score.engine),
+            )
+        return (
+            -score.cached_tokens,
+            -score.bonus,
+            load.requests,
+            load.routed,
+            tiebreak(request.request_id, score.engine),
+        )
 
     def _pin(self, request: RouteRequest, engine: EngineKey) -> None:
         """The session's next turn should find ``engine``."""

@@ -236,7 +236,7 @@ async def test_full_duplex_exchange_routes_echoes_and_releases(
     answer = await call.read()
     returned = set_headers(answer.response_headers.response.header_mutation)
     assert returned["x-kvroute-engine"] == endpoint(warm)
-    assert returned["x-kvroute-reason"].startswith("kv_cost:prefix_hit")
+    assert returned["x-kvroute-reason"].startswith("latency:prefix_hit")
     assert returned["x-request-id"] == "ext-1"
     for i, piece in enumerate((b"data: {}\n\n", b"data: [DONE]\n\n")):
         last = i == 1

@@ -265,7 +265,7 @@ async def test_pick_explains_its_choice_and_accepts_every_prompt_form(
             pick = await stubs.router.Pick(request, timeout=5)
             assert pick.decode.endpoint in {f"127.0.0.1:{e.port}" for e in fleet}
             assert pick.decode.url.startswith("http://127.0.0.1:")
-            assert pick.decode.decision.policy == "kv_cost"
+            assert pick.decode.decision.policy == "latency"
             assert len(pick.decode.decision.scores) == 3
             assert len(pick.fallbacks) == 2 and pick.decode.endpoint not in pick.fallbacks
             assert pick.headers["x-request-id"] == pick.request_id

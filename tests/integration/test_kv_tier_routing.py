@@ -52,7 +52,9 @@ async def test_a_prefix_demoted_to_cpu_keeps_routing_to_its_engine_at_the_cpu_we
     )
     # Short-lived decision records: once they expire, only the engines' events count.
     app = await start_router(
-        [offloader.url, other.url], policy={"provisional_ttl_s": 0.2, "offload_weight": 0.8}
+        [offloader.url, other.url],
+        # kv_cost's prefill term is in blocks, which the check below reads back.
+        policy={"name": "kv_cost", "provisional_ttl_s": 0.2, "offload_weight": 0.8},
     )
     held_by = EngineKey(f"127.0.0.1:{offloader.port}")
     candidates = [held_by, EngineKey(f"127.0.0.1:{other.port}")]

@@ -86,8 +86,8 @@ READS: dict[str, Reader] = {
     **_reads(
         "policy.latency",
         lambda app: app.core.policy.config.latency,
-        "itl_weight idle_prefill_weight harm_counts queue_model speed_tolerance slo "
-        "session_bonus_ms session_max_wait_ms session_ttl_s max_sessions",
+        "itl_weight idle_prefill_weight slowdown_weight tie_tolerance harm_counts queue_model "
+        "speed_tolerance slo session_bonus_ms session_max_wait_ms session_ttl_s max_sessions",
     ),
     **{
         f"policy.latency.{key}": (lambda app, prior=prior: getattr(app.loads.latency.priors, prior))

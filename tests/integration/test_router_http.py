@@ -64,7 +64,7 @@ async def test_completion_carries_routing_headers_and_keeps_the_request_id(
         payload = await resp.json()
         assert resp.headers["x-request-id"] == "req-42"
         assert resp.headers["x-kvroute-engine"] in {e.endpoint for e in router.registry}
-        assert resp.headers["x-kvroute-reason"].startswith("kv_cost:")
+        assert resp.headers["x-kvroute-reason"].startswith("latency:")  # the default
     assert payload["usage"]["prompt_tokens"] == 80
     # The emulator names its answer after the X-Request-Id it received: sent upstream.
     assert payload["id"] == "cmpl-req-42"
@@ -104,7 +104,7 @@ async def test_the_debug_log_carries_the_full_reason(
     assert short in line
     for engine in pair:  # every candidate, with each of its cost terms
         assert f"127.0.0.1:{engine.port}[match=" in line
-    for term in ("cached=", "queue=", "prefill=", "decode=", "total="):
+    for term in ("cached=", "queue=", "prefill=", "decode=", "harm=", "cost="):
         assert term in line
 
 

@@ -632,7 +632,7 @@ async def test_a_lookup_over_the_budget_says_so_in_the_reason_and_the_access_log
         with caplog.at_level(logging.INFO, "kvroute.access"):
             routed = await ask(http, app, {**body, "prompt": words("frozen", 64)})
         assert routed.status == 200
-        assert "kv_cost:no_prefix match=0 index=shadow:over_budget" in routed.reason
+        assert "latency:no_prefix match=0 index=shadow:over_budget" in routed.reason
         assert "index=shadow:over_budget" in caplog.text  # the access log's reason
     finally:
         own_server.resume()

@@ -82,6 +82,8 @@ async def topology_router(
             {"url": engines["decode_a"].url, "role": "decode", "topology": DECODE_A},
         ],
         disaggregation=disaggregation,
+        # The tests below price a link to a tenth of a millisecond: no near-tie rule.
+        policy={"latency": {"tie_tolerance": 0.0}},
     )
 
 

@@ -47,7 +47,7 @@ async def test_a_request_is_one_trace_continuing_the_callers(engine: EmulatedEng
         assert server.attributes["kvroute.engine"] == reply.headers["x-kvroute-engine"]
         assert server.attributes["kvroute.reason"] == reply.headers["x-kvroute-reason"]
         assert server.attributes["http.response.status_code"] == 200
-        assert route.attributes["kvroute.policy"] == "kv_cost"
+        assert route.attributes["kvroute.policy"] == "latency"
         assert call.attributes["url.full"] == engine.url + "/v1/completions"
     finally:
         await app.stop()

@@ -180,8 +180,10 @@ def test_the_session_goes_back_to_its_engine_on_a_near_tie() -> None:
     second = p.choose(req("t2", session="conv-7"), ENGINES, {}, loads)
     assert second.engine == first.engine and second.reason == "session"
     assert "session=-" in second.summary()
-    # Without the session key the cheaper engine wins.
-    assert p.choose(req("t3"), ENGINES, {}, loads).engine != first.engine
+    # Far more than a tie behind (100 ms of queue): the others win, key or not.
+    behind = {first.engine: EngineLoad(prefill_tokens=2000)}
+    assert p.choose(req("t3", session="conv-7"), ENGINES, {}, behind).engine != first.engine
+    assert p.choose(req("t4"), ENGINES, {}, behind).engine != first.engine
 
 
 def test_the_session_bonus_never_pulls_onto_a_queued_engine() -> None:

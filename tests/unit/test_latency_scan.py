@@ -153,12 +153,12 @@ def test_the_scan_chooses_and_scores_as_the_pure_loop(
 def test_scores_are_made_only_when_read() -> None:
     policy = LatencyPolicy(PolicyConfig(name="latency"), clock=lambda: 0.0)
     engines = [EngineKey(f"10.1.0.{i}:8000") for i in range(1_000)]
-    loads = {e: EngineLoad(prefill_tokens=100 * i) for i, e in enumerate(engines)}
+    loads = {e: EngineLoad(prefill_tokens=10_000 * i) for i, e in enumerate(engines)}
     decision = policy.choose(RouteRequest("r", [], 4096, 16), engines, {}, loads)
     assert decision.engine == engines[0] and decision.reason == "no_prefix"
     assert decision.scores._items is None  # type: ignore[attr-defined]  # nothing made yet
     assert len(decision.scores) == 1_000
-    assert decision.scores[999].queue == pytest.approx(50e-6 * 100 * 999)  # the prior's speed
+    assert decision.scores[999].queue == pytest.approx(50e-6 * 10_000 * 999)  # prior speed
     assert decision.scores._items is not None  # type: ignore[attr-defined]
 
 

@@ -4,11 +4,12 @@ from the virtual clock, a slow engine is priced as such, SLOs and sessions act."
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 
 import pytest
 
-from router.bench.workloads import RequestSpec, chat_workload, shared_prefix_workload
+from router.bench.workloads import RequestSpec, shared_prefix_workload, words
 from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
 from router.engine_model import EngineParams
 from router.policy.latency import LatencyPolicy
@@ -73,14 +74,18 @@ def test_an_slo_no_engine_can_meet_is_counted_for_every_request() -> None:
 def test_a_session_stays_on_its_engine_with_a_bonus(bonus_ms: float) -> None:
     policy = PolicyConfig(
         name="latency",
-        latency=LatencyPolicyConfig(
-            idle_prefill_weight=0.0,  # a recompute on an idle engine is free: turns wander
-            session_bonus_ms=bonus_ms,
-            session_max_wait_ms=10_000,
-        ),
+        latency=LatencyPolicyConfig(session_bonus_ms=bonus_ms, session_max_wait_ms=10_000),
     )
-    cluster = sim(policy, concurrency=2)  # engines fall idle between turns
-    run = asyncio.run(cluster.run(list(chat_workload(8, 4, 500, 100, 30, seed=2))))
+    cluster = sim(policy)
+    # 8 sessions of 4 unrelated prompts each: only the session ties a session together.
+    rng = random.Random(4)
+    sessions = [f"session-{n % 8}" for n in range(32)]
+    rng.shuffle(sessions)
+    specs = [
+        RequestSpec(prompt=words(rng, 300), max_tokens=rng.randint(10, 60), group=session)
+        for session in sessions
+    ]
+    run = asyncio.run(cluster.run(specs))
     engines: dict[str, set[str]] = {}
     for r in run.records:
         engines.setdefault(r.group, set()).add(r.engine)
