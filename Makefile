@@ -87,11 +87,14 @@ bench-flow: venv
 soak: venv
 	$(PY) -m router.bench.soak $(SOAK_ARGS)
 
-# The cluster simulator's results in docs/simulator.md: every policy on both Mooncake
-# traces (8 engines, Dynamo's mocker geometry), unbounded caches, colocated vs
-# disaggregated, 1,000 engines (about 10 minutes on 2 cores; deterministic numbers).
+# The cluster simulator's results in docs/simulator.md: the workload matrix a routing
+# change is judged on (the default beside round robin, least-loaded, cache_aware_sglang and
+# kv_cost, one table, about 30 s), every policy on both Mooncake traces (8 engines,
+# Dynamo's mocker geometry), unbounded caches, colocated vs disaggregated, 1,000 engines
+# (about 15 minutes on 2 cores; deterministic numbers).
 SIM := $(VENV)/bin/kvroute simulate --quiet
 bench-sim: venv
+	$(SIM) --matrix --output bench-results/sim-matrix
 	$(SIM) --trace mooncake-conversation --engines 8 --preset dynamo-mocker --policy all \
 		--output bench-results/sim-conversation
 	$(SIM) --trace mooncake-synthetic --engines 8 --preset dynamo-mocker --policy all \

@@ -49,6 +49,7 @@ from router.config import Config, ConfigError, PolicyConfig, load_config
 from router.engine_model import EngineParams
 from router.engine_model.flags import add_model_arguments, engine_params
 from router.policy import DEFAULT_POLICY, POLICY_NAMES
+from router.sim import matrix
 from router.sim.cluster import (
     LAYOUTS,
     REPLICA_PICKS,
@@ -58,6 +59,7 @@ from router.sim.cluster import (
     SimRun,
     SimSettings,
 )
+from router.sim.matrix import MATRIX
 
 #: KV-cache capacity, in blocks, that ``--infinite-cache`` gives every engine. The block
 #: cache keeps state only for blocks in use, so this costs nothing until used.
@@ -453,6 +455,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "swept values as 'sweep'",
     )
     fleet.add_argument("--baseline", metavar="NAME", help="run the ratios divide by (first)")
+    fleet.add_argument(
+        "--matrix",
+        nargs="*",
+        metavar="NAME",
+        help="run the workload matrix a routing change is judged on (every workload, or "
+        "those named: " + ", ".join(e.name for e in MATRIX) + ") with the default policy "
+        "beside round_robin, least_loaded, cache_aware_sglang and kv_cost (or the --policy "
+        "flags, the first judged), as one table and the rule the default is held to; the "
+        "workload, fleet and engine flags are the matrix's own (docs/simulator.md)",
+    )
     add_model_arguments(parser).add_argument(
         "--infinite-cache",
         action="store_true",
@@ -562,6 +574,8 @@ def simulate(settings: SimSettings, specs: Sequence[RequestSpec], name: str) -> 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvroute simulate``."""
+    if args.matrix is not None:
+        return matrix.run(args)
     try:
         fleets = fleets_of(args)
         policies = policies_of(args)
