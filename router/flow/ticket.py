@@ -58,7 +58,9 @@ def body_facts(body: bytes) -> BodyFacts:
     """``model``, ``user`` and the token estimate of a JSON request body (never raises)."""
     try:
         peek = _peek(body) if body else _Peek()
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        # Nesting past the interpreter's limit too: the front end's own decoding refuses
+        # such a body with a 400 (``limits.max_json_depth``).
         return BodyFacts(prompt_tokens=len(body) // 4)
     output = peek.max_tokens or peek.max_completion_tokens or peek.max_output_tokens
     n = peek.n if isinstance(peek.n, int) and peek.n > 0 else 1
