@@ -168,6 +168,9 @@ class Identities:
         entry = self.keys.get(key) if key else None
         meta = metadata or {}
         tenant: str | None = _tenant_name(str(meta["tenant"])) if "tenant" in meta else None
+        if tenant is None and key and entry is not None and not entry.may_set_tenant:
+            # A client names its own header and body: a listed key's tenant binds it.
+            tenant = self.key_name(key)
         for source in cfg.tenant_from:
             if tenant is not None:
                 break

@@ -726,3 +726,46 @@ async def test_json_nested_past_the_interpreters_limit_is_a_400_on_every_front_e
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     finally:
         await app.stop()
+
+
+async def test_a_keys_tenant_limit_binds_whatever_tenant_its_client_names(
+    slow: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """``x-kvroute-tenant`` from a listed key neither dodges its tenant's rpm nor spends
+    another tenant's; a key allowed to set tenants names them."""
+    app = await flow_router(
+        slow,
+        keys=[
+            {"key": "k-http", "name": "http-team"},
+            {"key": "k-gen", "name": "gen-team"},
+            {"key": "k-gateway", "name": "gateway", "may_set_tenant": True},
+        ],
+        tenants=[{"name": n, "rpm": 1} for n in ("http-team", "gen-team", "victim")],
+        limits={"max_inflight": 10},
+    )
+    body = {"prompt": "tenant", "max_tokens": 1}
+    try:
+        url = f"{app.url}/v1/completions"
+        own = {"authorization": "Bearer k-http"}
+        assert (await post_reply(http, url, body, own)).status == 200
+        dodge = {**own, "x-kvroute-tenant": "elsewhere"}
+        refused = await post_reply(http, url, body, dodge)
+        assert refused.status == 429 and "tenant 'http-team'" in refused.body["error"]["message"]
+        async with connect(app.grpc_port) as stubs:
+            gen = {"authorization": "Bearer k-gen"}
+            assert (await generate(stubs.router, body, headers=gen)).status == 200
+            with pytest.raises(aio.AioRpcError) as err:
+                await generate(stubs.router, body, headers={**gen, "x-kvroute-tenant": "other"})
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "tenant 'gen-team'" in (err.value.details() or "")
+        # The victim's budget is untouched by the others naming it; the gateway spends it.
+        victim = {"x-kvroute-tenant": "victim"}
+        for key in ("k-http", "k-gen"):
+            named = {"authorization": f"Bearer {key}", **victim}
+            assert (await post_reply(http, url, body, named)).status == 429
+        gateway = {"authorization": "Bearer k-gateway", **victim}
+        assert (await post_reply(http, url, body, gateway)).status == 200
+        refused = await post_reply(http, url, body, gateway)
+        assert refused.status == 429 and "tenant 'victim'" in refused.body["error"]["message"]
+    finally:
+        await app.stop()
