@@ -185,6 +185,44 @@ def _stop_token_ids(body: Mapping[str, Any]) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _xarg(value: Any) -> bool:
+    scalar = (str, int, float)
+    return isinstance(value, scalar) or (
+        isinstance(value, list) and all(isinstance(v, scalar) for v in value)
+    )
+
+
+def _number(value: Any) -> bool:
+    """What pydantic's lax ``float`` takes: a number, a boolean, a numeric string."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, int | float)
+
+
+def check_common_fields(body: Mapping[str, Any]) -> None:
+    """Fields every generation API of vLLM 0.32 types alike (its request models refuse
+    another type before anything runs, 400 ``Bad Request``): ``temperature`` a number,
+    ``vllm_xargs`` an object of strings, numbers or lists of them (so no object can reach
+    ``SamplingParams.extra_args`` through it)."""
+    temperature = body.get("temperature")
+    if temperature is not None and not _number(temperature):
+        raise APIError(400, "`temperature` must be a number", "body.temperature", "Bad Request")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and (
+        not isinstance(xargs, dict) or not all(_xarg(v) for v in xargs.values())
+    ):
+        raise APIError(
+            400,
+            "`vllm_xargs` must map names to strings, numbers or lists of them",
+            "body.vllm_xargs",
+            "Bad Request",
+        )
+
+
 def _kv_transfer_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
@@ -262,6 +300,7 @@ def parse_generation(
     placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
 ) -> GenerationRequest:
     """Validate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
+    check_common_fields(body)
     model, lora_name, lora_id = models.resolve(body.get("model"))
     media: list[MediaSpan] = []
     if chat:

@@ -186,6 +186,11 @@ async def test_the_metrics_the_router_reads_exist_on_both(
         ("prompt too long", {"model": MODEL, "prompt": [7] * 5000, "max_tokens": 1}),
         ("bad json", b'{"model": "tiny-llama", "prompt": '),
         ("max_tokens negative", {"model": MODEL, "prompt": "hi", "max_tokens": -1}),
+        ("temperature not a number", {"model": MODEL, "prompt": "hi", "temperature": "hot"}),
+        (
+            "an object in vllm_xargs",
+            {"model": MODEL, "prompt": "hi", "vllm_xargs": {"kv_transfer_params": {}}},
+        ),
     ],
 )
 async def test_error_answers_match_real_vllm(
