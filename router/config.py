@@ -1465,8 +1465,10 @@ class AuthConfig(_Section):
     allow_client_handoff_fields: bool = Field(
         False,
         description="Trust clients with the router's handoff fields: pass a client's own "
-        "`kv_transfer_params` and SGLang `bootstrap_host` / `bootstrap_port` / "
-        "`bootstrap_room` on to engines. Off (the default): they are removed from every "
+        "`kv_transfer_params`, `ec_transfer_params` and SGLang `bootstrap_host` / "
+        "`bootstrap_port` / `bootstrap_room` on to engines, at the top level or nested where "
+        "engines read them (`vllm_xargs`, `sampling_params.extra_args`, `extra_body`). Off "
+        "(the default): they are removed from every "
         "client body (HTTP, gRPC `Generate`, ext_proc), and gRPC `Pick` refuses them with "
         "`INVALID_ARGUMENT` (the gateway forwards that body itself). Turn on only when "
         "every client is a component of yours that runs its own disaggregation.",

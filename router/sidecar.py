@@ -6,7 +6,8 @@ decode leg on its local engine with the returned ``kv_transfer_params``, and rel
 answer. Without the header a request passes straight through. The header's target must
 be on the allow-list (``--allow`` addresses ``ip:port`` or CIDRs): anything else is
 refused with 403, so the sidecar cannot be used to reach arbitrary hosts. Either way a
-client's own handoff fields (``kv_transfer_params``, ``bootstrap_*``) are removed
+client's own handoff fields (``kv_transfer_params``, ``ec_transfer_params``,
+``bootstrap_*``, wherever :mod:`router.handoff.fields` says they hide) are removed
 first, unless ``--allow-client-handoff-fields`` (so a body that is not a JSON object, or
 nests too deep, is a 400 before it reaches an engine).
 """

@@ -34,7 +34,6 @@ from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID
 from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
-from router.handoff.fields import strip_owned
 from router.plan import SERVING_ROLES
 from router.policy.base import NoCandidates, RouteRequest
 from router.proxy import UpstreamError
@@ -174,7 +173,7 @@ class CountTokens:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
             body = await read_body(request)
             payload = decode_body(body, app.config.limits.max_json_depth)
-            if not app.config.auth.allow_client_handoff_fields and strip_owned(payload):
+            if app.strip_owned_fields(payload):
                 body = msgspec.json.encode(payload)
             model = resolve_model(_required_str(payload, "model"), app.registry.models())
             _checked_messages(payload)

@@ -58,7 +58,6 @@ from router.api.responses import ResponsesApi, parse_responses
 from router.api.usage import UsageTap
 from router.api.validate import check_prompt_tokens, check_request
 from router.engines.load import Ticket
-from router.handoff.fields import strip_owned
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
@@ -357,12 +356,8 @@ class HttpApi:
         limits = app.config.limits
         check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
         payload = decode_body(body, limits.max_json_depth)
-        if not app.config.auth.allow_client_handoff_fields:
-            removed = strip_owned(payload)
-            if removed:
-                for name in removed:
-                    app.metrics.handoff_fields_removed.labels(name).inc()
-                body = _encode(payload)  # every path below forwards these bytes
+        if app.strip_owned_fields(payload):
+            body = _encode(payload)  # every path below forwards these bytes
         parsed = _PARSERS[route](payload)
         model = check_request(parsed, limits, app.registry.models())
         parsed.model = model

@@ -33,6 +33,7 @@ from support.engines import poll_sync
 
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+from router.handoff.fields import OWNED_PATHS
 from router.process import EngineProcess, ServerProcess
 
 MODEL = "kvroute-emulated"
@@ -459,15 +460,27 @@ owned_fields = st.fixed_dictionaries(
 )
 
 
+#: The objects a router-owned field may hide in (router.handoff.fields.OWNED_PATHS).
+hiding_places = st.sampled_from(sorted({path[:-1] for path in OWNED_PATHS}))
+
+
 @given(
     fields=owned_fields,
+    inside=hiding_places,
     chat=st.booleans(),
     stream=st.booleans(),
     target=st.sampled_from(["router", "sidecar", "grpc"]),
 )
 def test_client_supplied_router_owned_fields(
-    fleet: Fleet, fields: dict[str, Any], chat: bool, stream: bool, target: str
+    fleet: Fleet,
+    fields: dict[str, Any],
+    inside: tuple[str, ...],
+    chat: bool,
+    stream: bool,
+    target: str,
 ) -> None:
+    for key in reversed(inside):
+        fields = {key: fields}
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "stream": stream, **fields}
     if chat:
         body["messages"] = [{"role": "user", "content": "hello"}]

@@ -1,9 +1,10 @@
 """vLLM's other routes through kvroute: tokenize and detokenize pass through with the
 engine's answer unchanged; the routes the CPU build does not serve for a generation
 model (embeddings, pooling: the tiny Llama is no pooling model, so vLLM answers 404
-``{"detail": "Not Found"}``; render: 403 without ``--enable-scale-out``) pass the
-engine's own refusal through unchanged, status included; what the router refuses
-itself is its own OpenAI error."""
+``{"detail": "Not Found"}``) pass the engine's own refusal through unchanged, status
+included; what the router refuses itself is its own OpenAI error. (The tier's engines
+run with ``--enable-scale-out``: ``/inference/v1/generate`` through the router is in
+test_vllm_nixl.py.)"""
 
 from __future__ import annotations
 
@@ -80,7 +81,6 @@ async def test_tokenize_requests_spread_over_both_engines(
         ("/v1/embeddings", {"input": "routes embeddings"}, 404),
         ("/pooling", {"input": "routes pooling"}, 404),
         ("/score", {"queries": "a", "documents": ["b"]}, 404),
-        ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "x"}]}, 403),
     ],
 )
 async def test_an_engine_refusal_of_a_route_it_does_not_serve_passes_through_unchanged(
