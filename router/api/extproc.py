@@ -56,6 +56,7 @@ from grpc import aio
 from router.api.decide import Plan
 from router.api.errors import ApiError
 from router.api.grpc import fallbacks
+from router.api.headers import check_single
 from router.api.http import REQUEST_ID
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import Lease
@@ -225,6 +226,10 @@ class Exchange:
             self.headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") or h.value
         given = self.headers.get("x-request-id", "")
         self.request_id = given if REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
+        try:
+            check_single(h.key.lower() for h in message.headers.headers)
+        except ApiError as err:
+            return self._refuse(err)
         if message.end_of_stream or self.request_mode == _Mode.NONE:
             return await self._route(ended=message.end_of_stream)
         if self._duplex:

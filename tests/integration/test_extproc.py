@@ -632,3 +632,20 @@ async def test_a_json_body_the_router_cannot_read_is_refused_not_passed_on(
     assert answer.immediate_response.status.code == 400
     assert b"deeper than" in answer.immediate_response.body
     await finish(call)
+
+
+async def test_an_authorization_header_sent_twice_is_refused_with_400(
+    stub: ep_grpc.ExternalProcessorStub,
+) -> None:
+    """Flow control would take one key, the engine perhaps the other."""
+    message = request_headers(eos=True)  # answered at the headers either way
+    for key in ("Bearer a", "Bearer b"):
+        message.request_headers.headers.headers.append(
+            base_pb2.HeaderValue(key="authorization", raw_value=key.encode())
+        )
+    call = stub.Process()
+    await call.write(message)
+    answer = (await call.read()).immediate_response
+    assert answer.status.code == 400
+    assert json.loads(answer.body)["error"]["param"] == "authorization"
+    await finish(call)

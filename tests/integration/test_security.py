@@ -542,6 +542,66 @@ async def test_a_redis_password_is_never_shown(
     assert REDIS_PASSWORD not in out and "redis://:***@127.0.0.1" in out
 
 
+# ---------------------------------------------------------------------------- one credential
+
+
+async def test_a_credential_header_sent_twice_is_a_400_in_the_routes_form(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """The first of two would be the key here, and a proxy in front may have checked the
+    last: refused, whether or not keys are configured."""
+    app = await start_router([engine.url], auth={"api_keys": [CLIENT_KEY]})
+    good, other = f"Bearer {CLIENT_KEY}", "Bearer sk-someone-else"
+    try:
+        twice = [("Authorization", good), ("Authorization", other)]
+        async with http.post(f"{app.url}/v1/completions", json=BODY, headers=twice) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == "authorization"
+        messages = {**CHAT, "max_tokens": 2}
+        keys = [("x-api-key", CLIENT_KEY), ("x-api-key", CLIENT_KEY)]
+        async with http.post(f"{app.url}/v1/messages", json=messages, headers=keys) as r:
+            assert r.status == 400
+            answer = await r.json()
+            assert answer["type"] == "error"
+            assert answer["error"]["type"] == "invalid_request_error"
+            assert "x-api-key" in answer["error"]["message"]
+        once = await post_reply(http, f"{app.url}/v1/completions", BODY, bearer(CLIENT_KEY))
+        assert once.status == 200
+    finally:
+        await app.stop()
+    open_app = await start_router([engine.url])
+    try:
+        async with http.post(f"{open_app.url}/v1/completions", json=BODY, headers=twice) as r:
+            assert r.status == 400
+    finally:
+        await open_app.stop()
+
+
+async def test_grpc_metadata_authorization_sent_twice_is_invalid_argument(
+    engine: EmulatedEngine,
+) -> None:
+    app = await start_router(
+        [engine.url], grpc={"port": 0}, auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]}
+    )
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            router, admin = pb_grpc.RouterStub(channel), pb_grpc.AdminStub(channel)
+            for key in (CLIENT_KEY, ADMIN_KEY):
+                twice = (("authorization", f"Bearer {key}"), ("authorization", "Bearer x"))
+                for call in (
+                    router.Pick(pb.PickRequest(text="hi"), metadata=twice),
+                    admin.ListEngines(pb.ListEnginesRequest(), metadata=twice),
+                ):
+                    code, message = await rpc_error(call)
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "authorization" in message
+            once = (("authorization", f"Bearer {ADMIN_KEY}"),)
+            assert (await admin.ListEngines(pb.ListEnginesRequest(), metadata=once)).engines
+    finally:
+        await app.stop()
+
+
 # ---------------------------------------------------------------------------- handoff fields
 
 
