@@ -123,6 +123,9 @@ class GenerationRequest:
     bootstrap: Bootstrap | None = None
     #: Where a chat's media items sit in its prompt (their placeholder tokens).
     media: tuple[MediaSpan, ...] = ()
+    #: ``echo`` with ``max_tokens: 0``: as vLLM, one token is generated and the answer's
+    #: text is the prompt alone.
+    echo_only: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -311,8 +314,11 @@ def parse_generation(
             max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
     else:
         prompts, texts = completion_prompts(body.get("prompt"), tokenizer)
-        max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
+        echo = _bool(body, "echo")
+        max_tokens = _int(body, "max_tokens", default_max_tokens, 0 if echo else 1)
     assert max_tokens is not None
+    echo_only = not chat and max_tokens == 0
+    max_tokens = max(max_tokens, 1)
     n = _int(body, "n", 1, 1)
     assert n is not None
     if n > _MAX_N:
@@ -362,6 +368,7 @@ def parse_generation(
         kv_transfer_params=_kv_transfer_params(body),
         bootstrap=_bootstrap(body),
         media=tuple(media),
+        echo_only=echo_only,
     )
 
 

@@ -106,6 +106,18 @@ async def test_echo_prepends_the_prompt(
     assert answer["choices"][0]["text"].startswith("hello there ")
 
 
+async def test_echo_with_max_tokens_0_answers_the_prompt_alone_as_vllm(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    answer = await complete(http, engine, prompt="hello there", echo=True, max_tokens=0)
+    assert answer["choices"][0]["text"] == "hello there"
+    assert answer["usage"]["completion_tokens"] == 1  # vLLM runs one step and drops it
+    status, refused = await post(
+        http, f"{engine.url}/v1/completions", {"prompt": "x", "max_tokens": 0}
+    )
+    assert status == 400 and refused["error"]["param"] == "max_tokens"
+
+
 async def test_streaming_completion_ends_with_a_usage_chunk_and_done(
     engine: EmulatedEngine, http: aiohttp.ClientSession
 ) -> None:

@@ -104,3 +104,24 @@ async def test_an_unknown_model_is_refused_by_the_router_before_any_engine(
     assert reply.status == 404
     assert reply.body["error"]["code"] == "model_not_found"
     assert "x-kvroute-engine" not in reply.headers
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [({"max_tokens": 0}, 400), ({"max_tokens": 0, "echo": True}, 200)],
+    ids=["max_tokens 0", "echo with max_tokens 0"],
+)
+async def test_the_router_refuses_the_max_tokens_vllm_refuses_and_no_other(
+    router: RouterApp,
+    vllm_pair: tuple[VllmEngine, VllmEngine],
+    http: aiohttp.ClientSession,
+    fields: dict[str, Any],
+    status: int,
+) -> None:
+    body = {"model": MODEL, "prompt": text(6, "routes-least-output"), **fields}
+    routed, direct = await _both(http, router, vllm_pair[1], "/v1/completions", body)
+    assert routed.status == direct.status == status, (routed.body, direct.body)
+    if status == 400:  # the router's own refusal, in the engine's terms
+        assert "x-kvroute-engine" not in routed.headers
+        assert routed.body["error"]["param"] == direct.body["error"]["param"] == "max_tokens"
+        assert routed.body["error"]["message"] == "'max_tokens' must be at least 1, got 0"
