@@ -14,8 +14,6 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from multidict import MultiMapping
-
 from router.api.errors import ApiError
 
 _PRINTABLE = re.compile(r"[\t\x20-\x7e]*")
@@ -68,7 +66,7 @@ def header(headers: Mapping[str, str], name: str) -> str | None:
 def check_headers(headers: Mapping[str, str]) -> None:
     """Every one of :data:`CLIENT_HEADERS` present is printable ASCII, and those of
     :data:`SINGLE_HEADERS` come once (else 400)."""
-    if isinstance(headers, MultiMapping):  # an HTTP request's: names may repeat
-        check_single(name.lower() for name, _ in headers.items())
+    # An HTTP request's headers are a multidict: its items() repeat a repeated name.
+    check_single(name.lower() for name, _ in headers.items())
     for name in CLIENT_HEADERS:
         header(headers, name)
