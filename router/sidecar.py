@@ -266,8 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-client-handoff-fields",
         action="store_true",
-        help="pass a client's own kv_transfer_params and bootstrap_* fields to the engine "
-        "(default: removed; only for clients that run their own disaggregation)",
+        help="pass a client's own kv_transfer_params, ec_transfer_params and bootstrap_* "
+        "fields (top level or nested) to the engine (default: removed; only for clients "
+        "that run their own disaggregation)",
     )
     parser.add_argument(
         "--log-level",
