@@ -1489,8 +1489,10 @@ class AuthConfig(_Section):
     allow_client_handoff_fields: bool = Field(
         False,
         description="Trust clients with the router's handoff fields: pass a client's own "
-        "`kv_transfer_params` and SGLang `bootstrap_host` / `bootstrap_port` / "
-        "`bootstrap_room` on to engines. Off (the default): they are removed from every "
+        "`kv_transfer_params`, `ec_transfer_params` and SGLang `bootstrap_host` / "
+        "`bootstrap_port` / `bootstrap_room` on to engines, at the top level or nested where "
+        "engines read them (`vllm_xargs`, `sampling_params.extra_args`, `extra_body`). Off "
+        "(the default): they are removed from every "
         "client body (HTTP, gRPC `Generate`, ext_proc), and gRPC `Pick` refuses them with "
         "`INVALID_ARGUMENT` (the gateway forwards that body itself). Turn on only when "
         "every client is a component of yours that runs its own disaggregation.",
@@ -1561,8 +1563,16 @@ class FlowKeyConfig(_Section):
         None,
         min_length=1,
         max_length=64,
-        description="The tenant this key's requests belong to (metrics, logs, fairness); "
-        "unset: a digest of the key.",
+        description="The tenant this key's requests belong to (metrics, logs, fairness, "
+        "`flow.tenants` limits), whatever `x-kvroute-tenant` or the body's `user` say "
+        "(unless `may_set_tenant`); unset: a digest of the key.",
+    )
+    may_set_tenant: bool = Field(
+        False,
+        description="Let this key's requests name their tenant (`x-kvroute-tenant`, the "
+        "body's `user`, as `flow.tenant_from` says), e.g. the key of a gateway that "
+        "serves several tenants. Off: the key's own tenant (`name`) binds its requests, "
+        "so a client cannot dodge its tenant's limits or spend another's by naming one.",
     )
     priority: int | None = Field(
         None,
@@ -1705,7 +1715,8 @@ class FlowConfig(_Section):
         min_length=1,
         description="Where a request's tenant comes from, first found wins: "
         "`x-kvroute-tenant`, the API key (`flow.keys[].name` or a digest), the body's "
-        "OpenAI `user` field. None found: tenant `default`.",
+        "OpenAI `user` field. None found: tenant `default`. A key listed in `flow.keys` "
+        "is its own tenant whatever this says, unless its `may_set_tenant` is on.",
     )
     fairness: Literal["vtc", "round_robin"] = Field(
         "vtc",

@@ -721,8 +721,9 @@ class RouterMetrics:
         )
         self.handoff_fields_removed = Counter(
             "kvroute_client_handoff_fields_removed",
-            "Router-owned handoff fields (kv_transfer_params, bootstrap_*) removed from "
-            "client requests, by field",
+            "Router-owned handoff fields (kv_transfer_params, ec_transfer_params, "
+            "bootstrap_*) removed from client requests, by field (its dotted path when "
+            "nested, e.g. sampling_params.extra_args.kv_transfer_params)",
             ["field"],
             registry=r,
         )

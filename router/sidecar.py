@@ -6,7 +6,8 @@ decode leg on its local engine with the returned ``kv_transfer_params``, and rel
 answer. Without the header a request passes straight through. The header's target must
 be on the allow-list (``--allow`` addresses ``ip:port`` or CIDRs): anything else is
 refused with 403, so the sidecar cannot be used to reach arbitrary hosts. Either way a
-client's own handoff fields (``kv_transfer_params``, ``bootstrap_*``) are removed
+client's own handoff fields (``kv_transfer_params``, ``ec_transfer_params``,
+``bootstrap_*``, wherever :mod:`router.handoff.fields` says they hide) are removed
 first, unless ``--allow-client-handoff-fields`` (so a body that is not a JSON object, or
 nests too deep, is a 400 before it reaches an engine).
 """
@@ -265,8 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-client-handoff-fields",
         action="store_true",
-        help="pass a client's own kv_transfer_params and bootstrap_* fields to the engine "
-        "(default: removed; only for clients that run their own disaggregation)",
+        help="pass a client's own kv_transfer_params, ec_transfer_params and bootstrap_* "
+        "fields (top level or nested) to the engine (default: removed; only for clients "
+        "that run their own disaggregation)",
     )
     parser.add_argument(
         "--log-level",

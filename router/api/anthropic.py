@@ -32,9 +32,8 @@ from router.api.body import read_body
 from router.api.context import Outcome
 from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID
-from router.api.openai import ParsedRequest, decode_body
+from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
 from router.api.validate import resolve_model
-from router.handoff.fields import strip_owned
 from router.plan import SERVING_ROLES
 from router.policy.base import NoCandidates, RouteRequest
 from router.proxy import UpstreamError
@@ -93,9 +92,7 @@ def parse_messages(payload: dict[str, Any]) -> ParsedRequest:
     """A ``/v1/messages`` body's routing facts (400 for what routing cannot read)."""
     model = _required_str(payload, "model")
     system, messages = _checked_messages(payload)
-    max_tokens = payload.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise bad_request("'max_tokens' is required (a positive integer)", "max_tokens")
+    max_tokens = required_int(payload, "max_tokens", MIN_OUTPUT_TOKENS)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
@@ -174,7 +171,7 @@ class CountTokens:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
             body = await read_body(request)
             payload = decode_body(body, app.config.limits.max_json_depth)
-            if not app.config.auth.allow_client_handoff_fields and strip_owned(payload):
+            if app.strip_owned_fields(payload):
                 body = msgspec.json.encode(payload)
             model = resolve_model(_required_str(payload, "model"), app.registry.models())
             _checked_messages(payload)

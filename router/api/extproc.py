@@ -56,6 +56,7 @@ from grpc import aio
 from router.api.decide import Plan
 from router.api.errors import ApiError
 from router.api.grpc import fallbacks
+from router.api.headers import check_single
 from router.api.http import REQUEST_ID
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import Lease
@@ -63,7 +64,7 @@ from router.api.validate import check_prompt_tokens, check_request
 from router.flow.ticket import FlowTicket
 from router.handoff import base
 from router.handoff import registry as dialects
-from router.handoff.fields import owned_fields, strip_owned
+from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates
 from router.types import EngineKey
 
@@ -225,6 +226,10 @@ class Exchange:
             self.headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") or h.value
         given = self.headers.get("x-request-id", "")
         self.request_id = given if REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
+        try:
+            check_single(h.key.lower() for h in message.headers.headers)
+        except ApiError as err:
+            return self._refuse(err)
         if message.end_of_stream or self.request_mode == _Mode.NONE:
             return await self._route(ended=message.end_of_stream)
         if self._duplex:
@@ -311,6 +316,10 @@ class Exchange:
         try:
             payload = decode_body(body, depth) if body else None
         except ApiError:
+            if self._json_body() and not self.app.config.auth.allow_client_handoff_fields:
+                # An engine's laxer parser (NaN, deeper nesting) could still find
+                # router-owned fields in a JSON body the router cannot read.
+                raise
             return None, None
         if payload is not None and "messages" in payload:
             return "chat", payload
@@ -318,20 +327,25 @@ class Exchange:
             return "completions", payload
         return None, payload
 
+    def _json_body(self) -> bool:
+        """Whether the engine reads the body as JSON (vLLM's routes do unless it is sent
+        as a form: no ``content-type``, or a JSON one)."""
+        kind = self.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        return not kind or kind == "application/json" or kind.endswith("+json")
+
     def _strip_owned(self, payload: dict[str, Any], body: bytes) -> bytes:
         """The body without router-owned handoff fields; the gateway is sent the new one."""
-        if not owned_fields(payload):
+        owned = owned_fields(payload)
+        if not owned:
             return body
         if not self._duplex and len(self.chunks) > 1:
             # STREAMED mode: the earlier chunks went on unchanged already.
             raise ApiError(
                 400,
-                f"the router sets {', '.join(owned_fields(payload))} itself; a client may not "
-                "send them",
-                param=owned_fields(payload)[0],
+                f"the router sets {', '.join(owned)} itself; a client may not send them",
+                param=owned[0],
             )
-        for name in strip_owned(payload):
-            self.app.metrics.handoff_fields_removed.labels(name).inc()
+        self.app.strip_owned_fields(payload)
         body = _encode(payload)
         self.chunks = [body]
         self.rewritten = True

@@ -58,7 +58,6 @@ from router.api.responses import ResponsesApi, parse_responses
 from router.api.usage import UsageTap
 from router.api.validate import check_prompt_tokens, check_request
 from router.engines.load import Ticket
-from router.handoff.fields import strip_owned
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
@@ -221,6 +220,7 @@ class HttpApi:
             web.post(COUNT_TOKENS_PATH, CountTokens(self).handle),
             *self.responses.routes(),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),  # ids may hold slashes
             web.get("/health", self.health),
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
@@ -230,13 +230,25 @@ class HttpApi:
 
     # ------------------------------------------------------------------ small endpoints
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self, model: str) -> dict[str, Any]:
         created = int(self.app.started_at)
-        data = [
-            {"id": m, "object": "model", "created": created, "owned_by": "kvroute"}
-            for m in self.app.registry.models()
-        ]
+        return {"id": model, "object": "model", "created": created, "owned_by": "kvroute"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [self._model_card(m) for m in self.app.registry.models()]
         return _json({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: its entry of :meth:`models`, or OpenAI's 404."""
+        model = request.match_info["model"]
+        if model not in self.app.registry.models():
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist",
+                param="model",
+                code="model_not_found",
+            )
+        return _json(self._model_card(model))
 
     async def health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -357,12 +369,8 @@ class HttpApi:
         limits = app.config.limits
         check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
         payload = decode_body(body, limits.max_json_depth)
-        if not app.config.auth.allow_client_handoff_fields:
-            removed = strip_owned(payload)
-            if removed:
-                for name in removed:
-                    app.metrics.handoff_fields_removed.labels(name).inc()
-                body = _encode(payload)  # every path below forwards these bytes
+        if app.strip_owned_fields(payload):
+            body = _encode(payload)  # every path below forwards these bytes
         parsed = _PARSERS[route](payload)
         model = check_request(parsed, limits, app.registry.models())
         parsed.model = model
@@ -869,6 +877,23 @@ def openapi_document() -> dict[str, Any]:
                 "CountTokensRequest", "Count a message's input tokens (on the least busy engine)"
             ),
             "/v1/models": plain("List served models"),
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "Retrieve a served model (404 model_not_found if none serves it)",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {"description": "The model's entry of /v1/models"},
+                        **errors,
+                    },
+                }
+            },
             "/health": plain("Liveness"),
             "/ready": plain("Readiness", ("200", "503")),
             "/metrics": plain("Prometheus metrics"),

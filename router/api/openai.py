@@ -8,7 +8,7 @@ and are not used per request.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -152,15 +152,32 @@ def too_deep(payload: dict[str, Any] | list[Any], max_depth: int) -> bool:
 _NESTED = frozenset((dict, list))
 
 
-def _opt_int(payload: dict[str, Any], name: str, minimum: int) -> int | None:
+def optional_int(payload: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    """``payload[name]``, an integer of at least ``minimum``, or None when absent; else
+    400 saying what is wrong with the value. Every API's integer fields are read here,
+    so each says the same of the same mistake."""
     value = payload.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"'{name}' must be an integer", name)
     if value < minimum:
-        raise bad_request(f"'{name}' must be at least {minimum}", name)
+        raise bad_request(f"'{name}' must be at least {minimum}, got {value}", name)
     return value
+
+
+def required_int(payload: Mapping[str, Any], name: str, minimum: int) -> int:
+    """:func:`optional_int` for a field the API requires."""
+    value = optional_int(payload, name, minimum)
+    if value is None:
+        raise bad_request(f"'{name}' is required", name)
+    return value
+
+
+#: The least output an engine runs: vLLM 0.32 refuses ``max_tokens`` (and
+#: ``max_completion_tokens``, ``max_output_tokens``) below 1, except a completion that
+#: only echoes its prompt (``echo`` with ``max_tokens: 0``).
+MIN_OUTPUT_TOKENS = 1
 
 
 def _opt_str(payload: dict[str, Any], name: str) -> str | None:
@@ -194,15 +211,15 @@ def _prompts(value: Any) -> list[str | list[int]]:
     )
 
 
-def _common(payload: dict[str, Any]) -> ParsedRequest:
+def _common(payload: dict[str, Any], min_tokens: int = MIN_OUTPUT_TOKENS) -> ParsedRequest:
     model = _opt_str(payload, "model")
     stream = payload.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
-    max_tokens = _opt_int(payload, "max_tokens", 0)
-    n = _opt_int(payload, "n", 1) or 1
+    max_tokens = optional_int(payload, "max_tokens", min_tokens)
+    n = optional_int(payload, "n", 1) or 1
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
@@ -226,7 +243,7 @@ def parse_completion(payload: dict[str, Any]) -> ParsedRequest:
     texts = _prompts(payload["prompt"])
     if any(not p for p in texts):
         raise bad_request("'prompt' must not be empty", "prompt")
-    parsed = _common(payload)
+    parsed = _common(payload, 0 if payload.get("echo") is True else MIN_OUTPUT_TOKENS)
     parsed.texts = texts
     return parsed
 
@@ -247,7 +264,7 @@ def parse_chat(payload: dict[str, Any]) -> ParsedRequest:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     parsed = _common(payload)
-    parsed.max_completion_tokens = _opt_int(payload, "max_completion_tokens", 0)
+    parsed.max_completion_tokens = optional_int(payload, "max_completion_tokens", MIN_OUTPUT_TOKENS)
     parsed.messages = messages
     parsed.add_generation_prompt = bool(payload.get("add_generation_prompt", True))
     parsed.template_kwargs = kwargs
@@ -272,7 +289,9 @@ class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text, texts, token ids, or lists of token ids (non-empty)."
     )
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(
+        None, ge=0, description="At least 1, unless `echo` is true (the prompt alone)."
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
@@ -291,8 +310,8 @@ class ChatCompletionRequest(_Body):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)

@@ -31,7 +31,6 @@ from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, Not
 from router.api.errors import bad_request
 from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
-from router.handoff.fields import strip_owned
 from router.plan import SERVING_ROLES
 from router.policy.base import Decision, RouteRequest
 from router.proxy import UpstreamError
@@ -92,12 +91,8 @@ class Passthrough:
         label :meth:`HttpApi._generate` counts it under."""
         app = self.app
         payload = decode_body(body, app.config.limits.max_json_depth)
-        if not app.config.auth.allow_client_handoff_fields:
-            removed = strip_owned(payload)  # e.g. kv_transfer_params on /inference/v1/generate
-            if removed:
-                for name in removed:
-                    app.metrics.handoff_fields_removed.labels(name).inc()
-                body = _encode(payload)
+        if app.strip_owned_fields(payload):  # e.g. sampling_params.extra_args on generate
+            body = _encode(payload)
         requested = payload.get("model")
         if requested is not None and not isinstance(requested, str):
             raise bad_request("'model' must be a string", "model")

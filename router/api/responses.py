@@ -40,7 +40,7 @@ from aiohttp import web
 
 from router.api.context import Outcome, RequestContext
 from router.api.errors import ApiError, bad_request
-from router.api.openai import ParsedRequest
+from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int
 from router.engines.registry import Engine, EngineState
 from router.flow.ratelimit import Limit, LocalBuckets
 from router.http1 import HTTPError
@@ -87,9 +87,7 @@ def parse_responses(payload: dict[str, Any]) -> ParsedRequest:
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
-    max_output = _opt(payload, "max_output_tokens", int, "an integer")
-    if max_output is not None and max_output < 1:
-        raise bad_request("'max_output_tokens' must be at least 1", "max_output_tokens")
+    max_output = optional_int(payload, "max_output_tokens", MIN_OUTPUT_TOKENS)
     kwargs = _opt(payload, "chat_template_kwargs", dict, "an object")
     try:
         messages = responses_messages(instructions, raw_input)

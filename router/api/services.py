@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from router.handoff.fields import strip_owned
 
 if TYPE_CHECKING:
     from router.admin import Admin
@@ -71,6 +73,19 @@ class Services:
     @property
     def draining(self) -> bool:
         return self.state.draining
+
+    def strip_owned_fields(self, payload: dict[str, Any]) -> bool:
+        """Remove a client body's router-owned handoff fields, wherever they hide
+        (:func:`router.handoff.fields.strip_owned`), each counted in
+        ``kvroute_client_handoff_fields_removed_total``; unless
+        ``auth.allow_client_handoff_fields`` trusts the clients. True if any was removed
+        (the body must then be encoded again)."""
+        if self.config.auth.allow_client_handoff_fields:
+            return False
+        removed = strip_owned(payload)
+        for path in removed:
+            self.metrics.handoff_fields_removed.labels(path).inc()
+        return bool(removed)
 
     @property
     def started_at(self) -> float:

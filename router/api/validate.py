@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.api.errors import ApiError
-from router.api.openai import ParsedRequest, prompt_param
+from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int, prompt_param
 from router.config import LimitsConfig
 
 
@@ -79,6 +79,7 @@ def check_keyed(n: int, max_tokens: int | None, prompt_tokens: int, limits: Limi
     """The same bounds for a request given as block keys (one prompt of
     ``prompt_tokens`` tokens)."""
     _check_n(n, limits)
+    optional_int({"max_tokens": max_tokens}, "max_tokens", MIN_OUTPUT_TOKENS)  # as a body's
     _check_output("max_tokens", max_tokens, limits)
     _check_sequences(n, limits)
     _check_prompt_length(prompt_tokens, "block_keys", limits)

@@ -40,6 +40,7 @@ from router.emulator.protocol import (
 )
 from router.emulator.responses import responses_routes
 from router.emulator.state import EmulatorState
+from router.emulator.tokens import routes as tokens_routes
 from router.tokenization.words import VOCAB_SIZE
 
 log = logging.getLogger(__name__)
@@ -374,6 +375,7 @@ def build_app(state: EmulatorState) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
         *messages_routes(state, generate),
+        *tokens_routes(generate),
     ]
     app = Starlette(
         routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error}

@@ -161,6 +161,8 @@ class Generation:
         return usage(prompt_tokens, sum(self.counts), cached)
 
     def _text(self, index: int, token_ids: list[int]) -> str:
+        if self.req.echo_only:
+            return "" if self.counts[index] else self._prompt_text(index // self.req.n)
         words = " ".join(map(self.state.tokenizer.token_str, token_ids))
         if self.counts[index]:
             return " " + words

@@ -27,7 +27,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.emulator.generation import Generation
-from router.emulator.protocol import APIError, chat_prompt, encode_json, parse_body
+from router.emulator.protocol import (
+    APIError,
+    chat_prompt,
+    check_common_fields,
+    encode_json,
+    parse_body,
+)
 from router.emulator.state import EmulatorState
 from router.tokenization.anthropic import chat_messages
 
@@ -47,6 +53,7 @@ def _invalid(message: str, field: str) -> APIError:
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat completion body a Messages body becomes (400, OpenAI-shaped, for what
     vLLM's request model refuses)."""
+    check_common_fields(body)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise _invalid("Field required: model", "model")
     messages = body.get("messages")

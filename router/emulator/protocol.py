@@ -123,6 +123,9 @@ class GenerationRequest:
     bootstrap: Bootstrap | None = None
     #: Where a chat's media items sit in its prompt (their placeholder tokens).
     media: tuple[MediaSpan, ...] = ()
+    #: ``echo`` with ``max_tokens: 0``: as vLLM, one token is generated and the answer's
+    #: text is the prompt alone.
+    echo_only: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -183,6 +186,44 @@ def _stop_token_ids(body: Mapping[str, Any]) -> frozenset[int]:
     if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
         raise APIError(400, "`stop_token_ids` must be a list of token ids", "stop_token_ids")
     return frozenset(ids)
+
+
+def _xarg(value: Any) -> bool:
+    scalar = (str, int, float)
+    return isinstance(value, scalar) or (
+        isinstance(value, list) and all(isinstance(v, scalar) for v in value)
+    )
+
+
+def _number(value: Any) -> bool:
+    """What pydantic's lax ``float`` takes: a number, a boolean, a numeric string."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, int | float)
+
+
+def check_common_fields(body: Mapping[str, Any]) -> None:
+    """Fields every generation API of vLLM 0.32 types alike (its request models refuse
+    another type before anything runs, 400 ``Bad Request``): ``temperature`` a number,
+    ``vllm_xargs`` an object of strings, numbers or lists of them (so no object can reach
+    ``SamplingParams.extra_args`` through it)."""
+    temperature = body.get("temperature")
+    if temperature is not None and not _number(temperature):
+        raise APIError(400, "`temperature` must be a number", "body.temperature", "Bad Request")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and (
+        not isinstance(xargs, dict) or not all(_xarg(v) for v in xargs.values())
+    ):
+        raise APIError(
+            400,
+            "`vllm_xargs` must map names to strings, numbers or lists of them",
+            "body.vllm_xargs",
+            "Bad Request",
+        )
 
 
 def _kv_transfer_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -262,6 +303,7 @@ def parse_generation(
     placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS,
 ) -> GenerationRequest:
     """Validate a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body."""
+    check_common_fields(body)
     model, lora_name, lora_id = models.resolve(body.get("model"))
     media: list[MediaSpan] = []
     if chat:
@@ -272,8 +314,11 @@ def parse_generation(
             max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
     else:
         prompts, texts = completion_prompts(body.get("prompt"), tokenizer)
-        max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
+        echo = _bool(body, "echo")
+        max_tokens = _int(body, "max_tokens", default_max_tokens, 0 if echo else 1)
     assert max_tokens is not None
+    echo_only = not chat and max_tokens == 0
+    max_tokens = max(max_tokens, 1)
     n = _int(body, "n", 1, 1)
     assert n is not None
     if n > _MAX_N:
@@ -323,6 +368,7 @@ def parse_generation(
         kv_transfer_params=_kv_transfer_params(body),
         bootstrap=_bootstrap(body),
         media=tuple(media),
+        echo_only=echo_only,
     )
 
 

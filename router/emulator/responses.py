@@ -31,7 +31,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from router.emulator.generation import Generation
-from router.emulator.protocol import APIError, GenerationRequest, encode_json, parse_body
+from router.emulator.protocol import (
+    APIError,
+    GenerationRequest,
+    check_common_fields,
+    encode_json,
+    parse_body,
+)
 from router.emulator.state import EmulatorState
 from router.tokenization.responses import InvalidInput, output_messages, responses_messages
 from router.tokenization.words import render_chat
@@ -83,6 +89,7 @@ class _Turn:
     def __init__(self, state: EmulatorState, store: ResponsesStore, request: Request, body: Any):
         self.state = state
         self.store = store
+        check_common_fields(body)
         model, lora_name, lora_id = state.models.resolve(body.get("model"))
         raw_input = body.get("input")
         if not isinstance(raw_input, (str, list)):

@@ -58,7 +58,9 @@ def body_facts(body: bytes) -> BodyFacts:
     """``model``, ``user`` and the token estimate of a JSON request body (never raises)."""
     try:
         peek = _peek(body) if body else _Peek()
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        # Nesting past the interpreter's limit too: the front end's own decoding refuses
+        # such a body with a 400 (``limits.max_json_depth``).
         return BodyFacts(prompt_tokens=len(body) // 4)
     output = peek.max_tokens or peek.max_completion_tokens or peek.max_output_tokens
     n = peek.n if isinstance(peek.n, int) and peek.n > 0 else 1
@@ -166,6 +168,9 @@ class Identities:
         entry = self.keys.get(key) if key else None
         meta = metadata or {}
         tenant: str | None = _tenant_name(str(meta["tenant"])) if "tenant" in meta else None
+        if tenant is None and key and entry is not None and not entry.may_set_tenant:
+            # A client names its own header and body: a listed key's tenant binds it.
+            tenant = self.key_name(key)
         for source in cfg.tenant_from:
             if tenant is not None:
                 break

@@ -28,6 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from router.api.extproc import SERVICE_NAME as EXTPROC_SERVICE
+from router.api.headers import repeated
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.security import AuthError, grpc_credentials
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.grpc")
 
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
+_KVROUTE = f"/{pb.DESCRIPTOR.package}."
+"""The method prefix of kvroute's own services (Router, Admin)."""
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 #: Health services of the ext_proc listener (the Gateway API Inference Extension's names).
 LIVENESS, READINESS = "liveness", "readiness"
@@ -113,7 +116,8 @@ class ClientKeys(aio.ServerInterceptor):
     """The client key (``auth.api_keys``) on every call of ``kvroute.v1.Router``, from
     the ``authorization`` metadata; refused calls end UNAUTHENTICATED before the
     servicer runs. Admin calls are checked by the admin layer; health and reflection
-    stay open for probes."""
+    stay open for probes. A call of Router or Admin whose ``authorization`` (or
+    ``x-api-key``) metadata comes twice ends INVALID_ARGUMENT, keys or not."""
 
     def __init__(self, credentials: Credentials, metrics: RouterMetrics) -> None:
         self.credentials = credentials
@@ -126,6 +130,10 @@ class ClientKeys(aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
+        twice = repeated(k.lower() for k, _ in details.invocation_metadata or ())
+        if handler is not None and twice is not None and details.method.startswith(_KVROUTE):
+            message = f"metadata {twice} was sent more than once; send it once"
+            return _refusal(handler, message, grpc.StatusCode.INVALID_ARGUMENT)
         credentials = self.credentials
         if handler is None or credentials.client_open or not details.method.startswith(self.prefix):
             return handler
@@ -142,11 +150,15 @@ class ClientKeys(aio.ServerInterceptor):
         return handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED."""
+def _refusal(
+    handler: grpc.RpcMethodHandler,
+    message: str,
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that ends the call with ``code``."""
 
     async def refuse(request: Any, context: aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     kinds = {
         "unary_unary": grpc.unary_unary_rpc_method_handler,

@@ -31,8 +31,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.engines import poll_sync
 
+from router.api.headers import SINGLE_HEADERS
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
+from router.handoff.fields import OWNED_PATHS
 from router.process import EngineProcess, ServerProcess
 
 MODEL = "kvroute-emulated"
@@ -166,6 +168,7 @@ BODY = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
 
 HEADER_NAMES = [
     "Authorization",
+    "x-api-key",
     "X-Session-Id",
     "X-Request-Id",
     "X-data-parallel-rank",
@@ -184,8 +187,12 @@ header_bytes = st.binary(max_size=80).map(lambda b: b.replace(b"\r", b"").replac
     name=st.sampled_from(HEADER_NAMES),
     value=header_bytes,
     target=st.sampled_from(["router", "chat", "admin", "sidecar"]),
+    twice=st.booleans(),
 )
-def test_header_values_of_any_bytes(fleet: Fleet, name: str, value: bytes, target: str) -> None:
+def test_header_values_of_any_bytes(
+    fleet: Fleet, name: str, value: bytes, target: str, twice: bool
+) -> None:
+    """...and a header sent twice: a credential (``SINGLE_HEADERS``) twice is a 400."""
     url, path = {
         "router": (fleet.router.url, "/v1/completions"),
         "chat": (fleet.router.url, "/v1/chat/completions"),
@@ -196,9 +203,12 @@ def test_header_values_of_any_bytes(fleet: Fleet, name: str, value: bytes, targe
     if target == "chat":
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         body = body.encode()
-    status, answer = raw(url, request(path, body, name.encode() + b": " + value + b"\r\n"))
+    line = name.encode() + b": " + value + b"\r\n"
+    status, answer = raw(url, request(path, body, line * (2 if twice else 1)))
     assert status != 0
     not_the_routers_fault(status, answer)
+    if twice and name.lower() in SINGLE_HEADERS:
+        assert status == 400, answer
 
 
 @given(headers=st.dictionaries(st.sampled_from([n.lower() for n in HEADER_NAMES]), st.text()))
@@ -459,15 +469,27 @@ owned_fields = st.fixed_dictionaries(
 )
 
 
+#: The objects a router-owned field may hide in (router.handoff.fields.OWNED_PATHS).
+hiding_places = st.sampled_from(sorted({path[:-1] for path in OWNED_PATHS}))
+
+
 @given(
     fields=owned_fields,
+    inside=hiding_places,
     chat=st.booleans(),
     stream=st.booleans(),
     target=st.sampled_from(["router", "sidecar", "grpc"]),
 )
 def test_client_supplied_router_owned_fields(
-    fleet: Fleet, fields: dict[str, Any], chat: bool, stream: bool, target: str
+    fleet: Fleet,
+    fields: dict[str, Any],
+    inside: tuple[str, ...],
+    chat: bool,
+    stream: bool,
+    target: str,
 ) -> None:
+    for key in reversed(inside):
+        fields = {key: fields}
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "stream": stream, **fields}
     if chat:
         body["messages"] = [{"role": "user", "content": "hello"}]

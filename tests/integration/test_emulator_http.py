@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from support.clients import get, metric, metrics, post, stream
 from support.engines import poll, start_test_engine
+from support.listeners import DialCounter, hostile_handoff
 
 from router.emulator import EmulatedEngine
 from router.tokenization import WordTokenizer
@@ -103,6 +104,18 @@ async def test_echo_prepends_the_prompt(
 ) -> None:
     answer = await complete(http, engine, prompt="hello there", echo=True)
     assert answer["choices"][0]["text"].startswith("hello there ")
+
+
+async def test_echo_with_max_tokens_0_answers_the_prompt_alone_as_vllm(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    answer = await complete(http, engine, prompt="hello there", echo=True, max_tokens=0)
+    assert answer["choices"][0]["text"] == "hello there"
+    assert answer["usage"]["completion_tokens"] == 1  # vLLM runs one step and drops it
+    status, refused = await post(
+        http, f"{engine.url}/v1/completions", {"prompt": "x", "max_tokens": 0}
+    )
+    assert status == 400 and refused["error"]["param"] == "max_tokens"
 
 
 async def test_streaming_completion_ends_with_a_usage_chunk_and_done(
@@ -275,6 +288,82 @@ async def test_bad_requests_get_openai_errors(
     # vLLM types a body that is not JSON with the reason phrase (FastAPI's handler).
     expected = "Bad Request" if body == b"{not json" else "BadRequestError"
     assert error["type"] == ("NotFoundError" if status == 404 else expected)
+
+
+MESSAGE = [{"role": "user", "content": "hi"}]
+#: A valid body of each generation API.
+GENERATION_BODIES = {
+    "/v1/completions": {"prompt": "x", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": MESSAGE, "max_tokens": 1},
+    "/v1/messages": {"model": "kvroute-emulated", "messages": MESSAGE, "max_tokens": 1},
+    "/v1/responses": {"input": "x", "max_output_tokens": 1},
+}
+
+
+@pytest.mark.parametrize("path", list(GENERATION_BODIES))
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", "hot"), ("vllm_xargs", {"kv_transfer_params": {}})]
+)
+async def test_a_field_of_the_wrong_type_is_refused_as_vllms_request_model_refuses_it(
+    engine: EmulatedEngine, http: aiohttp.ClientSession, path: str, field: str, value: Any
+) -> None:
+    got, answer = await post(http, f"{engine.url}{path}", {**GENERATION_BODIES[path], field: value})
+    assert got == 400
+    assert answer["error"]["type"] == "Bad Request"  # FastAPI's validation handler
+    assert answer["error"]["param"] == f"body.{field}"
+
+
+async def test_what_vllms_request_models_coerce_is_accepted(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    for fields in (
+        {"temperature": "0.5"},
+        {"temperature": True},
+        {"vllm_xargs": {"a": "b", "n": 1, "xs": [1, "y"], "flag": True}},
+    ):
+        body = {**GENERATION_BODIES["/v1/completions"], **fields}
+        got, answer = await post(http, f"{engine.url}/v1/completions", body)
+        assert got == 200, (fields, answer)
+
+
+async def test_generate_tokens_answers_token_ids_streamed_or_not(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    body = {"token_ids": [11, 12, 13], "sampling_params": {"max_tokens": 3}}
+    status, answer = await post(http, f"{engine.url}/inference/v1/generate", body)
+    assert status == 200, answer
+    assert answer["request_id"].startswith("generate-tokens-")
+    (choice,) = answer["choices"]
+    assert len(choice["token_ids"]) == 3 and choice["finish_reason"] == "length"
+    assert answer["usage"]["prompt_tokens"] == 3
+    events = await stream(
+        http,
+        f"{engine.url}/inference/v1/generate",
+        {**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    tokens = [
+        t for e in events if isinstance(e, dict) for c in e["choices"] for t in c["token_ids"]
+    ]
+    assert tokens == choice["token_ids"]  # the same seed, the same answer
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-1] == "[DONE]"
+
+
+async def test_generate_tokens_acts_on_kv_transfer_params_in_extra_args(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """As vLLM's engine, which reads SamplingParams.extra_args: the pull it names is
+    attempted (the dial counter stands for the side channel)."""
+    counter = DialCounter()
+    port = await counter.start()
+    try:
+        pull = hostile_handoff(port)["kv_transfer_params"]
+        sampling = {"max_tokens": 2, "extra_args": {"kv_transfer_params": pull}}
+        body = {"token_ids": [21, 22, 23], "sampling_params": sampling}
+        status, answer = await post(http, f"{engine.url}/inference/v1/generate", body)
+        assert status == 200, answer  # the failed pull is recomputed, as vLLM does
+        assert counter.dials == 1
+    finally:
+        await counter.stop()
 
 
 async def test_wrong_method_is_an_openai_error(

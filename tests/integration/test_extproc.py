@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -576,4 +577,75 @@ async def test_streamed_mode_refuses_handoff_fields_it_can_no_longer_remove(
     await call.write(request_body(second, eos=True))
     answer = (await call.read()).immediate_response
     assert answer.status.code == 400 and b"kv_transfer_params" in answer.body
+    await finish(call)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "left"),
+    [
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "extra_args": {"a": 1}}},
+            ("sampling_params", "extra_args"),
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}]},
+            ("vllm_xargs",),
+        ),
+        ("/v1/completions", {"prompt": "handoff"}, ("extra_body",)),
+    ],
+)
+async def test_nested_handoff_fields_are_removed_from_the_body_the_gateway_forwards(
+    stub: ep_grpc.ExternalProcessorStub, path: str, body: dict[str, Any], left: tuple[str, ...]
+) -> None:
+    def inside(payload: dict[str, Any]) -> dict[str, Any]:
+        """``left``'s object in ``payload`` (made empty where absent)."""
+        for key in left:
+            payload = payload.setdefault(key, {})
+        return payload
+
+    sent, expected = json.loads(json.dumps(body)), json.loads(json.dumps(body))
+    inside(expected)
+    inside(sent).update(
+        kv_transfer_params=HANDOFF_FIELDS["kv_transfer_params"],
+        ec_transfer_params={"peer_host": "127.0.0.2"},
+    )
+    call, (head, *chunks) = await route(stub, sent, path=path)
+    data, eos = echoed(chunks)
+    assert eos and json.loads(data) == expected
+    assert set_headers(head.request_headers.response.header_mutation)["content-length"] == str(
+        len(data)
+    )
+    await finish(call)
+
+
+async def test_a_json_body_the_router_cannot_read_is_refused_not_passed_on(
+    stub: ep_grpc.ExternalProcessorStub,
+) -> None:
+    """On a path routed by load, a JSON body nested deeper than the router reads could
+    still carry router-owned fields to an engine's parser: refused with 400."""
+    deep: dict[str, Any] = {"kv_transfer_params": {"remote_host": "127.0.0.2"}}
+    for _ in range(40):
+        deep = {"x": deep}
+    call, (answer,) = await route(stub, deep, path="/inference/v1/generate")
+    assert answer.immediate_response.status.code == 400
+    assert b"deeper than" in answer.immediate_response.body
+    await finish(call)
+
+
+async def test_an_authorization_header_sent_twice_is_refused_with_400(
+    stub: ep_grpc.ExternalProcessorStub,
+) -> None:
+    """Flow control would take one key, the engine perhaps the other."""
+    message = request_headers(eos=True)  # answered at the headers either way
+    for key in ("Bearer a", "Bearer b"):
+        message.request_headers.headers.headers.append(
+            base_pb2.HeaderValue(key="authorization", raw_value=key.encode())
+        )
+    call = stub.Process()
+    await call.write(message)
+    answer = (await call.read()).immediate_response
+    assert answer.status.code == 400
+    assert json.loads(answer.body)["error"]["param"] == "authorization"
     await finish(call)

@@ -440,10 +440,12 @@ async def test_a_full_band_refuses_with_429(
 
 
 async def via_extproc(
-    app: RouterApp, headers: dict[str, str], flow: dict[str, Any] | None = None
+    app: RouterApp,
+    headers: dict[str, str],
+    flow: dict[str, Any] | None = None,
+    body: bytes = json.dumps({"prompt": "through envoy", "max_tokens": 1}).encode(),
 ) -> tuple[int, dict[str, str], Any]:
     """One FULL_DUPLEX_STREAMED exchange: (status, immediate-response headers, error body)."""
-    body = json.dumps({"prompt": "through envoy", "max_tokens": 1}).encode()
     async with aio.insecure_channel(f"127.0.0.1:{app.extproc_port}") as channel:
         call = ep_grpc.ExternalProcessorStub(channel).Process()
         for message in request_messages(headers, body, flow):
@@ -698,3 +700,72 @@ async def extproc_exchange(
         while await call.read() is not aio.EOF:
             pass
     return 200
+
+
+async def test_json_nested_past_the_interpreters_limit_is_a_400_on_every_front_end(
+    slow: EmulatedEngine, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Flow control glances at a body before it is decoded: a nesting msgspec cannot
+    decode is the client's 400 / INVALID_ARGUMENT there too (as with flow control off),
+    not a router error with a traceback."""
+    app = await flow_router(slow, limits={"max_inflight": 10})
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b', "max_tokens": 1}'
+    try:
+        with caplog.at_level(logging.WARNING):
+            headers = {"content-type": "application/json"}
+            async with http.post(f"{app.url}/v1/completions", data=deep, headers=headers) as r:
+                assert r.status == 400
+                assert "deeper than" in (await r.json())["error"]["message"]
+            async with connect(app.grpc_port) as stubs:
+                with pytest.raises(aio.AioRpcError) as err:
+                    async for _ in stubs.router.Generate(pb.GenerateRequest(body=deep)):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            status, _, error = await via_extproc(app, {}, body=deep)
+            assert status == 400 and "deeper than" in error["error"]["message"]
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    finally:
+        await app.stop()
+
+
+async def test_a_keys_tenant_limit_binds_whatever_tenant_its_client_names(
+    slow: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """``x-kvroute-tenant`` from a listed key neither dodges its tenant's rpm nor spends
+    another tenant's; a key allowed to set tenants names them."""
+    app = await flow_router(
+        slow,
+        keys=[
+            {"key": "k-http", "name": "http-team"},
+            {"key": "k-gen", "name": "gen-team"},
+            {"key": "k-gateway", "name": "gateway", "may_set_tenant": True},
+        ],
+        tenants=[{"name": n, "rpm": 1} for n in ("http-team", "gen-team", "victim")],
+        limits={"max_inflight": 10},
+    )
+    body = {"prompt": "tenant", "max_tokens": 1}
+    try:
+        url = f"{app.url}/v1/completions"
+        own = {"authorization": "Bearer k-http"}
+        assert (await post_reply(http, url, body, own)).status == 200
+        dodge = {**own, "x-kvroute-tenant": "elsewhere"}
+        refused = await post_reply(http, url, body, dodge)
+        assert refused.status == 429 and "tenant 'http-team'" in refused.body["error"]["message"]
+        async with connect(app.grpc_port) as stubs:
+            gen = {"authorization": "Bearer k-gen"}
+            assert (await generate(stubs.router, body, headers=gen)).status == 200
+            with pytest.raises(aio.AioRpcError) as err:
+                await generate(stubs.router, body, headers={**gen, "x-kvroute-tenant": "other"})
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "tenant 'gen-team'" in (err.value.details() or "")
+        # The victim's budget is untouched by the others naming it; the gateway spends it.
+        victim = {"x-kvroute-tenant": "victim"}
+        for key in ("k-http", "k-gen"):
+            named = {"authorization": f"Bearer {key}", **victim}
+            assert (await post_reply(http, url, body, named)).status == 429
+        gateway = {"authorization": "Bearer k-gateway", **victim}
+        assert (await post_reply(http, url, body, gateway)).status == 200
+        refused = await post_reply(http, url, body, gateway)
+        assert refused.status == 429 and "tenant 'victim'" in refused.body["error"]["message"]
+    finally:
+        await app.stop()

@@ -88,6 +88,27 @@ REFUSED: list[tuple[str, str, dict[str, Any], int, str]] = [
         400,
         "'max_completion_tokens' must be at most 16",
     ),
+    (
+        "max_tokens under the least an engine runs",
+        "completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 0},
+        400,
+        "'max_tokens' must be at least 1, got 0",
+    ),
+    (
+        "max_completion_tokens under the least an engine runs",
+        "chat",
+        {**CHAT, "max_tokens": 5, "max_completion_tokens": 0},
+        400,
+        "'max_completion_tokens' must be at least 1, got 0",
+    ),
+    (
+        "max_tokens not an integer",
+        "chat",
+        {**CHAT, "max_tokens": "ten"},
+        400,
+        "'max_tokens' must be an integer",
+    ),
     ("unknown model", "completions", {"prompt": "x", "model": "nope"}, 404, "'nope'"),
     (
         "unknown LoRA adapter",
@@ -215,8 +236,15 @@ async def test_every_front_end_refuses_it_with_the_same_message(
         ("completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2}),
         ("chat", {**CHAT, "messages": CHAT["messages"] * 2, "max_completion_tokens": 16, "n": 2}),
         ("completions", {"model": "sql-adapter", "prompt": "x", "max_tokens": 2}),
+        ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True}),
     ],
-    ids=["at every bound", "two prompts", "chat at its bounds", "a served LoRA adapter"],
+    ids=[
+        "at every bound",
+        "two prompts",
+        "chat at its bounds",
+        "a served LoRA adapter",
+        "the prompt echoed alone",
+    ],
 )
 async def test_every_front_end_accepts_a_request_within_the_limits(
     router: RouterApp, http: aiohttp.ClientSession, endpoint: str, payload: dict[str, Any]

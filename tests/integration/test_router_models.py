@@ -187,6 +187,36 @@ async def test_models_and_adapters_route_only_to_engines_that_serve_them(
         await app.stop()
 
 
+async def test_a_model_is_retrieved_by_its_id_as_the_list_shows_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """``GET /v1/models/{id}`` (the OpenAI SDK's ``models.retrieve``): a served model or
+    adapter is its entry of ``/v1/models``, an id with slashes included; anything else
+    OpenAI's 404."""
+    engine = await start_test_engine(
+        engine_id="org", model="org/base-7b", lora_modules=("org/base-7b-sql",)
+    )
+    app = await start_router([engine.url])
+    try:
+        async with http.get(f"{app.url}/v1/models") as resp:
+            listed = {m["id"]: m for m in (await resp.json())["data"]}
+        assert set(listed) == {"org/base-7b", "org/base-7b-sql"}
+        for model, entry in listed.items():
+            async with http.get(f"{app.url}/v1/models/{model}") as resp:
+                assert resp.status == 200
+                assert await resp.json() == entry
+        async with http.get(f"{app.url}/v1/models/org%2Fbase-7b") as resp:
+            assert resp.status == 200 and (await resp.json())["id"] == "org/base-7b"
+        async with http.get(f"{app.url}/v1/models/gamma") as resp:
+            assert resp.status == 404
+            error = (await resp.json())["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert error["message"] == "The model 'gamma' does not exist"
+    finally:
+        await app.stop()
+        await engine.stop()
+
+
 async def test_an_adapters_blocks_are_keyed_apart_from_the_base_models(
     zoo: dict[str, EmulatedEngine], http: aiohttp.ClientSession
 ) -> None:

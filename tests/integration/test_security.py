@@ -11,6 +11,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -39,6 +40,7 @@ ENGINE_KEY = "sk-engine-Wr27nK"
 SECRETS = (CLIENT_KEY, ADMIN_KEY, ENGINE_KEY)
 REDIS_PASSWORD = "redis-pw-Hq71xZ"
 BODY = {"model": "kvroute-emulated", "prompt": "secure hello", "max_tokens": 2}
+CHAT = {"model": "kvroute-emulated", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def closed_port() -> int:
@@ -540,6 +542,66 @@ async def test_a_redis_password_is_never_shown(
     assert REDIS_PASSWORD not in out and "redis://:***@127.0.0.1" in out
 
 
+# ---------------------------------------------------------------------------- one credential
+
+
+async def test_a_credential_header_sent_twice_is_a_400_in_the_routes_form(
+    engine: EmulatedEngine, http: aiohttp.ClientSession
+) -> None:
+    """The first of two would be the key here, and a proxy in front may have checked the
+    last: refused, whether or not keys are configured."""
+    app = await start_router([engine.url], auth={"api_keys": [CLIENT_KEY]})
+    good, other = f"Bearer {CLIENT_KEY}", "Bearer sk-someone-else"
+    try:
+        twice = [("Authorization", good), ("Authorization", other)]
+        async with http.post(f"{app.url}/v1/completions", json=BODY, headers=twice) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == "authorization"
+        messages = {**CHAT, "max_tokens": 2}
+        keys = [("x-api-key", CLIENT_KEY), ("x-api-key", CLIENT_KEY)]
+        async with http.post(f"{app.url}/v1/messages", json=messages, headers=keys) as r:
+            assert r.status == 400
+            answer = await r.json()
+            assert answer["type"] == "error"
+            assert answer["error"]["type"] == "invalid_request_error"
+            assert "x-api-key" in answer["error"]["message"]
+        once = await post_reply(http, f"{app.url}/v1/completions", BODY, bearer(CLIENT_KEY))
+        assert once.status == 200
+    finally:
+        await app.stop()
+    open_app = await start_router([engine.url])
+    try:
+        async with http.post(f"{open_app.url}/v1/completions", json=BODY, headers=twice) as r:
+            assert r.status == 400
+    finally:
+        await open_app.stop()
+
+
+async def test_grpc_metadata_authorization_sent_twice_is_invalid_argument(
+    engine: EmulatedEngine,
+) -> None:
+    app = await start_router(
+        [engine.url], grpc={"port": 0}, auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]}
+    )
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            router, admin = pb_grpc.RouterStub(channel), pb_grpc.AdminStub(channel)
+            for key in (CLIENT_KEY, ADMIN_KEY):
+                twice = (("authorization", f"Bearer {key}"), ("authorization", "Bearer x"))
+                for call in (
+                    router.Pick(pb.PickRequest(text="hi"), metadata=twice),
+                    admin.ListEngines(pb.ListEnginesRequest(), metadata=twice),
+                ):
+                    code, message = await rpc_error(call)
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "authorization" in message
+            once = (("authorization", f"Bearer {ADMIN_KEY}"),)
+            assert (await admin.ListEngines(pb.ListEnginesRequest(), metadata=once)).engines
+    finally:
+        await app.stop()
+
+
 # ---------------------------------------------------------------------------- handoff fields
 
 
@@ -583,6 +645,95 @@ async def test_client_handoff_fields_never_reach_an_engine(
         await app.stop()
 
 
+MODEL = BODY["model"]
+#: A body of each route that forwards to an engine.
+ROUTE_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completions": ("/v1/completions", BODY),
+    "chat": ("/v1/chat/completions", {**CHAT, "max_tokens": 2}),
+    "messages": ("/v1/messages", {**CHAT, "max_tokens": 2}),
+    "count_tokens": ("/v1/messages/count_tokens", CHAT),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2}),
+    "generate_tokens": (
+        "/inference/v1/generate",
+        {"model": MODEL, "token_ids": [11, 12, 13], "sampling_params": {"max_tokens": 2}},
+    ),
+    "tokenize": ("/tokenize", {"model": MODEL, "prompt": "hi"}),
+}
+
+
+def nested(body: dict[str, Any], path: str, value: object) -> dict[str, Any]:
+    """``body`` with ``value`` at the dotted ``path`` (objects on the way kept)."""
+    out = json.loads(json.dumps(body))
+    *outer, name = path.split(".")
+    node = out
+    for key in outer:
+        node = node.setdefault(key, {})
+    node[name] = value
+    return out
+
+
+def owned_value(path: str, port: int) -> object:
+    """What a hostile client puts at ``path``: a pull from the dial counter (or its
+    bootstrap room)."""
+    fields = hostile_handoff(port)
+    return fields.get(path.rpartition(".")[2], fields["kv_transfer_params"])
+
+
+@pytest.mark.parametrize(
+    ("front_end", "route", "path"),
+    [
+        # vLLM's engine reads SamplingParams.extra_args: sent as it is on generate...
+        ("http", "generate_tokens", "sampling_params.extra_args.kv_transfer_params"),
+        ("http", "generate_tokens", "sampling_params.extra_args.ec_transfer_params"),
+        # ...and built from vllm_xargs on the OpenAI and Anthropic routes.
+        ("http", "completions", "vllm_xargs.kv_transfer_params"),
+        ("http", "chat", "vllm_xargs.ec_transfer_params"),
+        ("http", "messages", "vllm_xargs.kv_transfer_params"),
+        ("http", "responses", "vllm_xargs.kv_transfer_params"),
+        ("http", "tokenize", "vllm_xargs.kv_transfer_params"),
+        ("http", "count_tokens", "kv_transfer_params"),
+        ("http", "completions", "ec_transfer_params"),
+        # An SDK's extra_body sent as a field, which proxies flatten.
+        ("http", "chat", "extra_body.kv_transfer_params"),
+        ("http", "completions", "extra_body.bootstrap_room"),
+        ("http", "completions", "extra_body.vllm_xargs.kv_transfer_params"),
+        ("grpc", "completions", "vllm_xargs.kv_transfer_params"),
+        ("grpc", "chat", "extra_body.kv_transfer_params"),
+    ],
+)
+async def test_nested_handoff_fields_never_reach_an_engine(
+    engine: EmulatedEngine,
+    http: aiohttp.ClientSession,
+    dial_counter: tuple[DialCounter, int],
+    front_end: str,
+    route: str,
+    path: str,
+) -> None:
+    """A router-owned field wherever vLLM would act on it is removed and counted under its
+    path: the engine never dials the host it names (generate), never sees the field (an
+    object in ``vllm_xargs`` is vLLM's own 400: the answer would not be 200), and the
+    request is served."""
+    counter, port = dial_counter
+    app = await start_router([engine.url], grpc={"port": 0})
+    url, base = ROUTE_BODIES[route]
+    body = nested(base, path, owned_value(path, port))
+    try:
+        if front_end == "http":
+            reply = await post_reply(http, f"{app.url}{url}", body)
+            assert reply.status == 200, reply.body
+        else:
+            async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+                chat = route == "chat"
+                endpoint = pb.ENDPOINT_CHAT_COMPLETIONS if chat else pb.ENDPOINT_COMPLETIONS
+                generated = await generate(pb_grpc.RouterStub(channel), body, endpoint=endpoint)
+                assert generated.status == 200, generated.data
+        assert counter.dials == 0
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_client_handoff_fields_removed_total", field=path) == 1
+    finally:
+        await app.stop()
+
+
 async def test_trusted_clients_may_send_handoff_fields(
     engine: EmulatedEngine,
     http: aiohttp.ClientSession,
@@ -603,10 +754,14 @@ async def test_grpc_pick_refuses_a_body_with_handoff_fields(engine: EmulatedEngi
     try:
         async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
             router = pb_grpc.RouterStub(channel)
-            body = json.dumps({**BODY, "bootstrap_room": 7}).encode()
-            code, message = await rpc_error(router.Pick(pb.PickRequest(body=body)))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT
-            assert "bootstrap_room" in message
+            for owned, named in (
+                ({"bootstrap_room": 7}, "bootstrap_room"),
+                ({"vllm_xargs": {"kv_transfer_params": {}}}, "vllm_xargs.kv_transfer_params"),
+            ):
+                body = json.dumps({**BODY, **owned}).encode()
+                code, message = await rpc_error(router.Pick(pb.PickRequest(body=body)))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT
+                assert named in message
             picked = await router.Pick(pb.PickRequest(body=json.dumps(BODY).encode()))
             await router.Release(pb.ReleaseRequest(request_id=picked.request_id))
         assert app.picks.open_count == 0

@@ -129,6 +129,24 @@ async def test_client_handoff_fields_are_removed_before_the_local_engine(
         await counter.stop()
 
 
+async def test_nested_handoff_fields_are_removed_before_the_local_engine(
+    pod: dict, http: aiohttp.ClientSession
+) -> None:
+    """``vllm_xargs`` becomes vLLM's SamplingParams.extra_args, where its engine reads
+    kv_transfer_params; an object there is vLLM's own 400, so a 200 is an engine that
+    never saw it."""
+    counter = DialCounter()
+    port = await counter.start()
+    try:
+        xargs = {"kv_transfer_params": hostile_handoff(port)["kv_transfer_params"], "tag": "x"}
+        body = {"prompt": prompt("nested", 40), "max_tokens": 2, "vllm_xargs": xargs}
+        status, answer = await post(http, f"{pod['url']}/v1/completions", body)
+        assert status == 200, answer
+        assert counter.dials == 0
+    finally:
+        await counter.stop()
+
+
 async def test_a_side_channel_off_the_allow_list_is_not_pulled_from(
     http: aiohttp.ClientSession,
 ) -> None:

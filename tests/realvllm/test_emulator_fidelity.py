@@ -6,6 +6,7 @@ answers must agree. What still differs is listed in docs/engine-emulator.md."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -186,6 +187,11 @@ async def test_the_metrics_the_router_reads_exist_on_both(
         ("prompt too long", {"model": MODEL, "prompt": [7] * 5000, "max_tokens": 1}),
         ("bad json", b'{"model": "tiny-llama", "prompt": '),
         ("max_tokens negative", {"model": MODEL, "prompt": "hi", "max_tokens": -1}),
+        ("temperature not a number", {"model": MODEL, "prompt": "hi", "temperature": "hot"}),
+        (
+            "an object in vllm_xargs",
+            {"model": MODEL, "prompt": "hi", "vllm_xargs": {"kv_transfer_params": {}}},
+        ),
     ],
 )
 async def test_error_answers_match_real_vllm(
@@ -201,3 +207,50 @@ async def test_error_answers_match_real_vllm(
     assert (case, emu_status) == (case, real_status)
     assert set(emu_body["error"]) == set(real_body["error"]), (real_body, emu_body)
     assert emu_body["error"]["type"] == real_body["error"]["type"], (real_body, emu_body)
+
+
+async def last_event(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    """The last ``data:`` of a server-sent event stream (Responses: ``event:`` lines too)."""
+    headers = {"Content-Type": "application/json"}
+    async with http.post(url, json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        text = (await resp.read()).decode()
+    data = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    return json.loads(data[-1])
+
+
+async def test_where_vllm_differs_from_the_hosted_apis_the_emulator_is_vllm(
+    vllm_pair: tuple[VllmEngine, VllmEngine],
+    emulator: EmulatedEngine,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Anthropic's API refuses a ``system`` role inside ``messages`` and names messages
+    ``msg_…``; OpenAI's ends a Responses stream cut by ``max_output_tokens`` with
+    ``response.incomplete``. vLLM 0.32 takes the inline system message, names the
+    message after its chat completion and ends with ``response.completed`` whose
+    response is incomplete: the emulator does as vLLM does."""
+    inline_system = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "answer briefly"},
+        ],
+    }
+    cut = {
+        "model": MODEL,
+        "input": "hi",
+        "max_output_tokens": 2,
+        "ignore_eos": True,
+        "stream": True,
+        "store": False,
+    }
+    for url in (vllm_pair[0].url, emulator.url):
+        status, message = await post(http, f"{url}/v1/messages", inline_system)
+        assert status == 200, (url, message)
+        assert message["id"].startswith("chatcmpl-"), (url, message["id"])
+        last = await last_event(http, f"{url}/v1/responses", cut)
+        assert last["type"] == "response.completed", (url, last["type"])
+        response = last["response"]
+        assert response["status"] == "incomplete", (url, response["status"])
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}, url

@@ -10,8 +10,10 @@ import aiohttp
 import pytest
 from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll
+from support.listeners import DialCounter
 from support.real_vllm import START_TIMEOUT_S, TIER_TEST_TIMEOUT_S, VllmEngine
 from support.vllm_prompts import (
+    MODEL,
     above,
     cached_tokens,
     completion,
@@ -102,6 +104,49 @@ async def test_a_prompt_repeated_after_a_split_is_served_from_the_kv_decode_pull
         await poll(stays_on_decode, timeout=20, interval=0.5)
     finally:
         await app.stop()
+
+
+async def test_a_clients_kv_transfer_params_in_extra_args_never_make_the_engine_dial(
+    vllm_pair: tuple[VllmEngine, VllmEngine], http: aiohttp.ClientSession
+) -> None:
+    """vLLM's engine reads ``SamplingParams.extra_args["kv_transfer_params"]``
+    (vllm/v1/request.py), and ``/inference/v1/generate`` takes ``sampling_params.
+    extra_args`` from the client as it is. Through the router the field is removed: the
+    engine answers and never dials the side channel it names (a listener on loopback).
+    Sent to the engine directly, the same body makes it dial there."""
+    _, b = vllm_pair
+    counter = DialCounter()
+    port = await counter.start()
+    app = await start_vllm_router([b.url])
+    pull = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "a-client-chose-it",
+        "remote_block_ids": [[1]],
+        "remote_host": "127.0.0.2",
+        "remote_port": port,
+        "remote_request_id": "r",
+        "tp_size": 1,
+    }
+    body = {
+        "model": MODEL,
+        "token_ids": [5, 6, 7, 8, 9, 10],
+        "sampling_params": {"max_tokens": 2, "extra_args": {"kv_transfer_params": pull}},
+    }
+    try:
+        reply = await post_reply(http, f"{app.url}/inference/v1/generate", body)
+        assert counter.dials == 0  # a pull runs before the request: none was started
+        assert reply.status == 200, reply.body
+        assert len(reply.body["choices"][0]["token_ids"]) == 2
+        samples = await metrics(http, app.url)
+        field = "sampling_params.extra_args.kv_transfer_params"
+        assert metric_sum(samples, "kvroute_client_handoff_fields_removed_total", field=field) == 1
+        # What the router prevented (vLLM answers 500 once the pull fails, after ~5 s).
+        await post_reply(http, f"{b.url}/inference/v1/generate", body)
+        await poll(lambda: counter.dials > 0, timeout=30)
+    finally:
+        await app.stop()
+        await counter.stop()
 
 
 async def test_a_client_leaving_during_a_split_leaves_nothing_running(

@@ -1,9 +1,10 @@
 """vLLM's other routes through kvroute: tokenize and detokenize pass through with the
 engine's answer unchanged; the routes the CPU build does not serve for a generation
 model (embeddings, pooling: the tiny Llama is no pooling model, so vLLM answers 404
-``{"detail": "Not Found"}``; render: 403 without ``--enable-scale-out``) pass the
-engine's own refusal through unchanged, status included; what the router refuses
-itself is its own OpenAI error."""
+``{"detail": "Not Found"}``) pass the engine's own refusal through unchanged, status
+included; what the router refuses itself is its own OpenAI error. (The tier's engines
+run with ``--enable-scale-out``: ``/inference/v1/generate`` through the router is in
+test_vllm_nixl.py.)"""
 
 from __future__ import annotations
 
@@ -80,7 +81,6 @@ async def test_tokenize_requests_spread_over_both_engines(
         ("/v1/embeddings", {"input": "routes embeddings"}, 404),
         ("/pooling", {"input": "routes pooling"}, 404),
         ("/score", {"queries": "a", "documents": ["b"]}, 404),
-        ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "x"}]}, 403),
     ],
 )
 async def test_an_engine_refusal_of_a_route_it_does_not_serve_passes_through_unchanged(
@@ -104,3 +104,24 @@ async def test_an_unknown_model_is_refused_by_the_router_before_any_engine(
     assert reply.status == 404
     assert reply.body["error"]["code"] == "model_not_found"
     assert "x-kvroute-engine" not in reply.headers
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [({"max_tokens": 0}, 400), ({"max_tokens": 0, "echo": True}, 200)],
+    ids=["max_tokens 0", "echo with max_tokens 0"],
+)
+async def test_the_router_refuses_the_max_tokens_vllm_refuses_and_no_other(
+    router: RouterApp,
+    vllm_pair: tuple[VllmEngine, VllmEngine],
+    http: aiohttp.ClientSession,
+    fields: dict[str, Any],
+    status: int,
+) -> None:
+    body = {"model": MODEL, "prompt": text(6, "routes-least-output"), **fields}
+    routed, direct = await _both(http, router, vllm_pair[1], "/v1/completions", body)
+    assert routed.status == direct.status == status, (routed.body, direct.body)
+    if status == 400:  # the router's own refusal, in the engine's terms
+        assert "x-kvroute-engine" not in routed.headers
+        assert routed.body["error"]["param"] == direct.body["error"]["param"] == "max_tokens"
+        assert routed.body["error"]["message"] == "'max_tokens' must be at least 1, got 0"

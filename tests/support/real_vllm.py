@@ -132,6 +132,9 @@ class VllmEngine:
             "16",
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
+            # The scale-out routes (/inference/v1/generate, render, derender), which
+            # kvroute passes through.
+            "--enable-scale-out",
             "--kv-events-config",
             json.dumps(events),
         ]

@@ -52,16 +52,32 @@ def test_gateway_metadata_and_objectives_give_a_priority() -> None:
 
 def test_the_tenant_comes_from_the_first_source_configured() -> None:
     body = b'{"prompt": "x", "user": "alice"}'
-    who = ids(keys=[{"key": "k1", "name": "team-a"}])
+    who = ids(keys=[{"key": "k1", "name": "team-a", "may_set_tenant": True}])
     auth = {"authorization": "Bearer k1"}
     assert who.ticket({**auth, "x-kvroute-tenant": "t9"}, body).tenant == "t9"
     assert who.ticket(auth, body).tenant == "team-a"
     assert who.ticket({}, body).tenant == "alice"
+    assert who.ticket({"x-kvroute-tenant": "t9"}, body).tenant == "t9"  # an unlisted caller
     assert who.ticket({}).tenant == "default"
     only_user = ids(tenant_from=["user"])
     assert only_user.ticket({**auth, "x-kvroute-tenant": "t9"}, body).tenant == "alice"
     unnamed = ids(tenant_from=["api_key"]).ticket({"authorization": "Bearer secret-1"})
     assert unnamed.tenant == key_digest("secret-1") and "secret" not in unnamed.tenant
+
+
+def test_a_listed_keys_tenant_wins_over_what_its_client_names() -> None:
+    body = b'{"prompt": "x", "user": "alice"}'
+    who = ids(
+        keys=[{"key": "k1", "name": "team-a"}, {"key": "k2"}],
+        tenant_from=["header", "user", "api_key"],
+    )
+    named = {"authorization": "Bearer k1", "x-kvroute-tenant": "team-b"}
+    assert who.ticket(named, body).tenant == "team-a"
+    assert who.ticket({"x-api-key": "k1"}, body).tenant == "team-a"
+    unnamed = {"authorization": "Bearer k2", "x-kvroute-tenant": "team-b"}
+    assert who.ticket(unnamed, body).tenant == key_digest("k2")
+    # The gateway's metadata is the operator's word, not the client's.
+    assert who.ticket(named, metadata={"tenant": "gw-t"}).tenant == "gw-t"
 
 
 def test_the_estimate_is_prompt_bytes_over_four_plus_the_output_budget() -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from router.api.anthropic import parse_messages
 from router.api.errors import ApiError
-from router.api.openai import decode_body, parse_chat, parse_completion
+from router.api.openai import ParsedRequest, decode_body, parse_chat, parse_completion
+from router.api.responses import parse_responses
 from router.api.validate import (
     InvalidRequest,
     check_keyed,
@@ -178,3 +182,59 @@ def test_block_keys_get_the_same_bounds_and_messages() -> None:
     with pytest.raises(InvalidRequest) as err:
         check_keyed(3, None, 8, LimitsConfig(max_n=4, max_sequences=2))
     assert err.value.reason == "max_sequences"
+
+
+CHAT = [{"role": "user", "content": "x"}]
+OUTPUT_BOUNDS = [
+    # (parser, body, param, message): each API's output bound, what vLLM 0.32 refuses.
+    (parse_completion, {"prompt": "x", "max_tokens": 0}, "'max_tokens' must be at least 1, got 0"),
+    (parse_completion, {"prompt": "x", "max_tokens": -1, "echo": True}, "at least 0, got -1"),
+    (parse_completion, {"prompt": "x", "max_tokens": 1.5}, "'max_tokens' must be an integer"),
+    (parse_chat, {"messages": CHAT, "max_tokens": 0}, "'max_tokens' must be at least 1, got 0"),
+    (
+        parse_chat,
+        {"messages": CHAT, "max_completion_tokens": 0},
+        "'max_completion_tokens' must be at least 1, got 0",
+    ),
+    (
+        parse_responses,
+        {"input": "x", "max_output_tokens": 0},
+        "'max_output_tokens' must be at least 1, got 0",
+    ),
+    (
+        parse_responses,
+        {"input": "x", "max_output_tokens": "ten"},
+        "'max_output_tokens' must be an integer",
+    ),
+    (
+        parse_messages,
+        {"model": "m", "messages": CHAT, "max_tokens": -1},
+        "'max_tokens' must be at least 1, got -1",
+    ),
+    (
+        parse_messages,
+        {"model": "m", "messages": CHAT, "max_tokens": "ten"},
+        "'max_tokens' must be an integer",
+    ),
+    (parse_messages, {"model": "m", "messages": CHAT}, "'max_tokens' is required"),
+]
+
+
+@pytest.mark.parametrize(("parse", "body", "message"), OUTPUT_BOUNDS)
+def test_each_api_says_what_is_wrong_with_its_output_bound(
+    parse: Callable[[dict[str, Any]], ParsedRequest], body: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse(body)
+    assert refused.value.status == 400
+    assert message in refused.value.message
+
+
+def test_a_completion_may_echo_its_prompt_alone() -> None:
+    assert parse_completion({"prompt": "x", "max_tokens": 0, "echo": True}).max_tokens == 0
+
+
+def test_a_keyed_pick_has_the_same_output_bound() -> None:
+    with pytest.raises(ApiError) as refused:
+        check_keyed(1, 0, 16, LimitsConfig())
+    assert refused.value.message == "'max_tokens' must be at least 1, got 0"

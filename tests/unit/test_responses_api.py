@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from router.api.errors import ApiError
+from router.api.http import _ends_stream
 from router.api.responses import ResponseIdWatch, parse_responses
 from router.config import ResponsesConfig
 from router.response_store import ResponseStore
@@ -216,3 +217,24 @@ async def test_without_a_renderer_engine_mode_tokenizes_the_chat_with_special_to
     sent = engine.calls[1][1]
     assert sent["add_special_tokens"] is True and sent["messages"] == MESSAGES
     assert sent["tools"] == [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        b'event: response.completed\ndata: {"type":"response.completed"}',
+        # OpenAI's own end of a stream cut by max_output_tokens (vLLM 0.32 sends the
+        # one above, with the response's status "incomplete"), and of a failed one.
+        b'event: response.incomplete\ndata: {"type":"response.incomplete"}',
+        b'event: response.failed\ndata: {"type":"response.failed"}',
+    ],
+)
+def test_the_relay_sees_every_last_event_of_a_responses_stream(last: bytes) -> None:
+    """The request leaves the engine's load when the engine sends it (before the client
+    reads it), wherever the chunks split it."""
+    before = b'event: response.output_text.delta\ndata: {"delta":"hi"}\n\n'
+    stream = before + last + b"\n\n"
+    for cut in range(len(before), len(stream)):
+        head, chunk = stream[:cut], stream[cut:]
+        assert _ends_stream(b"\n", head) or _ends_stream(head, chunk), cut
+    assert not _ends_stream(b"\n", before)

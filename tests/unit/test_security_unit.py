@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
 from router.config import AuthConfig, Config, ConfigError, load_config
+from router.handoff.fields import OWNED_PATHS, owned_fields, strip_owned
 from router.index.redis import RedisIndex
 from router.security import (
     AuthError,
@@ -179,3 +181,36 @@ async def test_event_endpoint_networks() -> None:
     assert "not a tcp" in (await endpoint_allowed("pgm://10.2.3.4:5557", cidrs) or "")
     # the engine's own host is allowed whatever the networks say
     assert await endpoint_allowed("tcp://203.0.113.9:5557", cidrs, own_host="203.0.113.9") is None
+
+
+@pytest.mark.parametrize("path", [".".join(p) for p in OWNED_PATHS])
+def test_a_router_owned_field_is_removed_wherever_it_takes_effect(path: str) -> None:
+    *outer, name = path.split(".")
+    # The same name elsewhere is no engine's to read: it stays.
+    payload: dict[str, Any] = {"prompt": "x", "metadata": {"kv_transfer_params": 1}}
+    container = payload
+    for key in outer:
+        container = container.setdefault(key, {"sibling": 1})
+    container[name] = {"remote_host": "10.9.9.9"}
+    assert owned_fields(payload) == [path]
+    assert strip_owned(payload) == [path]
+    assert name not in container and owned_fields(payload) == []
+    assert payload["prompt"] == "x" and payload["metadata"] == {"kv_transfer_params": 1}
+    if outer:
+        assert container == {"sibling": 1}
+
+
+def test_vllms_extra_args_paths_are_router_owned() -> None:
+    """Where vLLM 0.32's engine reads kv_transfer_params and ec_transfer_params from
+    (``SamplingParams.extra_args``: ``vllm_xargs``, ``sampling_params.extra_args`` on
+    /inference/v1/generate)."""
+    for field in ("kv_transfer_params", "ec_transfer_params"):
+        assert (field,) in OWNED_PATHS
+        assert ("vllm_xargs", field) in OWNED_PATHS
+        assert ("sampling_params", "extra_args", field) in OWNED_PATHS
+
+
+def test_containers_of_another_type_are_left_alone() -> None:
+    payload: dict[str, Any] = {"vllm_xargs": ["kv_transfer_params"], "sampling_params": "x"}
+    assert strip_owned(payload) == []
+    assert payload == {"vllm_xargs": ["kv_transfer_params"], "sampling_params": "x"}
