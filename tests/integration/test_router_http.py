@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import pytest_asyncio
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from support.clients import get, metric_sum, metrics, post, post_reply, stream
 from support.docs import documented_metrics
@@ -605,6 +606,28 @@ async def test_an_engine_never_reachable_is_pending_and_not_ready(
         await app.stop()
         if engine is not None:
             await engine.stop()
+
+
+async def test_a_zmq_port_given_as_an_engine_is_one_warning_not_a_traceback_a_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``--engine http://HOST:KV_EVENTS_PORT``, a first-day mix-up: the ZMQ socket greets
+    and hangs up on every probe and scrape; the router says so once (issue 44, item 11)."""
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    caplog.set_level(logging.WARNING, logger="kvroute")
+    app = await start_router([{"url": f"http://127.0.0.1:{port}", "models": [MODEL]}])
+    try:
+        record = app.registry.get(f"127.0.0.1:{port}")
+        assert record is not None
+        await poll(lambda: record.failures >= 20)  # 20 probes, and the scrapes beside them
+        assert record.state is EngineState.PENDING
+        assert [r.levelname for r in caplog.records if r.name.startswith("kvroute")] == ["WARNING"]
+        assert f"engine http://127.0.0.1:{port} not ready yet" in caplog.text
+    finally:
+        await app.stop()
+        publisher.close()
 
 
 async def test_an_engine_that_goes_away_is_ejected_and_readmitted_when_back(
