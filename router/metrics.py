@@ -640,6 +640,12 @@ class RouterMetrics:
             ["api", "kind", "status"],
             registry=r,
         )
+        self.client_gone_at_end = Counter(
+            "kvroute_client_gone_at_end",
+            "Streamed answers whose client left after the last event, before the stream's "
+            "closing bytes (normal: many clients close on data: [DONE]); counted as ok",
+            registry=r,
+        )
         self.retries = Counter(
             "kvroute_retries",
             "Requests retried on another engine before the first byte",

@@ -225,12 +225,18 @@ class Sidecar:
             out = web.StreamResponse(status=response.status, headers={"Content-Type": ctype})
             await out.prepare(request)
             try:
-                while chunk := await response.readany():
-                    self.upstream.deadlines.touch(deadline, self.proxy.idle_timeout_s)
-                    await out.write(tap.chunk(chunk) if tap is not None else chunk)
-            except HTTPError as exc:
-                await out.write(ApiError(502, f"the engine's stream broke: {exc}").sse())
-            await out.write_eof()
+                try:
+                    while chunk := await response.readany():
+                        self.upstream.deadlines.touch(deadline, self.proxy.idle_timeout_s)
+                        await out.write(tap.chunk(chunk) if tap is not None else chunk)
+                except HTTPError as exc:
+                    await out.write(ApiError(502, f"the engine's stream broke: {exc}").sse())
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+                raise asyncio.CancelledError from None  # the client left midway
+            try:
+                await out.write_eof()
+            except ConnectionResetError:  # it left after the last byte, as many do
+                log.debug("client left before the end of a stream from %s", url)
             return out
         finally:
             self.upstream.finish(response, deadline)
