@@ -263,6 +263,7 @@ class RouterApp:
             config.server.max_connections,
             config.server.header_timeout_s,
             config.server.body_timeout_s,
+            config.server.keepalive_timeout_s,
         )
         """Client connections of the HTTP listener: their cap and timeouts."""
         self._bound: asyncio.Server | None = None
@@ -733,13 +734,8 @@ class RouterApp:
         if self.config.tls.on("http"):
             self.server_tls = ServerTLS(self.config.tls)
             ssl_context = self.server_tls.context
-        self._runner = web.AppRunner(
-            self.web_app(),
-            handler_cancellation=True,
-            access_log=None,
-            keepalive_timeout=server_cfg.keepalive_timeout_s,
-            auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
-        )
+        # The connections' protocol and its settings are the listener's (router.api.listener).
+        self._runner = web.AppRunner(self.web_app(), handler_cancellation=True)
         await self._runner.setup()
         self._bound = await bind(
             server_cfg.host, server_cfg.port, self.connections, self._runner, ssl_context

@@ -443,6 +443,11 @@ class StateCollector(Collector):
         for phase, n in sorted(guard.timeouts.items()):
             timeouts.add_metric([phase], n)
         yield timeouts
+        yield CounterMetricFamily(
+            "kvroute_http_malformed_requests",
+            "Requests answered 400 before any handler: unparseable, or an Expect not UTF-8",
+            value=guard.malformed,
+        )
 
     def _flow(self, flow: FlowControl) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield _family(

@@ -296,19 +296,19 @@ async def start_sidecar(
     ``server``: the listener's connection cap and timeouts (``ServerConfig``'s
     defaults, the router's, unless given)."""
     server = server or ServerConfig()
-    guard = ConnectionGuard(server.max_connections, server.header_timeout_s, server.body_timeout_s)
+    guard = ConnectionGuard(
+        server.max_connections,
+        server.header_timeout_s,
+        server.body_timeout_s,
+        server.keepalive_timeout_s,
+    )
     app = web.Application(middlewares=[guard.middleware, openai_errors])
     sidecar = Sidecar(
         engine_url, AllowList(allow), proxy or ProxyConfig(), allow_client_handoff_fields
     )
     app.add_routes(sidecar.routes())
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        keepalive_timeout=server.keepalive_timeout_s,
-        auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
-    )
+    # The connections' protocol and its settings are the listener's (router.api.listener).
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:
         bound = await bind(host, port, guard, runner)
