@@ -5,7 +5,8 @@
 * the ext_proc listener (``extproc.port``, ``--extproc-port``):
   ``envoy.service.ext_proc.v3.ExternalProcessor``.
 
-Each serves ``grpc.health.v1`` and server reflection. Health, per service: ``liveness``
+Each serves ``grpc.health.v1`` and server reflection; on the API listener, reflection
+needs a client (or admin) key when ``auth.api_keys`` are set. Health, per service: ``liveness``
 (ext_proc listener) is SERVING while the process runs; every other service, and the
 server as a whole (``""``), is SERVING while the router is not draining and has a
 healthy engine, NOT_SERVING otherwise. A drain listener and engine state changes update
@@ -110,15 +111,17 @@ class Listener:
 
 
 class ClientKeys(aio.ServerInterceptor):
-    """The client key (``auth.api_keys``) on every call of ``kvroute.v1.Router``, from
-    the ``authorization`` metadata; refused calls end UNAUTHENTICATED before the
-    servicer runs. Admin calls are checked by the admin layer; health and reflection
-    stay open for probes."""
+    """The client key (``auth.api_keys``; an admin key does too) on every call of
+    ``kvroute.v1.Router`` and of server reflection, from the ``authorization`` metadata;
+    refused calls end UNAUTHENTICATED before the servicer runs. Reflection describes
+    the whole API, so it asks for a key wherever the API does (grpcurl: ``-H
+    'authorization: Bearer KEY'``). Admin calls are checked by the admin layer; health
+    stays open for probes."""
 
     def __init__(self, credentials: Credentials, metrics: RouterMetrics) -> None:
         self.credentials = credentials
         self.metrics = metrics
-        self.prefix = f"/{ROUTER_SERVICE}/"
+        self.prefixes = (f"/{ROUTER_SERVICE}/", f"/{reflection.SERVICE_NAME}/")
 
     async def intercept_service(
         self,
@@ -127,7 +130,11 @@ class ClientKeys(aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         credentials = self.credentials
-        if handler is None or credentials.client_open or not details.method.startswith(self.prefix):
+        if (
+            handler is None
+            or credentials.client_open
+            or not details.method.startswith(self.prefixes)
+        ):
             return handler
         metadata = {
             k.lower(): v for k, v in details.invocation_metadata or () if isinstance(v, str)
@@ -135,8 +142,9 @@ class ClientKeys(aio.ServerInterceptor):
         try:
             credentials.check_client(metadata.get("authorization"))
         except AuthError as exc:
-            method = details.method[len(self.prefix) :]
-            self.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
+            service, method = details.method[1:].split("/", 1)
+            if service == ROUTER_SERVICE:  # kvroute_grpc_requests_total counts kvroute.v1
+                self.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
             self.metrics.auth_refusals.labels("grpc", "client", str(exc.status)).inc()
             return _refusal(handler, exc.message)
         return handler

@@ -20,6 +20,7 @@ from aiohttp import web
 from cryptography import x509
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll, start_test_engine
 from support.grpc_clients import generate, rpc_error
@@ -219,6 +220,36 @@ async def test_grpc_client_and_admin_keys(engine: EmulatedEngine) -> None:
             assert len(listed.engines) == 1
             got, message = await rpc_error(admin.Reload(pb.ReloadRequest(), metadata=admin_md))
             assert got == grpc.StatusCode.INVALID_ARGUMENT and "configuration" in message
+    finally:
+        await app.stop()
+
+
+async def test_grpc_reflection_needs_a_key_when_keys_are_set(engine: EmulatedEngine) -> None:
+    """Reflection describes the whole API: it answered anyone (issue 44, item 5). Health
+    stays open for probes."""
+    app = await start_router(
+        [engine.url],
+        grpc={"port": 0},
+        auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]},
+    )
+    listing = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async def services(metadata: list[tuple[str, str]]) -> list[str]:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = [a async for a in stub.ServerReflectionInfo(iter([listing]), metadata=metadata)]
+        return [s.name for s in answers[0].list_services_response.service]
+
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            for metadata in ([], [("authorization", "Bearer wrong")]):
+                got, message = await rpc_error(services(metadata))
+                assert got == grpc.StatusCode.UNAUTHENTICATED, (got, message)
+            for key in (CLIENT_KEY, ADMIN_KEY):
+                listed = await services([("authorization", f"Bearer {key}")])
+                assert "kvroute.v1.Router" in listed and "kvroute.v1.Admin" in listed
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await app.stop()
 
