@@ -6,7 +6,10 @@
   ``envoy.service.ext_proc.v3.ExternalProcessor``.
 
 Each serves ``grpc.health.v1`` and server reflection; on the API listener, reflection
-needs a client (or admin) key when ``auth.api_keys`` are set. Health, per service: ``liveness``
+needs a client (or admin) key when ``auth.api_keys`` are set. A request that is not a
+valid protobuf message of its method's type ends INVALID_ARGUMENT, on every service
+(grpc.aio's own answer was UNKNOWN, quoting the decoder's exception class, with an
+ERROR traceback per message). Health, per service: ``liveness``
 (ext_proc listener) is SERVING while the process runs; every other service, and the
 server as a whole (``""``), is SERVING while the router is not draining and has a
 healthy engine, NOT_SERVING otherwise. A drain listener and engine state changes update
@@ -16,13 +19,15 @@ it at once; a one-second refresh catches engines added or removed.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -76,7 +81,7 @@ class Listener:
         self.followers = ("", *health)
         self.credentials = credentials
         self.server = aio.server(
-            interceptors=interceptors,
+            interceptors=(*interceptors, MalformedMessages()),
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
@@ -167,6 +172,87 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
             return make(
                 refuse,
                 request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+_MALFORMED = object()
+"""What a request that did not decode becomes, for the handler to refuse."""
+
+
+class MalformedMessages(aio.ServerInterceptor):
+    """Requests that are not valid protobuf messages of their method's type end
+    INVALID_ARGUMENT with a message naming the method, before the servicer sees them."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _checking(
+            handler, f"the request is not a valid protobuf message for {details.method}"
+        )
+
+
+def _checking(handler: grpc.RpcMethodHandler, refusal: str) -> grpc.RpcMethodHandler:
+    """``handler`` with requests that do not decode refused with ``refusal``."""
+    decode = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return decode(data)
+        except DecodeError:
+            return _MALFORMED
+
+    async def check(request: Any, context: aio.ServicerContext) -> None:
+        if request is _MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+
+    async def checked(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+        async for request in requests:
+            await check(request, context)
+            yield request
+
+    def wrap(behaviour: Callable[..., Any], streamed_requests: bool) -> Callable[..., Any]:
+        # The wrapper keeps the behaviour's kind: grpc.aio tells coroutines (which may
+        # write to the context) from async generators (which yield their responses).
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def generator(request: Any, context: aio.ServicerContext) -> Any:
+                if streamed_requests:
+                    request = checked(request, context)
+                else:
+                    await check(request, context)
+                async for response in behaviour(request, context):
+                    yield response
+
+            return generator
+
+        async def coroutine(request: Any, context: aio.ServicerContext) -> Any:
+            if streamed_requests:
+                request = checked(request, context)
+            else:
+                await check(request, context)
+            return await behaviour(request, context)
+
+        return coroutine
+
+    kinds = {
+        "unary_unary": (grpc.unary_unary_rpc_method_handler, False),
+        "unary_stream": (grpc.unary_stream_rpc_method_handler, False),
+        "stream_unary": (grpc.stream_unary_rpc_method_handler, True),
+        "stream_stream": (grpc.stream_stream_rpc_method_handler, True),
+    }
+    for kind, (make, streamed_requests) in kinds.items():
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            return make(
+                wrap(behaviour, streamed_requests),
+                request_deserializer=deserialize,
                 response_serializer=handler.response_serializer,
             )
     return handler
