@@ -813,6 +813,16 @@ class LimitsConfig(_Section):
         gt=0,
         description="Output tokens assumed for load accounting when a request sets no max_tokens.",
     )
+    max_dp_size: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="Most data-parallel ranks an engine may announce (`dp_size` in its "
+        "`/server_info`, or the ranks of vLLM's `/kv_event_sources`): the router keeps a "
+        "routing target, load and index entries per rank, so an engine announcing more is "
+        "refused, with one log line naming it and both numbers. Sizes the operator sets "
+        "(`engines[].dp_size`, the Kubernetes annotation, `Admin/AddEngine`) are not bounded.",
+    )
 
 
 MAX_EVENT_MESSAGE_BYTES = 32 * 2**20

@@ -30,6 +30,7 @@ from support.tls import TestCA
 
 from router.cli import main
 from router.emulator import EmulatedEngine
+from router.engines.registry import EngineState
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.reload import Reloader
@@ -763,3 +764,91 @@ async def test_event_endpoints_from_kv_event_sources_are_checked_too(
     finally:
         await app.stop()
         await runner.cleanup()
+
+
+class RankBoaster:
+    """An engine (a plain HTTP server) that announces ``ranks`` data-parallel ranks in
+    its ``/server_info`` or its ``/kv_event_sources``."""
+
+    def __init__(self, ranks: int, where: str) -> None:
+        self.ranks, self.where = ranks, where
+        self.probes = 0
+
+    async def start(self) -> str:
+        async def health(_: web.Request) -> web.Response:
+            self.probes += 1
+            return web.Response()
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": BODY["model"]}]})
+
+        async def server_info(_: web.Request) -> web.Response:
+            if self.where != "server_info":
+                return web.json_response({}, status=404)
+            return web.json_response({"dp_size": self.ranks, "block_size": 16})
+
+        async def event_sources(_: web.Request) -> web.Response:
+            if self.where != "kv_event_sources":
+                return web.json_response({}, status=404)
+            endpoint = "tcp://127.0.0.1:5557"
+            return web.json_response(
+                {
+                    str(rank): {"endpoint": endpoint, "publisher": "zmq"}
+                    for rank in range(self.ranks)
+                }
+            )
+
+        fake = web.Application()
+        fake.add_routes(
+            [
+                web.get("/health", health),
+                web.get("/v1/models", models),
+                web.get("/server_info", server_info),
+                web.get("/kv_event_sources", event_sources),
+            ]
+        )
+        self.runner = web.AppRunner(fake)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("where", ["server_info", "kv_event_sources"])
+async def test_an_engine_announcing_more_ranks_than_the_limit_is_refused_once(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rogue engine's announced ``dp_size`` made the router build one routing target
+    (load, index entries) per rank, a million of them if it said so (issue 44, item 4)."""
+    boaster = RankBoaster(1_000_000 if where == "server_info" else 65, where)
+    url = await boaster.start()
+    caplog.set_level(logging.WARNING, logger="kvroute")
+    app = await start_router([url])
+    try:
+        record = app.registry.get(url.removeprefix("http://"))
+        assert record is not None and record.state is EngineState.REFUSED
+        assert len(record.keys) == 1
+        announced = "1000000" if where == "server_info" else "65"
+        assert f"announces {announced} data-parallel ranks" in record.refused_reason
+        assert "limits.max_dp_size 64" in record.refused_reason
+        probes = boaster.probes
+        await poll(lambda: boaster.probes >= probes + 5)  # probed again and again
+        lines = [r.getMessage() for r in caplog.records if "data-parallel ranks" in r.getMessage()]
+        assert lines == [f"refusing {record.refused_reason}"]
+        assert record.state is EngineState.REFUSED
+    finally:
+        await app.stop()
+        await boaster.runner.cleanup()
+
+
+async def test_an_engine_within_the_rank_limit_is_routed_to_every_rank() -> None:
+    boaster = RankBoaster(4, "server_info")
+    url = await boaster.start()
+    app = await start_router([url], limits={"max_dp_size": 4})
+    try:
+        record = app.registry.get(url.removeprefix("http://"))
+        assert record is not None and record.state is EngineState.HEALTHY
+        assert [key.rank for key in record.keys] == [0, 1, 2, 3]
+    finally:
+        await app.stop()
+        await boaster.runner.cleanup()
