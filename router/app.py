@@ -52,6 +52,7 @@ from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
 from router.events.ingest import EventIngestor, StreamState
+from router.events.publishers import CurveKeys, is_loopback
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.flow.control import FlowControl
 from router.index import KVIndex, MemoryIndex, index_from_config
@@ -610,6 +611,34 @@ class RouterApp:
                 self.replicated.add_now(source.engine, list(keys), tier)
         return warm
 
+    async def _bind_events(self, subscriber: KVEventSubscriber) -> None:
+        """Bind the socket engines publish to (``events.bind_endpoint``), with the
+        publisher checks configured; warn when it is open beyond loopback without keys."""
+        events = self.config.events
+        assert events.bind_endpoint is not None
+        curve = None
+        if events.curve_secret_key_file is not None and events.curve_public_keys_dir:
+            curve = CurveKeys.load(events.curve_secret_key_file, events.curve_public_keys_dir)
+        bound = await subscriber.bind(
+            events.bind_endpoint,
+            self._resolve_topic,
+            check_address=events.bind_check_address,
+            curve=curve,
+        )
+        log.info("KV events: bound %s for engines that connect", bound)
+        if curve is None and not is_loopback(bound):
+            log.warning(
+                "KV events: %s takes publishers from any host that reaches it, without "
+                "CURVE keys; %s. Set events.curve_secret_key_file and "
+                "events.curve_public_keys_dir (docs/security.md)",
+                bound,
+                "a message counts only if it comes from the address of the engine its topic "
+                "names (events.bind_check_address)"
+                if events.bind_check_address
+                else "and events.bind_check_address is off: any of them may post under any "
+                "engine's topic",
+            )
+
     def _resolve_topic(self, topic: str, rank: int | None) -> EventSource | None:
         parsed = parse_llmd_topic(topic)
         if parsed is None:
@@ -764,10 +793,7 @@ class RouterApp:
             )
             self.metrics.state.sources.subscriber = self.subscriber.stats
             if self.config.events.bind_endpoint:
-                bound = await self.subscriber.bind(
-                    self.config.events.bind_endpoint, self._resolve_topic
-                )
-                log.info("KV events: bound %s for engines that connect", bound)
+                await self._bind_events(self.subscriber)
         self.monitor = EngineMonitor(
             self.config,
             self.registry,

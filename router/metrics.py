@@ -335,6 +335,17 @@ class StateCollector(Collector):
                 "Undecodable KV-event frames dropped",
                 value=sub.garbage,
             )
+            yield CounterMetricFamily(
+                "kvroute_kv_events_address_mismatch",
+                "Bound-socket messages dropped: their topic names an engine at another "
+                "address than the publisher's",
+                value=sub.address_mismatches,
+            )
+            yield CounterMetricFamily(
+                "kvroute_kv_event_publishers_refused",
+                "Bound-socket publisher handshakes refused for a CURVE key not admitted",
+                value=sub.publishers_refused,
+            )
             lag = GaugeMetricFamily(
                 "kvroute_kv_event_lag_seconds",
                 "Publish-to-apply delay of the last batch",
