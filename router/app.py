@@ -52,6 +52,7 @@ from router.engines.load import LoadTracker
 from router.engines.monitor import EngineMonitor
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
 from router.events.ingest import EventIngestor, StreamState
+from router.events.publishers import CurveKeys, is_loopback
 from router.events.subscriber import EventSource, KVEventSubscriber, parse_llmd_topic
 from router.flow.control import FlowControl
 from router.index import KVIndex, MemoryIndex, index_from_config
@@ -263,6 +264,7 @@ class RouterApp:
             config.server.max_connections,
             config.server.header_timeout_s,
             config.server.body_timeout_s,
+            config.server.keepalive_timeout_s,
         )
         """Client connections of the HTTP listener: their cap and timeouts."""
         self._bound: asyncio.Server | None = None
@@ -609,6 +611,34 @@ class RouterApp:
                 self.replicated.add_now(source.engine, list(keys), tier)
         return warm
 
+    async def _bind_events(self, subscriber: KVEventSubscriber) -> None:
+        """Bind the socket engines publish to (``events.bind_endpoint``), with the
+        publisher checks configured; warn when it is open beyond loopback without keys."""
+        events = self.config.events
+        assert events.bind_endpoint is not None
+        curve = None
+        if events.curve_secret_key_file is not None and events.curve_public_keys_dir:
+            curve = CurveKeys.load(events.curve_secret_key_file, events.curve_public_keys_dir)
+        bound = await subscriber.bind(
+            events.bind_endpoint,
+            self._resolve_topic,
+            check_address=events.bind_check_address,
+            curve=curve,
+        )
+        log.info("KV events: bound %s for engines that connect", bound)
+        if curve is None and not is_loopback(bound):
+            log.warning(
+                "KV events: %s takes publishers from any host that reaches it, without "
+                "CURVE keys; %s. Set events.curve_secret_key_file and "
+                "events.curve_public_keys_dir (docs/security.md)",
+                bound,
+                "a message counts only if it comes from the address of the engine its topic "
+                "names (events.bind_check_address)"
+                if events.bind_check_address
+                else "and events.bind_check_address is off: any of them may post under any "
+                "engine's topic",
+            )
+
     def _resolve_topic(self, topic: str, rank: int | None) -> EventSource | None:
         parsed = parse_llmd_topic(topic)
         if parsed is None:
@@ -733,13 +763,8 @@ class RouterApp:
         if self.config.tls.on("http"):
             self.server_tls = ServerTLS(self.config.tls)
             ssl_context = self.server_tls.context
-        self._runner = web.AppRunner(
-            self.web_app(),
-            handler_cancellation=True,
-            access_log=None,
-            keepalive_timeout=server_cfg.keepalive_timeout_s,
-            auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
-        )
+        # The connections' protocol and its settings are the listener's (router.api.listener).
+        self._runner = web.AppRunner(self.web_app(), handler_cancellation=True)
         await self._runner.setup()
         self._bound = await bind(
             server_cfg.host, server_cfg.port, self.connections, self._runner, ssl_context
@@ -768,10 +793,7 @@ class RouterApp:
             )
             self.metrics.state.sources.subscriber = self.subscriber.stats
             if self.config.events.bind_endpoint:
-                bound = await self.subscriber.bind(
-                    self.config.events.bind_endpoint, self._resolve_topic
-                )
-                log.info("KV events: bound %s for engines that connect", bound)
+                await self._bind_events(self.subscriber)
         self.monitor = EngineMonitor(
             self.config,
             self.registry,

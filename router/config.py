@@ -837,6 +837,16 @@ class LimitsConfig(_Section):
         gt=0,
         description="Output tokens assumed for load accounting when a request sets no max_tokens.",
     )
+    max_dp_size: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="Most data-parallel ranks an engine may announce (`dp_size` in its "
+        "`/server_info`, or the ranks of vLLM's `/kv_event_sources`): the router keeps a "
+        "routing target, load and index entries per rank, so an engine announcing more is "
+        "refused, with one log line naming it and both numbers. Sizes the operator sets "
+        "(`engines[].dp_size`, the Kubernetes annotation, `Admin/AddEngine`) are not bounded.",
+    )
 
 
 MAX_EVENT_MESSAGE_BYTES = 32 * 2**20
@@ -881,6 +891,29 @@ class EventsConfig(_Section):
         description="Bind one SUB socket here for engines that connect to the router "
         "(llm-d central mode, topic kv@<ip>:<port>@<model>).",
     )
+    bind_check_address: bool = Field(
+        True,
+        description="On the bound socket (`bind_endpoint`, TCP), apply a message only if "
+        "it comes from the address of the engine its topic names (`kv@10.0.0.5:8000@m` "
+        "from 10.0.0.5); others are dropped and counted "
+        "(`kvroute_kv_events_address_mismatch_total`). Turn it off only behind address "
+        "translation that hides the engines' addresses.",
+    )
+    curve_secret_key_file: Path | None = Field(
+        None,
+        description="The router's CURVE key (a ZeroMQ certificate with the secret key, "
+        "`NAME.key_secret` as `zmq.auth.create_certificates` writes it): the bound socket "
+        "becomes a CURVE server that admits only publishers holding a key in "
+        "`curve_public_keys_dir`. Engines need the matching public `NAME.key` "
+        "(docs/operations.md).",
+    )
+    curve_public_keys_dir: Path | None = Field(
+        None,
+        description="With `curve_secret_key_file`: a directory of the public keys "
+        "(`*.key` certificates) publishers may use, one shared key or one per engine; a "
+        "publisher with another key is refused at its handshake "
+        "(`kvroute_kv_event_publishers_refused_total`). Read at start-up.",
+    )
     via_indexer: bool = Field(
         False,
         description="A `kvroute indexer` writes the engines' KV events into the Redis "
@@ -889,6 +922,14 @@ class EventsConfig(_Section):
         "(`policy.provisional_ttl_s`) rather than approximate; engines with "
         "`kv_events: none` stay approximate. Needs `index.backend: redis`.",
     )
+
+    @model_validator(mode="after")
+    def _curve_keys_together(self) -> EventsConfig:
+        if (self.curve_secret_key_file is None) != (self.curve_public_keys_dir is None):
+            raise ValueError("curve_secret_key_file and curve_public_keys_dir go together")
+        if self.curve_secret_key_file is not None and not self.bind_endpoint:
+            raise ValueError("curve_secret_key_file secures bind_endpoint, which is not set")
+        return self
 
 
 class LinkConfig(_Section):

@@ -153,6 +153,8 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self._header_name = b""
         self._got_bytes = False
+        self._broken = ""
+        """Why the connection closed before a request was on it (the peer sent garbage)."""
 
     # ---------------------------------------------------------------- asyncio protocol
 
@@ -164,7 +166,8 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._error(HTTPError(f"malformed HTTP response: {exc}", before_response=False))
+            self._broken = f"malformed HTTP response: {exc}"
+            self._error(HTTPError(self._broken, before_response=False))
             self.close()
 
     def eof_received(self) -> bool | None:
@@ -244,6 +247,14 @@ class _Connection(asyncio.Protocol):
 
     async def exchange(self, head: bytes, body: bytes, watcher: Watcher | None) -> Response:
         assert self.transport is not None
+        if self.closed or self.transport.is_closing():
+            # The peer closed the connection (or spoke something other than HTTP, e.g. a
+            # ZMQ port given as an engine URL) before the request went out: uvloop would
+            # raise RuntimeError on the write, which no caller expects.
+            raise HTTPError(
+                self._broken or "the server closed the connection before the request was sent",
+                before_response=True,
+            )
         self.response = Response(self)
         if watcher is not None:
             watcher.target = self.response

@@ -335,6 +335,17 @@ class StateCollector(Collector):
                 "Undecodable KV-event frames dropped",
                 value=sub.garbage,
             )
+            yield CounterMetricFamily(
+                "kvroute_kv_events_address_mismatch",
+                "Bound-socket messages dropped: their topic names an engine at another "
+                "address than the publisher's",
+                value=sub.address_mismatches,
+            )
+            yield CounterMetricFamily(
+                "kvroute_kv_event_publishers_refused",
+                "Bound-socket publisher handshakes refused for a CURVE key not admitted",
+                value=sub.publishers_refused,
+            )
             lag = GaugeMetricFamily(
                 "kvroute_kv_event_lag_seconds",
                 "Publish-to-apply delay of the last batch",
@@ -443,6 +454,11 @@ class StateCollector(Collector):
         for phase, n in sorted(guard.timeouts.items()):
             timeouts.add_metric([phase], n)
         yield timeouts
+        yield CounterMetricFamily(
+            "kvroute_http_malformed_requests",
+            "Requests answered 400 before any handler: unparseable, or an Expect not UTF-8",
+            value=guard.malformed,
+        )
 
     def _flow(self, flow: FlowControl) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield _family(
@@ -638,6 +654,12 @@ class RouterMetrics:
             "kvroute_auth_refusals",
             "Calls refused for their credential, by API, kind and status",
             ["api", "kind", "status"],
+            registry=r,
+        )
+        self.client_gone_at_end = Counter(
+            "kvroute_client_gone_at_end",
+            "Streamed answers whose client left after the last event, before the stream's "
+            "closing bytes (normal: many clients close on data: [DONE]); counted as ok",
             registry=r,
         )
         self.retries = Counter(

@@ -226,12 +226,18 @@ class Sidecar:
             out = web.StreamResponse(status=response.status, headers={"Content-Type": ctype})
             await out.prepare(request)
             try:
-                while chunk := await response.readany():
-                    self.upstream.deadlines.touch(deadline, self.proxy.idle_timeout_s)
-                    await out.write(tap.chunk(chunk) if tap is not None else chunk)
-            except HTTPError as exc:
-                await out.write(ApiError(502, f"the engine's stream broke: {exc}").sse())
-            await out.write_eof()
+                try:
+                    while chunk := await response.readany():
+                        self.upstream.deadlines.touch(deadline, self.proxy.idle_timeout_s)
+                        await out.write(tap.chunk(chunk) if tap is not None else chunk)
+                except HTTPError as exc:
+                    await out.write(ApiError(502, f"the engine's stream broke: {exc}").sse())
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+                raise asyncio.CancelledError from None  # the client left midway
+            try:
+                await out.write_eof()
+            except ConnectionResetError:  # it left after the last byte, as many do
+                log.debug("client left before the end of a stream from %s", url)
             return out
         finally:
             self.upstream.finish(response, deadline)
@@ -292,19 +298,19 @@ async def start_sidecar(
     ``server``: the listener's connection cap and timeouts (``ServerConfig``'s
     defaults, the router's, unless given)."""
     server = server or ServerConfig()
-    guard = ConnectionGuard(server.max_connections, server.header_timeout_s, server.body_timeout_s)
+    guard = ConnectionGuard(
+        server.max_connections,
+        server.header_timeout_s,
+        server.body_timeout_s,
+        server.keepalive_timeout_s,
+    )
     app = web.Application(middlewares=[guard.middleware, openai_errors])
     sidecar = Sidecar(
         engine_url, AllowList(allow), proxy or ProxyConfig(), allow_client_handoff_fields
     )
     app.add_routes(sidecar.routes())
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        keepalive_timeout=server.keepalive_timeout_s,
-        auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
-    )
+    # The connections' protocol and its settings are the listener's (router.api.listener).
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:
         bound = await bind(host, port, guard, runner)

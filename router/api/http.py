@@ -164,7 +164,12 @@ class HttpDownstream:
 
     async def end(self) -> None:
         assert self.response is not None
-        await self.response.write_eof()
+        try:
+            await self.response.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            # The client left before the stream's closing bytes: many close as they read
+            # the last event (data: [DONE]), so the relay decides what it means.
+            raise asyncio.CancelledError from None
 
 
 @web.middleware
@@ -663,12 +668,15 @@ class HttpApi:
         if watch is not None:
             await watch.chunk(first)
         events = first.count(b"data:")  # about one token each: the pace the model learns
-        if _ends_stream(b"\n", first):  # a short answer, whole in its first chunk
+        ended = _ends_stream(b"\n", first)
+        if ended:  # a short answer, whole in its first chunk
             self._done(ctx, ticket, events, first)
-        await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
-        await sink.write(tap.chunk(first) if tap is not None else first)
         tail = first
+        delivered = False  # the client has the last event, so the whole answer
         try:
+            await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
+            await sink.write(tap.chunk(first) if tap is not None else first)
+            delivered = ended
             while True:
                 chunk = await upstream.readany()
                 if not chunk:
@@ -683,10 +691,23 @@ class HttpApi:
                     )
                 if watch is not None:
                     await watch.chunk(chunk)
-                if not ticket.released and _ends_stream(tail, chunk):
-                    self._done(ctx, ticket, events, chunk)
+                if not ended and _ends_stream(tail, chunk):
+                    ended = True
+                    if not ticket.released:
+                        self._done(ctx, ticket, events, chunk)
                 await sink.write(tap.chunk(chunk) if tap is not None else chunk)
+                delivered = ended
                 tail = chunk
+            app.registry.record_success(engine)
+            outcome.set("ok", upstream.status)
+            if not ticket.released:  # no end event seen: the stream's end is the answer's
+                self._done(ctx, ticket, events, tail)
+            await sink.end()
+        except asyncio.CancelledError:
+            if delivered:  # what the client missed is the stream's framing
+                outcome.set("ok", upstream.status)
+                self._gone_at_end(ctx)
+            raise
         except HTTPError as exc:
             app.registry.record_failure(engine)
             err = (
@@ -699,16 +720,18 @@ class HttpApi:
             await sink.write(shape_for(ctx.path).sse(err))
             await sink.end()
             return
-        app.registry.record_success(engine)
-        outcome.set("ok", upstream.status)
-        if not ticket.released:  # no end event seen: the stream's end is the answer's
-            self._done(ctx, ticket, events, tail)
-        await sink.end()
         if parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
                 usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
                 self._check_tokenizer(parsed, usage, outcome)
+
+    def _gone_at_end(self, ctx: RequestContext) -> None:
+        """The client left after the stream's last event, before its closing bytes: many
+        clients close as they read ``data: [DONE]``. The answer was whole; counted, and
+        logged at debug level only."""
+        self.app.metrics.client_gone_at_end.inc()
+        log.debug("client left after the last event of %s (%s)", ctx.path, ctx.request_id)
 
     def _done(self, ctx: RequestContext, ticket: Ticket, events: int, tail: bytes) -> None:
         """The engine has sent a stream's last event: the request leaves its load now,

@@ -14,10 +14,16 @@ through a :class:`ConnectionGuard`:
   handler and frees the admission slot it held;
 * **keep-alive idle timeout** (``server.keepalive_timeout_s``): aiohttp's own
   ``keepalive_timeout``, from the connection's start or its last answer to the next
-  request.
+  request;
+* **malformed requests**: what aiohttp refuses before any kvroute code runs (a request
+  it cannot parse, an ``Expect`` header it cannot echo) is answered 400 in OpenAI's
+  form, counted, and warned about at most once a minute without a traceback; aiohttp
+  logged each as an ERROR with one, so a client decided how much ERROR output the
+  router wrote.
 
 The guard wraps aiohttp's protocol (one call per ``data_received``) and learns where a
-request starts and ends from its middleware, so no aiohttp internals are touched.
+request starts and ends from its middleware, so no aiohttp internals are touched; the
+protocol is aiohttp's own with its ``handle_error`` answering malformed requests.
 :func:`bind` binds the listening socket before anything else starts, so a taken port
 fails fast (:class:`ListenError`).
 """
@@ -29,14 +35,19 @@ import logging
 import os
 import resource
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from router.api.errors import ApiError
+from router.api.errors import ApiError, shape_for
 
 log = logging.getLogger("kvroute.http")
+
+_MALFORMED_WARN_S = 60.0
+"""At most one warning about malformed requests this often; the rest are counted."""
 
 
 class ListenError(OSError):
@@ -44,22 +55,31 @@ class ListenError(OSError):
 
 
 class ConnectionGuard:
-    """Connection cap and header/body timeouts for one HTTP listener."""
+    """Connection cap, timeouts and malformed-request accounting for one HTTP listener."""
 
     def __init__(
-        self, max_connections: int, header_timeout_s: float, body_timeout_s: float
+        self,
+        max_connections: int,
+        header_timeout_s: float,
+        body_timeout_s: float,
+        keepalive_timeout_s: float,
     ) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
         self.open = 0
         """Client connections open now."""
         self.refused = 0
         """Connections closed on arrival because ``max_connections`` were open."""
         self.timeouts = {"header": 0, "body": 0}
         """Connections closed because a request head or body did not arrive in time."""
+        self.malformed = 0
+        """Requests aiohttp refused before any kvroute code ran (answered 400)."""
         self._by_handler: dict[Any, _Guarded] = {}
         self._warned = False
+        self._malformed_warned_at: float | None = None
+        self._malformed_unwarned = 0
 
     def protocol_factory(self, make: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for ``loop.create_server`` around aiohttp's ``make``."""
@@ -72,6 +92,39 @@ class ConnectionGuard:
         if conn is None:
             return await handler(request)
         return await conn.serve(request, handler)
+
+    def protocol(self, server: web.Server) -> web.RequestHandler:
+        """aiohttp's protocol for one client connection of ``server`` (a runner's)."""
+        return _ClientProtocol(
+            server,
+            self,
+            loop=asyncio.get_running_loop(),
+            keepalive_timeout=self.keepalive_timeout_s,
+            access_log=None,
+            auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
+        )
+
+    def count_malformed(self, peer: str | None, what: str) -> None:
+        """Count a malformed request; warn at most once per ``_MALFORMED_WARN_S``."""
+        self.malformed += 1
+        self._malformed_unwarned += 1
+        now = time.monotonic()
+        if (
+            self._malformed_warned_at is not None
+            and now - self._malformed_warned_at < _MALFORMED_WARN_S
+        ):
+            return
+        log.warning(
+            "%d malformed request(s) answered 400 since the last warning, the last from %s: "
+            "%s (all are counted in kvroute_http_malformed_requests_total; at most one "
+            "warning every %.0f s)",
+            self._malformed_unwarned,
+            peer or "?",
+            what[:200],
+            _MALFORMED_WARN_S,
+        )
+        self._malformed_warned_at = now
+        self._malformed_unwarned = 0
 
     def _refuse(self) -> None:
         self.refused += 1
@@ -172,6 +225,54 @@ class _Guarded(asyncio.Protocol):
                 body_timer.cancel()
 
 
+class _ClientProtocol(web.RequestHandler):
+    """aiohttp's protocol for one client connection, answering malformed requests."""
+
+    def __init__(self, server: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
+        super().__init__(server, **kwargs)
+        self.guard = guard
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A request aiohttp refused before any kvroute code ran is the client's 400;
+        anything else is aiohttp's own answer (a 500 the router did not catch stays an
+        ERROR with its traceback)."""
+        if isinstance(exc, HttpProcessingError):  # the request could not be parsed
+            detail = exc.message.split("\n", 1)[0].rstrip(": ") or "unreadable"
+            err = ApiError(400, f"malformed HTTP request: {detail}")
+        elif isinstance(exc, UnicodeEncodeError) and _not_utf8(request.headers.get(hdrs.EXPECT)):
+            # aiohttp refuses an Expect other than 100-continue with a 417 that quotes it,
+            # and cannot encode a value that is not UTF-8 (a 500 then)
+            err = ApiError(400, "the Expect header must be 100-continue")
+        else:
+            return super().handle_error(request, status, exc, message)
+        self.guard.count_malformed(request.remote, err.message)
+        answer = web.Response(
+            status=err.status,
+            body=shape_for(request.path).body(err),
+            content_type="application/json",
+        )
+        answer.force_close()
+        return answer
+
+
+def _not_utf8(value: str | None) -> bool:
+    """Whether a header value aiohttp decoded held bytes that are not UTF-8 (it keeps
+    them as lone surrogates)."""
+    if value is None:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _timeout_answer(timeout_s: float) -> bytes:
     body = ApiError(408, f"the request body did not arrive within {timeout_s:g} s").body()
     head = (
@@ -214,7 +315,7 @@ async def bind(
 
     def make() -> Any:
         assert runner.server is not None
-        return runner.server()
+        return guard.protocol(runner.server)
 
     try:
         return await asyncio.get_running_loop().create_server(

@@ -390,7 +390,12 @@ class ResponsesApi:
                     await out.write(chunk)
             except HTTPError:
                 pass  # the engine's stream broke: end ours where it stopped
-            await out.write_eof()
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+                raise asyncio.CancelledError from None  # the client left midway
+            try:
+                await out.write_eof()
+            except ConnectionResetError:  # it left after the last byte: a whole answer
+                app.metrics.client_gone_at_end.inc()
             return out
         except HTTPError as exc:
             raise ApiError(502, f"engine failed: {url}: {exc}") from None

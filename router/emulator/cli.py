@@ -175,6 +175,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "frames), trtllm (TensorRT-LLM's get_kv_cache_events() list, relayed on ZMQ)",
     )
     events.add_argument(
+        "--kv-events-curve-key",
+        metavar="FILE",
+        help="publish with this CURVE key (a NAME.key_secret certificate) to a router whose "
+        "bound KV-event socket asks for CURVE; needs --kv-events-curve-server-key",
+    )
+    events.add_argument(
+        "--kv-events-curve-server-key",
+        metavar="FILE",
+        help="the router's public CURVE key (its NAME.key certificate)",
+    )
+    events.add_argument(
         "--kv-events-replay-frames",
         choices=REPLAY_FRAMES,
         default="topic",
@@ -199,6 +210,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_format=args.kv_events_format,
         kv_events_replay_frames=args.kv_events_replay_frames,
         kv_events_buffer_steps=args.kv_events_buffer_steps,
+        kv_events_curve_key=args.kv_events_curve_key,
+        kv_events_curve_server_key=args.kv_events_curve_server_key,
         lora_modules=tuple(args.lora_modules),
         default_max_tokens=args.default_max_tokens,
         mm_placeholder_tokens=args.mm_placeholder_tokens,

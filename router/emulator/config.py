@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from router.emulator.faults import Faults
-from router.emulator.kv_publisher import REPLAY_BUFFER
+from router.emulator.kv_publisher import REPLAY_BUFFER, binds
 from router.engine_model import EngineParams
 from router.events.vllm import (
     EVENT_FORMATS,
@@ -58,6 +58,11 @@ class EmulatorConfig:
     """Replay reply frames: vLLM 0.32's (``topic``) or older releases' (``legacy``)."""
     kv_events_buffer_steps: int = REPLAY_BUFFER
     """Batches kept for replay (vLLM's ``buffer_steps``)."""
+    kv_events_curve_key: str | None = None
+    """The publisher's CURVE key (a ``NAME.key_secret`` certificate), with
+    ``kv_events_curve_server_key``: for a router whose bound socket asks for CURVE."""
+    kv_events_curve_server_key: str | None = None
+    """The router's public CURVE key (its ``NAME.key`` certificate)."""
     lora_modules: tuple[str, ...] = ()
     default_max_tokens: int = 16
     mm_placeholder_tokens: int = DEFAULT_MM_PLACEHOLDER_TOKENS
@@ -96,6 +101,15 @@ class EmulatorConfig:
             )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if (self.kv_events_curve_key is None) != (self.kv_events_curve_server_key is None):
+            raise ValueError("kv_events_curve_key and kv_events_curve_server_key go together")
+        if self.kv_events_curve_key is not None and (
+            not self.kv_events_endpoint or binds(self.kv_events_endpoint)
+        ):
+            raise ValueError(
+                "CURVE keys are for a kv_events_endpoint the engine connects to (a router's "
+                "bound socket), not one it binds"
+            )
         if self.kv_events_buffer_steps < 1:
             raise ValueError(
                 f"kv_events_buffer_steps must be positive, got {self.kv_events_buffer_steps}"

@@ -3,7 +3,9 @@
 * PUB socket, multipart ``[topic, seq (8-byte big-endian, from 0), payload]``; the
   payload is ``router.events.vllm.encode_batch`` in the configured shape.
 * The PUB binds when the endpoint holds ``*`` or ``::`` or is ``ipc://``/``inproc://``,
-  and connects otherwise (llm-d's central mode: one router SUB binds, engines connect).
+  and connects otherwise (llm-d's central mode: one router SUB binds, engines connect);
+  a connecting PUB may carry CURVE keys for a router that asks for them
+  (:mod:`router.events.publishers`).
 * Optional replay ROUTER (always bound): a DEALER sends ``[b"", start_seq]`` and gets
   ``[b"", topic, seq, payload]`` for each buffered batch with ``seq >= start_seq``, then
   ``[b"", b"", 0xFF*8, b""]`` (vLLM 0.32; ``replay_frames="legacy"``: older releases'
@@ -34,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from router.emulator.faults import Faults
+from router.events.publishers import PublisherCurve
 from router.events.sglang import as_sglang_sends, encode_sglang_batch
 from router.events.trtllm import as_trtllm_events, encode_trtllm_batch
 from router.events.types import BlockRemoved, BlockStored, KVEvent
@@ -123,9 +126,14 @@ class KVEventPublisher:
         faults: Faults | None = None,
         replay_frames: ReplayFrames = "topic",
         buffer_steps: int = REPLAY_BUFFER,
+        curve: PublisherCurve | None = None,
     ) -> None:
+        """``curve``: the keys to publish with to a router whose bound socket asks for
+        CURVE (a connecting publisher only)."""
         if buffer_steps < 1:
             raise ValueError("buffer_steps must be at least 1")
+        if curve is not None and binds(endpoint):
+            raise ValueError("CURVE keys are for a publisher that connects to a router")
         self.topic = topic
         self.buffer_steps = buffer_steps
         # SGLang's replay answers in the older frames whatever was asked for.
@@ -148,6 +156,8 @@ class KVEventPublisher:
                 self._pub.bind(endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
+                if curve is not None:
+                    curve.secure(self._pub)
                 self._pub.connect(endpoint)
                 self.endpoint = endpoint
             self.replay_endpoint: str | None = None

@@ -40,6 +40,7 @@ from router.emulator.kv_publisher import PUB_HWM, KVEventPublisher, rank_endpoin
 from router.emulator.metrics import EngineMetrics
 from router.emulator.state import EmulatorState, Rank
 from router.engine_model import EngineModel
+from router.events.publishers import PublisherCurve
 
 _START_TIMEOUT_S = 10.0
 
@@ -154,6 +155,9 @@ def _rank_publishers(
     if not endpoint:
         return []
     replay = config.kv_events_replay_endpoint
+    curve = None
+    if config.kv_events_curve_key and config.kv_events_curve_server_key:
+        curve = PublisherCurve.load(config.kv_events_curve_key, config.kv_events_curve_server_key)
     publishers: list[KVEventPublisher] = []
     try:
         for r in range(config.dp_size):
@@ -168,6 +172,7 @@ def _rank_publishers(
                     faults=faults,
                     replay_frames=config.kv_events_replay_frames,
                     buffer_steps=config.kv_events_buffer_steps,
+                    curve=curve,
                 )
             )
     except BaseException:

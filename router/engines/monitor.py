@@ -108,8 +108,12 @@ class EngineMonitor:
             self._apply_server_info(engine, info)
         if engine.block_size is None:
             await self._read_block_size(engine, timeout)
-        if engine.events is None and engine.wants_events:
+        refused = engine.state is EngineState.REFUSED
+        if engine.events is None and engine.wants_events and not refused:
             await self._read_event_sources(engine, timeout)
+        if engine.state is EngineState.REFUSED:  # it announced too many ranks
+            engine.discovered = True  # refused once, not at every probe
+            return True
         if engine.events is None and engine.wants_events and self.config.events.port:
             self._apply_port_convention(engine)
         if reported and engine.events is not None:
@@ -166,6 +170,8 @@ class EngineMonitor:
             engine.bootstrap_port = bootstrap
         dp = info.get("dp_size")
         if isinstance(dp, int) and dp >= 1:
+            if self._too_many_ranks(engine, dp, "/server_info dp_size"):
+                return
             engine.dp_size = dp
         pub = info.get("kv_events_endpoint")
         if engine.events is None and engine.wants_events and isinstance(pub, str) and pub:
@@ -240,13 +246,28 @@ class EngineMonitor:
                 else None,
                 topic=topic if isinstance(topic, str) else "",
             )
-        if 0 not in ranks:
+        if 0 not in ranks or self._too_many_ranks(engine, len(ranks), "/kv_event_sources"):
             return
         engine.events = ranks[0]
         engine.rank_events.update({r: e for r, e in ranks.items() if r != 0})
         if len(ranks) > engine.dp_size:
             engine.dp_size = len(ranks)
         log.info("engine %s publishes KV events at %s", engine.url, engine.events.endpoint)
+
+    def _too_many_ranks(self, engine: Engine, announced: int, source: str) -> bool:
+        """Refuse an engine announcing more data-parallel ranks than
+        ``limits.max_dp_size`` (each is a routing target with its own load and index
+        entries); True if refused."""
+        limit = self.config.limits.max_dp_size
+        if announced <= limit:
+            return False
+        reason = (
+            f"engine {engine.url} announces {announced} data-parallel ranks ({source}), more "
+            f"than limits.max_dp_size {limit}; raise the limit if it really has them"
+        )
+        log.error("refusing %s", reason)
+        self.registry.refuse(engine, reason)
+        return True
 
     def _apply_port_convention(self, engine: Engine) -> None:
         host = urlsplit(engine.url).hostname or "127.0.0.1"

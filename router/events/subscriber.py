@@ -6,7 +6,9 @@ Two topologies, as vLLM decides by its endpoint:
   engine's publisher (``add_source``);
 * **bind** (llm-d's central mode): one SUB socket bound by the router; every engine
   connects and names itself in the topic ``kv@<ip>:<port>@<model>`` (``bind``). Streams
-  are keyed by topic and DP rank.
+  are keyed by topic and DP rank. A message counts only if it comes from the address of
+  the engine its topic names, and with CURVE keys only publishers holding an admitted
+  key connect at all (:mod:`router.events.publishers`).
 
 Each stream tracks its sequence number. After connecting (a SUB misses what was
 published before its subscription took effect) and after a gap, it asks the engine's
@@ -36,7 +38,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import xxhash
@@ -46,6 +48,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from router.config import MAX_EVENT_MESSAGE_BYTES
 from router.events.ingest import EventIngestor, StreamState
+from router.events.publishers import CurveGate, CurveKeys, host_addresses, same_address
 from router.events.vllm import (
     END_SEQ,
     EventDecodeError,
@@ -63,6 +66,8 @@ RETRY_FIRST_S = 1.0
 """Delay before a replay that went unanswered is tried again; it doubles with each
 failure in a row up to :data:`RETRY_MAX_S` and starts over after a replay succeeds."""
 RETRY_MAX_S = 30.0
+_RESOLVE_EVERY_S = 30.0
+"""How long the resolved addresses of an engine named by a host name are trusted."""
 MAX_TOPICS = 4_096
 """Bound on the (topic, rank) streams of a bound socket: publishers choose topics, and
 messages on topics past it are dropped as unknown."""
@@ -93,11 +98,18 @@ class SubscriberStats:
     restarts: int = 0
     garbage: int = 0
     unknown_topics: int = 0
+    address_mismatches: int = 0
+    """Bind mode: messages dropped because their topic names an engine at another
+    address than the publisher's."""
+    publishers_refused: int = 0
+    """Bind mode with CURVE: publisher handshakes refused for an unknown key."""
     lag: dict[EngineKey, float] = field(default_factory=dict)
 
 
 TopicResolver = Callable[[str, int | None], EventSource | None]
 """Maps (topic, batch DP rank) of a bind-mode message to its source, or None to drop it."""
+PeerCheck = Callable[[str, int | None, str], Awaitable[bool]]
+"""Whether a bind-mode message on (topic, rank) may come from this peer address."""
 
 
 class _Stream:
@@ -377,9 +389,14 @@ class KVEventSubscriber:
         self._bind: tuple[zmq.asyncio.Socket, asyncio.Task[None]] | None = None
         self._topic_streams: dict[tuple[str, int | None], _Stream] = {}
         self.bound_endpoint: str | None = None
+        self._curve: tuple[zmq.asyncio.Context, CurveGate] | None = None
+        self._addresses: dict[str, tuple[frozenset[str], float]] = {}
+        """Bind mode: the addresses of each engine endpoint topics have named, and until
+        when they hold (a host name is resolved again after ``_RESOLVE_EVERY_S``)."""
+        self._mismatch_warned: set[str] = set()
 
-    def _socket(self) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.SUB)
+    def _socket(self, ctx: zmq.asyncio.Context | None = None) -> zmq.asyncio.Socket:
+        sock = (ctx or self.ctx).socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.receive_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
@@ -493,14 +510,41 @@ class KVEventSubscriber:
 
     # -------------------------------------------------------------- bind mode
 
-    async def bind(self, endpoint: str, resolver: TopicResolver) -> str:
-        """Bind one SUB socket that engines connect to; returns the bound endpoint."""
+    async def bind(
+        self,
+        endpoint: str,
+        resolver: TopicResolver,
+        *,
+        check_address: bool = True,
+        curve: CurveKeys | None = None,
+    ) -> str:
+        """Bind one SUB socket that engines connect to; returns the bound endpoint.
+
+        ``check_address`` (TCP only): drop a message unless it comes from the address of
+        the engine its topic names. ``curve``: admit only publishers holding one of its
+        keys (the socket gets a context of its own, whose ZAP handler checks them)."""
         if self._bind is not None:
             raise RuntimeError("the subscriber is already bound")
-        sock = self._socket()
+        ctx = None
+        if curve is not None:
+            ctx = zmq.asyncio.Context()
+            gate = CurveGate(curve, ctx, self._publisher_refused)
+            gate.start()
+            self._curve = (ctx, gate)
+        sock = self._socket(ctx)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._curve is not None:
+            self._curve[1].secure(sock)
         sock.bind(endpoint)
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        async def from_engine(topic: str, rank: int | None, peer: str) -> bool:
+            source = resolver(topic, rank)
+            if source is None:
+                return True  # an unknown topic: dropped and counted as one
+            return await self._from_engine(source.engine.endpoint, topic, peer)
+
+        peers = from_engine if check_address and endpoint.startswith("tcp://") else None
 
         def route(topic: str, rank: int | None) -> _Stream | None:
             stream = self._topic_streams.get((topic, rank))
@@ -515,8 +559,37 @@ class KVEventSubscriber:
                 self._streams[source.engine] = stream
             return stream
 
-        self._bind = (sock, asyncio.ensure_future(self._read(sock, route, by_topic=True)))
+        self._bind = (sock, asyncio.ensure_future(self._read(sock, route, True, peers)))
         return self.bound_endpoint
+
+    def _publisher_refused(self) -> None:
+        self.stats.publishers_refused += 1
+
+    async def _from_engine(self, endpoint: str, topic: str, peer: str) -> bool:
+        """Whether ``peer`` is the address of the engine at ``endpoint`` (a host name is
+        resolved at most every ``_RESOLVE_EVERY_S``, not per message); a mismatch is
+        counted and warned about once per engine."""
+        now = time.monotonic()
+        known = self._addresses.get(endpoint)
+        if known is None or now >= known[1]:
+            addresses, literal = await host_addresses(endpoint)
+            known = self._addresses[endpoint] = (
+                addresses,
+                float("inf") if literal else now + _RESOLVE_EVERY_S,
+            )
+        if same_address(peer, known[0]):
+            return True
+        self.stats.address_mismatches += 1
+        if endpoint not in self._mismatch_warned:
+            self._mismatch_warned.add(endpoint)
+            log.warning(
+                "KV events on topic %r came from %s, not from engine %s: dropped (every "
+                "such message is counted in kvroute_kv_events_address_mismatch_total)",
+                topic[:200],
+                peer,
+                endpoint,
+            )
+        return False
 
     # -------------------------------------------------------------- reading
 
@@ -525,10 +598,18 @@ class KVEventSubscriber:
         sock: zmq.asyncio.Socket,
         route: Callable[[str, int | None], _Stream | None],
         by_topic: bool = False,
+        peers: PeerCheck | None = None,
     ) -> None:
         while True:
+            peer = None
             try:
-                frames = await sock.recv_multipart()
+                if peers is None:
+                    frames = await sock.recv_multipart()
+                else:  # the peer's address is a property of the received frames
+                    message = await sock.recv_multipart(copy=False)
+                    peer = message[0].get("Peer-Address")
+                    frames = [part.bytes for part in message]
+                    del message
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -536,7 +617,7 @@ class KVEventSubscriber:
                     return
                 log.warning("KV-event socket error: %s", exc)
                 continue
-            await self._dispatch(frames, route, by_topic)
+            await self._dispatch(frames, route, by_topic, peers, peer)
             # Not kept alive while waiting for the next message (a large frame would be).
             del frames
 
@@ -545,6 +626,8 @@ class KVEventSubscriber:
         frames: list[bytes],
         route: Callable[[str, int | None], _Stream | None],
         by_topic: bool,
+        peers: PeerCheck | None = None,
+        peer: str | None = None,
     ) -> None:
         """Hand one message to its stream; garbage is counted, nothing raises."""
         try:
@@ -556,7 +639,11 @@ class KVEventSubscriber:
             rank = None
             if by_topic:
                 rank = _peek_rank(payload)
-            stream = route(topic_raw.decode("utf-8", "replace"), rank)
+            topic = topic_raw.decode("utf-8", "replace")
+            # Before the stream exists: a foreign publisher creates none.
+            if peers is not None and not await peers(topic, rank, peer or ""):
+                return
+            stream = route(topic, rank)
             if stream is None:
                 self.stats.unknown_topics += 1
                 return
@@ -582,6 +669,11 @@ class KVEventSubscriber:
             await asyncio.gather(task, return_exceptions=True)
             sock.close(0)
             self._bind = None
+        if self._curve is not None:
+            ctx, gate = self._curve
+            gate.stop()
+            ctx.destroy(linger=0)
+            self._curve = None
         self._streams.clear()
         self._topic_streams.clear()
 

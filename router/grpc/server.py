@@ -5,7 +5,11 @@
 * the ext_proc listener (``extproc.port``, ``--extproc-port``):
   ``envoy.service.ext_proc.v3.ExternalProcessor``.
 
-Each serves ``grpc.health.v1`` and server reflection. Health, per service: ``liveness``
+Each serves ``grpc.health.v1`` and server reflection; on the API listener, reflection
+needs a client (or admin) key when ``auth.api_keys`` are set. A request that is not a
+valid protobuf message of its method's type ends INVALID_ARGUMENT, on every service
+(grpc.aio's own answer was UNKNOWN, quoting the decoder's exception class, with an
+ERROR traceback per message). Health, per service: ``liveness``
 (ext_proc listener) is SERVING while the process runs; every other service, and the
 server as a whole (``""``), is SERVING while the router is not draining and has a
 healthy engine, NOT_SERVING otherwise. A drain listener and engine state changes update
@@ -15,13 +19,15 @@ it at once; a one-second refresh catches engines added or removed.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -78,7 +84,7 @@ class Listener:
         self.followers = ("", *health)
         self.credentials = credentials
         self.server = aio.server(
-            interceptors=interceptors,
+            interceptors=(*interceptors, MalformedMessages()),
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
@@ -113,16 +119,18 @@ class Listener:
 
 
 class ClientKeys(aio.ServerInterceptor):
-    """The client key (``auth.api_keys``) on every call of ``kvroute.v1.Router``, from
-    the ``authorization`` metadata; refused calls end UNAUTHENTICATED before the
-    servicer runs. Admin calls are checked by the admin layer; health and reflection
-    stay open for probes. A call of Router or Admin whose ``authorization`` (or
+    """The client key (``auth.api_keys``; an admin key does too) on every call of
+    ``kvroute.v1.Router`` and of server reflection, from the ``authorization`` metadata;
+    refused calls end UNAUTHENTICATED before the servicer runs. Reflection describes
+    the whole API, so it asks for a key wherever the API does (grpcurl: ``-H
+    'authorization: Bearer KEY'``). Admin calls are checked by the admin layer; health
+    stays open for probes. A call of Router or Admin whose ``authorization`` (or
     ``x-api-key``) metadata comes twice ends INVALID_ARGUMENT, keys or not."""
 
     def __init__(self, credentials: Credentials, metrics: RouterMetrics) -> None:
         self.credentials = credentials
         self.metrics = metrics
-        self.prefix = f"/{ROUTER_SERVICE}/"
+        self.prefixes = (f"/{ROUTER_SERVICE}/", f"/{reflection.SERVICE_NAME}/")
 
     async def intercept_service(
         self,
@@ -135,7 +143,11 @@ class ClientKeys(aio.ServerInterceptor):
             message = f"metadata {twice} was sent more than once; send it once"
             return _refusal(handler, message, grpc.StatusCode.INVALID_ARGUMENT)
         credentials = self.credentials
-        if handler is None or credentials.client_open or not details.method.startswith(self.prefix):
+        if (
+            handler is None
+            or credentials.client_open
+            or not details.method.startswith(self.prefixes)
+        ):
             return handler
         metadata = {
             k.lower(): v for k, v in details.invocation_metadata or () if isinstance(v, str)
@@ -143,8 +155,9 @@ class ClientKeys(aio.ServerInterceptor):
         try:
             credentials.check_client(metadata.get("authorization"))
         except AuthError as exc:
-            method = details.method[len(self.prefix) :]
-            self.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
+            service, method = details.method[1:].split("/", 1)
+            if service == ROUTER_SERVICE:  # kvroute_grpc_requests_total counts kvroute.v1
+                self.metrics.grpc_requests.labels(method, "UNAUTHENTICATED").inc()
             self.metrics.auth_refusals.labels("grpc", "client", str(exc.status)).inc()
             return _refusal(handler, exc.message)
         return handler
@@ -171,6 +184,87 @@ def _refusal(
             return make(
                 refuse,
                 request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+_MALFORMED = object()
+"""What a request that did not decode becomes, for the handler to refuse."""
+
+
+class MalformedMessages(aio.ServerInterceptor):
+    """Requests that are not valid protobuf messages of their method's type end
+    INVALID_ARGUMENT with a message naming the method, before the servicer sees them."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _checking(
+            handler, f"the request is not a valid protobuf message for {details.method}"
+        )
+
+
+def _checking(handler: grpc.RpcMethodHandler, refusal: str) -> grpc.RpcMethodHandler:
+    """``handler`` with requests that do not decode refused with ``refusal``."""
+    decode = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return decode(data)
+        except DecodeError:
+            return _MALFORMED
+
+    async def check(request: Any, context: aio.ServicerContext) -> None:
+        if request is _MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+
+    async def checked(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+        async for request in requests:
+            await check(request, context)
+            yield request
+
+    def wrap(behaviour: Callable[..., Any], streamed_requests: bool) -> Callable[..., Any]:
+        # The wrapper keeps the behaviour's kind: grpc.aio tells coroutines (which may
+        # write to the context) from async generators (which yield their responses).
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def generator(request: Any, context: aio.ServicerContext) -> Any:
+                if streamed_requests:
+                    request = checked(request, context)
+                else:
+                    await check(request, context)
+                async for response in behaviour(request, context):
+                    yield response
+
+            return generator
+
+        async def coroutine(request: Any, context: aio.ServicerContext) -> Any:
+            if streamed_requests:
+                request = checked(request, context)
+            else:
+                await check(request, context)
+            return await behaviour(request, context)
+
+        return coroutine
+
+    kinds = {
+        "unary_unary": (grpc.unary_unary_rpc_method_handler, False),
+        "unary_stream": (grpc.unary_stream_rpc_method_handler, False),
+        "stream_unary": (grpc.stream_unary_rpc_method_handler, True),
+        "stream_stream": (grpc.stream_stream_rpc_method_handler, True),
+    }
+    for kind, (make, streamed_requests) in kinds.items():
+        behaviour = getattr(handler, kind)
+        if behaviour is not None:
+            return make(
+                wrap(behaviour, streamed_requests),
+                request_deserializer=deserialize,
                 response_serializer=handler.response_serializer,
             )
     return handler

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hypothesis import given
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
@@ -40,7 +42,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def stub() -> Iterator[pb_grpc.RouterStub]:
+def channel() -> Iterator[grpc.Channel]:
     engine = EngineProcess(["--port", "0", "--time-scale", "0.001", "--max-model-len", "4096"])
     port = free_port()
     try:
@@ -63,11 +65,16 @@ def stub() -> Iterator[pb_grpc.RouterStub]:
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=10)
-        yield pb_grpc.RouterStub(channel)
+        yield channel
     finally:
         channel.close()
         router.stop()
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> pb_grpc.RouterStub:
+    return pb_grpc.RouterStub(channel)
 
 
 def outcome(call: object) -> grpc.StatusCode:
@@ -172,6 +179,40 @@ def test_generate_with_hostile_fields(
 ) -> None:
     request = pb.GenerateRequest(endpoint=endpoint, body=body, request_id=request_id)
     outcome(lambda: list(stub.Generate(request, timeout=10)))
+
+
+#: Methods of the API listener, with their request type and whether they stream answers.
+RAW_METHODS = {
+    "/kvroute.v1.Router/Pick": (pb.PickRequest, False),
+    "/kvroute.v1.Router/Release": (pb.ReleaseRequest, False),
+    "/kvroute.v1.Router/Generate": (pb.GenerateRequest, True),
+    "/kvroute.v1.Admin/ListEngines": (pb.ListEnginesRequest, False),
+    "/kvroute.v1.Admin/DrainEngine": (pb.EngineRef, False),
+    "/grpc.health.v1.Health/Check": (health_pb2.HealthCheckRequest, False),
+}
+
+
+@given(method=st.sampled_from(sorted(RAW_METHODS)), data=st.binary(max_size=64))
+@example(method="/kvroute.v1.Router/Pick", data=b"\xff\xff\xff")  # UNKNOWN (issue 44, item 9)
+@example(method="/kvroute.v1.Router/Generate", data=b"\x0a\x05ab")
+@example(method="/grpc.health.v1.Health/Check", data=b"\x80")
+def test_bytes_that_are_no_message_are_invalid_argument(
+    channel: grpc.Channel, method: str, data: bytes
+) -> None:
+    """Any bytes as a request: a message that does not decode is INVALID_ARGUMENT (it
+    was UNKNOWN, quoting the decoder's exception class); one that does is served."""
+    message_type, streams = RAW_METHODS[method]
+    try:
+        message_type.FromString(data)
+        decodes = True
+    except DecodeError:
+        decodes = False
+    if streams:
+        code = outcome(lambda: list(channel.unary_stream(method)(data, timeout=10)))
+    else:
+        code = outcome(lambda: channel.unary_unary(method)(data, timeout=10))
+    if not decodes:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, code
 
 
 def test_the_router_still_serves(stub: pb_grpc.RouterStub) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from support.engines import poll_sync
 
@@ -167,6 +168,7 @@ BODY = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
 # ---------------------------------------------------------------------------- headers
 
 HEADER_NAMES = [
+    "Expect",
     "Authorization",
     "x-api-key",
     "X-Session-Id",
@@ -189,6 +191,8 @@ header_bytes = st.binary(max_size=80).map(lambda b: b.replace(b"\r", b"").replac
     target=st.sampled_from(["router", "chat", "admin", "sidecar"]),
     twice=st.booleans(),
 )
+@example(name="Expect", value=b"\xff\xfe", target="router", twice=False)  # a 500 (issue 44, 8)
+@example(name="Expect", value=b"caf\xe9", target="sidecar", twice=False)
 def test_header_values_of_any_bytes(
     fleet: Fleet, name: str, value: bytes, target: str, twice: bool
 ) -> None:
@@ -215,6 +219,56 @@ def test_header_values_of_any_bytes(
 def test_generate_headers_of_any_text(fleet: Fleet, headers: dict[str, str]) -> None:
     code = generate_code(fleet, pb.GenerateRequest(body=BODY, headers=headers))
     assert code not in ROUTERS_OWN_GRPC, code
+
+
+# ---------------------------------------------------------------------------- framing
+
+#: Bytes no token (a method, a header name) may hold; space, CR, LF and ":" are framing.
+NOT_TOKEN = b'\x00\x01\x7f\x80\xff()<>@,;\\"/[]?={}'
+
+
+@st.composite
+def malformed_requests(draw: st.DrawFn) -> bytes:
+    """A request aiohttp's parser refuses (or, for ``Expect``, cannot answer): issue 44
+    items 8 and 10, each was an ERROR with a traceback and the Expect one a 500."""
+    word = draw(st.binary(min_size=1, max_size=8).map(lambda b: bytes(65 + c % 26 for c in b)))
+    bad = bytes([draw(st.sampled_from(NOT_TOKEN))])
+    at = draw(st.integers(min_value=0, max_value=len(word)))
+    spoilt = word[:at] + bad + word[at:]
+    kind = draw(
+        st.sampled_from(["method", "header name", "length", "both lengths", "chunk", "expect"])
+    )
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    if kind == "method":
+        return spoilt + b" /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"
+    if kind == "header name":
+        return head + b"X-" + spoilt + b": v\r\nContent-Length: 0\r\n\r\n"
+    if kind == "length":
+        return head + b"Content-Length: " + spoilt + b"\r\n\r\n"
+    if kind == "both lengths":
+        return head + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    if kind == "chunk":
+        return head + b"Transfer-Encoding: chunked\r\n\r\n" + word + b"Z\r\n{}\r\n0\r\n\r\n"
+    invalid = draw(st.sampled_from([b"\xff", b"\xc3", b"\xe9", b"\x80\x80"]))
+    return request("/v1/completions", BODY, b"Expect: " + word + invalid + b"\r\n")
+
+
+def errors_logged(proc: ServerProcess) -> int:
+    """ERROR lines the process has written to its stderr so far (read without moving
+    the offset the process writes at)."""
+    return os.pread(proc.stderr.fileno(), 1 << 24, 0).count(b" ERROR ")
+
+
+@given(data=malformed_requests(), target=st.sampled_from(["router", "sidecar"]))
+def test_malformed_requests_are_a_400_and_no_error_log(
+    fleet: Fleet, data: bytes, target: str
+) -> None:
+    proc = fleet.router if target == "router" else fleet.sidecar
+    logged = errors_logged(proc)
+    status, answer = raw(proc.url, data)
+    assert status == 400, (status, answer[:300])
+    assert json.loads(answer)["error"]["message"]
+    assert errors_logged(proc) == logged
 
 
 # ---------------------------------------------------------------------------- compressed

@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import zlib
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from support.clients import metric, metrics
 from support.grpc_clients import connect, rpc_error
 from support.routers import start_router
 
@@ -236,3 +239,83 @@ async def test_deep_nesting_on_generate_is_invalid_argument(router: RouterApp) -
             request = pb.GenerateRequest(body=body)
             code, message = await rpc_error(_drain(stubs.router.Generate(request)))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, message)
+
+
+# ------------------------------------------------------------ issue 44, items 8 and 10
+
+
+async def raw_exchange(url: str, data: bytes) -> tuple[int, bytes]:
+    """Send ``data`` as it is over a fresh connection; (status, body) of the answer."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(data)
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload
+
+
+#: Requests aiohttp's parser refuses before any kvroute code runs, by what is wrong.
+MALFORMED = {
+    "request line": b"GARBAGE\r\n\r\n",
+    "header token": b"GET /health HTTP/1.1\r\nHo\x00st: x\r\n\r\n",
+    "content length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ab\r\n\r\n",
+    "length and chunked": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    b"\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "header line too long": b"GET /health HTTP/1.1\r\nX-Long: " + b"a" * 10_000 + b"\r\n\r\n",
+    "TLS on the HTTP port": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 32,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages", "/no/such/route"])
+@pytest.mark.parametrize("value", [b"\xff\xfe", b"caf\xe9", b"100-continue\xff"])
+async def test_an_expect_header_that_is_not_utf8_is_a_400(
+    router: RouterApp, sidecar: str, path: str, value: bytes
+) -> None:
+    """aiohttp answered 500 (it could not quote the value in its 417): issue 44, item 8."""
+    for url in (router.url, sidecar):
+        status, payload = await raw_post(url, path, BODY, b"Expect: " + value + b"\r\n")
+        assert status == 400, (url, payload)
+        assert "Expect" in json.loads(payload)["error"]["message"]
+
+
+async def test_an_expect_of_100_continue_is_still_honoured(router: RouterApp) -> None:
+    status, payload = await raw_post(
+        router.url, "/v1/completions", BODY, b"Expect: 100-continue\r\n"
+    )
+    assert status == 100 and b"HTTP/1.1 200 OK" in payload
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+async def test_a_malformed_request_is_a_400_in_openai_form_and_no_error_log(
+    router: RouterApp, sidecar: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client garbage was an ERROR with a traceback per request (issue 44, item 10)."""
+    caplog.set_level(logging.WARNING)
+    for url in (router.url, sidecar):
+        status, payload = await raw_exchange(url, MALFORMED[kind])
+        assert status == 400, (url, payload)
+        assert openai_error(payload)["message"].startswith("malformed HTTP request: ")
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_malformed_requests_are_counted_and_warned_about_once_a_minute(
+    engine: EmulatedEngine, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = await start_router([engine.url])
+    caplog.set_level(logging.WARNING, logger="kvroute.http")
+    try:
+        for data in [*MALFORMED.values(), *MALFORMED.values()]:
+            assert (await raw_exchange(app.url, data))[0] == 400
+        samples = await metrics(http, app.url)
+        assert metric(samples, "kvroute_http_malformed_requests_total") == 2 * len(MALFORMED)
+        (warning,) = [r for r in caplog.records if r.name == "kvroute.http"]
+        assert warning.levelno == logging.WARNING and warning.exc_info is None
+        assert "malformed request" in warning.getMessage()
+        assert "Invalid method" in warning.getMessage()  # the first one's reason
+    finally:
+        await app.stop()

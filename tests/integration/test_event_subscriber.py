@@ -350,6 +350,79 @@ async def test_bind_mode_keys_streams_by_topic(ctx, subscriber, index, tmp_path)
         await pub.close()
 
 
+def resolve_llmd(topic: str, rank: int | None) -> EventSource | None:
+    parsed = parse_llmd_topic(topic)
+    if parsed is None:
+        return None
+    endpoint, model = parsed
+    return EventSource(EngineKey(endpoint, rank or 0), model)
+
+
+@pytest.mark.parametrize("check_address", [True, False])
+async def test_a_bound_tcp_socket_takes_an_engines_topic_only_from_its_address(
+    ctx, subscriber, index, check_address: bool
+) -> None:
+    """Over TCP a publisher at 127.0.0.2 posting under the topic of the engine at
+    127.0.0.1 is dropped and counted; under its own address's topic it lands (issue 44,
+    item 2). With ``check_address`` off (the control), anything lands."""
+    bound = await subscriber.bind("tcp://127.0.0.1:*", resolve_llmd, check_address=check_address)
+    port = bound.rpartition(":")[2]
+    here = Publisher(ctx, bound, "inproc://here-replay", connect=True)
+    there = Publisher(ctx, f"tcp://127.0.0.2:0;127.0.0.1:{port}", "inproc://x-replay", True)
+    engine, other = EngineKey("127.0.0.1:8000"), EngineKey("127.0.0.2:8000")
+    own, forged, elsewhere = tokens(1000, 1), tokens(2000, 1), tokens(3000, 1)
+
+    async def landed(pub: Publisher, topic: str, toks: list[int], key: EngineKey) -> bool:
+        if depth(index, toks, key) == 0:
+            pub.restart()  # resend from scratch until the connection is up
+            pub.topic = topic.encode()
+            await pub.publish([stored([toks[0]], toks)])
+        await asyncio.sleep(0.02)
+        return depth(index, toks, key) == 1
+
+    await until(lambda: landed(here, f"kv@{engine.endpoint}@{MODEL}", own, engine))
+    await until(lambda: landed(there, f"kv@{other.endpoint}@{MODEL}", elsewhere, other))
+    there.topic = f"kv@{engine.endpoint}@{MODEL}".encode()
+    for _ in range(3):
+        await there.publish([stored([forged[0]], forged)])
+        await there.publish([AllBlocksCleared()])
+    if check_address:
+        await until(lambda: asyncio.sleep(0, subscriber.stats.address_mismatches == 6))
+        assert depth(index, own, engine) == 1 and depth(index, forged, engine) == 0
+    else:
+        await until(lambda: asyncio.sleep(0, depth(index, own, engine) == 0))  # cleared
+        assert subscriber.stats.address_mismatches == 0
+    for pub in (here, there):
+        await pub.close()
+
+
+async def test_an_engine_named_by_host_name_is_matched_by_its_resolved_address(
+    ctx, subscriber, index
+) -> None:
+    """``kv@localhost:8000@m``: localhost resolves to 127.0.0.1 (and ::1), so a publisher
+    there lands and one at 127.0.0.2 does not."""
+    bound = await subscriber.bind("tcp://127.0.0.1:*", resolve_llmd)
+    port = bound.rpartition(":")[2]
+    here = Publisher(ctx, bound, "inproc://here-replay", connect=True)
+    there = Publisher(ctx, f"tcp://127.0.0.2:0;127.0.0.1:{port}", "inproc://x-replay", True)
+    engine = EngineKey("localhost:8000")
+    toks = {pub: tokens(1000 * n, 1) for n, pub in enumerate((here, there), start=1)}
+    for pub in (here, there):
+        pub.topic = f"kv@{engine.endpoint}@{MODEL}".encode()
+
+    async def sent_until_counted() -> bool:
+        for pub in (here, there):
+            pub.restart()  # resend from scratch until the connections are up
+            await pub.publish([stored([toks[pub][0]], toks[pub])])
+        await asyncio.sleep(0.02)
+        return depth(index, toks[here], engine) == 1 and subscriber.stats.address_mismatches > 0
+
+    await until(sent_until_counted)
+    assert depth(index, toks[there], engine) == 0
+    for pub in (here, there):
+        await pub.close()
+
+
 async def test_a_bound_socket_keeps_a_bounded_number_of_topic_streams(
     ctx, subscriber, index, tmp_path, monkeypatch
 ) -> None:

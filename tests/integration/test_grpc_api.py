@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.clients import metric_sum, metrics, post, post_reply
@@ -729,6 +731,45 @@ async def test_grpc_listeners_bind_where_configured(fleet: list[EmulatedEngine],
             assert await health_status(stubs.health, "") == "SERVING"
     finally:
         await app.stop()
+
+
+@pytest.mark.parametrize(
+    ("listener", "method"),
+    [
+        ("grpc", "/kvroute.v1.Router/Pick"),
+        ("grpc", "/kvroute.v1.Router/Generate"),
+        ("grpc", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+        ("grpc", "/grpc.health.v1.Health/Watch"),
+        ("extproc", "/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+    ],
+)
+async def test_a_request_that_is_no_message_is_invalid_argument_without_an_error_log(
+    fleet: list[EmulatedEngine], listener: str, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes that do not decode, on every kind of method (answers streamed or not,
+    requests streamed or not): INVALID_ARGUMENT naming the method. grpc.aio answered
+    UNKNOWN quoting the decoder's exception class, and logged an ERROR traceback for
+    each (issue 44, item 9)."""
+    app = await start_router([fleet[0].url], grpc={"port": 0}, extproc={"port": 0})
+    caplog.set_level(logging.WARNING)
+    garbage = b"\xff\xff\xff"
+    try:
+        port = app.grpc_port if listener == "grpc" else app.extproc_port
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            if method.endswith(("Info", "Process")):  # requests streamed
+                call = channel.stream_stream(method)(iter([garbage]))
+            else:
+                call = channel.unary_stream(method)(garbage)  # any answer shape reads so
+            code, message = await rpc_error(_drained(call))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, message)
+        assert method in message and "not a valid protobuf message" in message
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    finally:
+        await app.stop()
+
+
+async def _drained(call: Any) -> list[Any]:
+    return [answer async for answer in call]
 
 
 async def test_concurrent_generate_calls_count_as_requests(

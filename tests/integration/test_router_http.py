@@ -8,14 +8,17 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 import pytest_asyncio
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from support.clients import get, metric_sum, metrics, post, post_reply, stream
 from support.docs import documented_metrics
 from support.engines import poll, start_test_engine
+from support.held_stream import HeldStreamEngine, StreamingClient
 from support.routers import start_router
 
 from router.api.http import HttpDownstream
@@ -607,6 +610,28 @@ async def test_an_engine_never_reachable_is_pending_and_not_ready(
             await engine.stop()
 
 
+async def test_a_zmq_port_given_as_an_engine_is_one_warning_not_a_traceback_a_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``--engine http://HOST:KV_EVENTS_PORT``, a first-day mix-up: the ZMQ socket greets
+    and hangs up on every probe and scrape; the router says so once (issue 44, item 11)."""
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    caplog.set_level(logging.WARNING, logger="kvroute")
+    app = await start_router([{"url": f"http://127.0.0.1:{port}", "models": [MODEL]}])
+    try:
+        record = app.registry.get(f"127.0.0.1:{port}")
+        assert record is not None
+        await poll(lambda: record.failures >= 20)  # 20 probes, and the scrapes beside them
+        assert record.state is EngineState.PENDING
+        assert [r.levelname for r in caplog.records if r.name.startswith("kvroute")] == ["WARNING"]
+        assert f"engine http://127.0.0.1:{port} not ready yet" in caplog.text
+    finally:
+        await app.stop()
+        publisher.close()
+
+
 async def test_an_engine_that_goes_away_is_ejected_and_readmitted_when_back(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -649,6 +674,64 @@ async def test_a_client_that_leaves_cancels_the_engine_request(
             s for s in samples["kvroute_requests_total"] if s.labels["outcome"] == "cancelled"
         ]
         assert cancelled and cancelled[0].value == 1
+    finally:
+        await app.stop()
+        await engine.stop()
+
+
+@pytest.mark.parametrize("ends", ["before", "as"])
+@pytest.mark.parametrize(
+    ("path", "body", "last"),
+    [
+        ("/v1/completions", {"prompt": "hi", "stream": True}, b"data: [DONE]\n\n"),
+        (
+            "/v1/messages",
+            {"max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+            b"event: message_stop\n",
+        ),
+    ],
+)
+async def test_a_client_that_closes_on_the_last_event_is_counted_not_logged(
+    ends: str,
+    path: str,
+    body: dict[str, object],
+    last: bytes,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Many clients close as they read ``data: [DONE]`` (or ``message_stop``), before
+    the stream's closing bytes. Whether the close reaches the router before the engine's
+    end (the handler is cancelled) or as it arrives (the end cannot be written), the
+    answer was whole: an ``ok`` request, counted, and nothing logged above debug level
+    (issue 44, item 12: an ERROR with a traceback)."""
+    engine = HeldStreamEngine()
+    app = await start_router(
+        [{"url": await engine.start(), "models": [MODEL]}], health={"interval_s": 30.0}
+    )
+    caplog.set_level(logging.DEBUG, logger="kvroute")
+    try:
+        client = await StreamingClient.post(
+            "127.0.0.1",
+            urlsplit(app.url).port or 0,
+            path,
+            json.dumps({"model": MODEL, **body}).encode(),
+        )
+        await client.read_until(last)
+        if ends == "before":
+            client.leave()
+        else:
+            engine.end()  # the engine's last chunk, then the client's close: one poll
+            client.leave()
+
+        async def served() -> bool:
+            samples = await metrics(http, app.url)
+            return metric_sum(samples, "kvroute_requests_total") == 1
+
+        await poll(served)
+        samples = await metrics(http, app.url)
+        assert metric_sum(samples, "kvroute_requests_total", outcome="ok") == 1
+        assert metric_sum(samples, "kvroute_client_gone_at_end_total") == 1
+        assert [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG] == []
     finally:
         await app.stop()
         await engine.stop()

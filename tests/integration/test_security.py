@@ -21,6 +21,7 @@ from aiohttp import web
 from cryptography import x509
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll, start_test_engine
 from support.grpc_clients import generate, rpc_error
@@ -30,6 +31,7 @@ from support.tls import TestCA
 
 from router.cli import main
 from router.emulator import EmulatedEngine
+from router.engines.registry import EngineState
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.reload import Reloader
@@ -221,6 +223,36 @@ async def test_grpc_client_and_admin_keys(engine: EmulatedEngine) -> None:
             assert len(listed.engines) == 1
             got, message = await rpc_error(admin.Reload(pb.ReloadRequest(), metadata=admin_md))
             assert got == grpc.StatusCode.INVALID_ARGUMENT and "configuration" in message
+    finally:
+        await app.stop()
+
+
+async def test_grpc_reflection_needs_a_key_when_keys_are_set(engine: EmulatedEngine) -> None:
+    """Reflection describes the whole API: it answered anyone (issue 44, item 5). Health
+    stays open for probes."""
+    app = await start_router(
+        [engine.url],
+        grpc={"port": 0},
+        auth={"api_keys": [CLIENT_KEY], "admin_keys": [ADMIN_KEY]},
+    )
+    listing = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async def services(metadata: list[tuple[str, str]]) -> list[str]:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = [a async for a in stub.ServerReflectionInfo(iter([listing]), metadata=metadata)]
+        return [s.name for s in answers[0].list_services_response.service]
+
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            for metadata in ([], [("authorization", "Bearer wrong")]):
+                got, message = await rpc_error(services(metadata))
+                assert got == grpc.StatusCode.UNAUTHENTICATED, (got, message)
+            for key in (CLIENT_KEY, ADMIN_KEY):
+                listed = await services([("authorization", f"Bearer {key}")])
+                assert "kvroute.v1.Router" in listed and "kvroute.v1.Admin" in listed
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await app.stop()
 
@@ -887,3 +919,91 @@ async def test_event_endpoints_from_kv_event_sources_are_checked_too(
     finally:
         await app.stop()
         await runner.cleanup()
+
+
+class RankBoaster:
+    """An engine (a plain HTTP server) that announces ``ranks`` data-parallel ranks in
+    its ``/server_info`` or its ``/kv_event_sources``."""
+
+    def __init__(self, ranks: int, where: str) -> None:
+        self.ranks, self.where = ranks, where
+        self.probes = 0
+
+    async def start(self) -> str:
+        async def health(_: web.Request) -> web.Response:
+            self.probes += 1
+            return web.Response()
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": BODY["model"]}]})
+
+        async def server_info(_: web.Request) -> web.Response:
+            if self.where != "server_info":
+                return web.json_response({}, status=404)
+            return web.json_response({"dp_size": self.ranks, "block_size": 16})
+
+        async def event_sources(_: web.Request) -> web.Response:
+            if self.where != "kv_event_sources":
+                return web.json_response({}, status=404)
+            endpoint = "tcp://127.0.0.1:5557"
+            return web.json_response(
+                {
+                    str(rank): {"endpoint": endpoint, "publisher": "zmq"}
+                    for rank in range(self.ranks)
+                }
+            )
+
+        fake = web.Application()
+        fake.add_routes(
+            [
+                web.get("/health", health),
+                web.get("/v1/models", models),
+                web.get("/server_info", server_info),
+                web.get("/kv_event_sources", event_sources),
+            ]
+        )
+        self.runner = web.AppRunner(fake)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("where", ["server_info", "kv_event_sources"])
+async def test_an_engine_announcing_more_ranks_than_the_limit_is_refused_once(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rogue engine's announced ``dp_size`` made the router build one routing target
+    (load, index entries) per rank, a million of them if it said so (issue 44, item 4)."""
+    boaster = RankBoaster(1_000_000 if where == "server_info" else 65, where)
+    url = await boaster.start()
+    caplog.set_level(logging.WARNING, logger="kvroute")
+    app = await start_router([url])
+    try:
+        record = app.registry.get(url.removeprefix("http://"))
+        assert record is not None and record.state is EngineState.REFUSED
+        assert len(record.keys) == 1
+        announced = "1000000" if where == "server_info" else "65"
+        assert f"announces {announced} data-parallel ranks" in record.refused_reason
+        assert "limits.max_dp_size 64" in record.refused_reason
+        probes = boaster.probes
+        await poll(lambda: boaster.probes >= probes + 5)  # probed again and again
+        lines = [r.getMessage() for r in caplog.records if "data-parallel ranks" in r.getMessage()]
+        assert lines == [f"refusing {record.refused_reason}"]
+        assert record.state is EngineState.REFUSED
+    finally:
+        await app.stop()
+        await boaster.runner.cleanup()
+
+
+async def test_an_engine_within_the_rank_limit_is_routed_to_every_rank() -> None:
+    boaster = RankBoaster(4, "server_info")
+    url = await boaster.start()
+    app = await start_router([url], limits={"max_dp_size": 4})
+    try:
+        record = app.registry.get(url.removeprefix("http://"))
+        assert record is not None and record.state is EngineState.HEALTHY
+        assert [key.rank for key in record.keys] == [0, 1, 2, 3]
+    finally:
+        await app.stop()
+        await boaster.runner.cleanup()

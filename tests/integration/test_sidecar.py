@@ -4,12 +4,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
+import pytest
 import pytest_asyncio
 from support.clients import metric_sum, metrics, post
-from support.engines import start_test_engine
+from support.engines import poll, start_test_engine
+from support.held_stream import HeldStreamEngine, StreamingClient
 from support.listeners import DialCounter, hostile_handoff
 
 from router.emulator import EmulatedEngine
@@ -64,6 +68,32 @@ async def test_a_stream_through_the_sidecar(pod: dict, http: aiohttp.ClientSessi
         assert resp.status == 200
         text = (await resp.read()).decode()
     assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+
+
+async def test_a_client_that_closes_on_done_is_not_logged_as_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client closing as it reads ``data: [DONE]``, just as the local engine ends its
+    stream, had its whole answer: nothing above debug level (issue 44, item 12)."""
+    engine = HeldStreamEngine()
+    runner, sidecar, url = await start_sidecar(await engine.start(), [])
+    caplog.set_level(logging.DEBUG, logger="kvroute")
+    try:
+        client = await StreamingClient.post(
+            "127.0.0.1",
+            urlsplit(url).port or 0,
+            "/v1/completions",
+            b'{"model": "m", "prompt": "hi", "stream": true}',
+        )
+        await client.read_until(b"data: [DONE]\n\n")
+        engine.end()  # the engine's last chunk, then the client's close: one poll
+        client.leave()
+        await poll(lambda: "client left before the end of a stream" in caplog.text)
+        assert [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG] == []
+    finally:
+        await runner.cleanup()
+        await sidecar.close()
+        await engine.stop()
 
 
 async def test_a_target_off_the_allow_list_is_refused(

@@ -179,6 +179,25 @@ async def test_garbage_instead_of_http_is_an_error(client: Client) -> None:
             await client.request("POST", server.url, b"")
 
 
+async def test_a_server_that_greets_in_another_protocol_and_hangs_up_is_an_http_error(
+    client: Client,
+) -> None:
+    """A ZMQ port given as an engine URL sends its greeting as soon as it accepts and
+    closes the connection, so the request's write meets a closed transport: that is an
+    HTTPError, never uvloop's RuntimeError (issue 44, item 11: a traceback every second
+    from the health probes)."""
+    zmtp_greeting = b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f"
+
+    async def handler(reader, writer) -> None:
+        writer.write(zmtp_greeting)
+        await writer.drain()
+
+    async with RawServer(handler) as server:
+        for _ in range(5):
+            with pytest.raises(HTTPError):
+                await client.request("GET", server.url + "/health")
+
+
 async def test_nothing_listening_is_a_connect_error(client: Client) -> None:
     async with RawServer(read_request) as server:
         url = server.url
