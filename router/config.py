@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,68 @@ PROCESS_SWITCHES = frozenset({"KVROUTE_PURE_PYTHON"})
 """Environment variables with the prefix that are not configuration keys: switches read
 by the process itself (``KVROUTE_PURE_PYTHON=1``: the pure-Python paths instead of the
 compiled helper, router/hashing.py)."""
+
+# Kubernetes gives every pod of a namespace "service links" for each Service in it
+# (unless the pod sets enableServiceLinks: false): a Service named kvroute, or
+# kvroute-anything, gives KVROUTE_SERVICE_HOST=10.0.0.7, KVROUTE_PORT=tcp://10.0.0.7:8000
+# and so on. They carry the prefix but are no configuration, so they are recognised by
+# their exact name shape and value and left alone; anything else with the prefix is a
+# configuration key (a misspelt one is still refused, naming the variable).
+_SERVICE = r"KVROUTE(?:_[A-Z0-9_]*[A-Z0-9])?"
+_LINK = r"(?P<port>[0-9]+)_(?P<proto>TCP|UDP|SCTP)"
+_LINK_URL = re.compile(
+    r"(?P<proto>tcp|udp|sctp)://(?:\[(?P<ip6>[0-9a-fA-F:.]+)\]|(?P<ip>[0-9.]+)):(?P<port>[0-9]+)"
+)
+_SERVICE_LINKS = (
+    (re.compile(rf"{_SERVICE}_SERVICE_HOST"), "ip"),
+    (re.compile(rf"{_SERVICE}_SERVICE_PORT(?:_[A-Z0-9_]+)?"), "port"),
+    (re.compile(rf"{_SERVICE}_PORT"), "url"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}"), "url"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}_PROTO"), "proto"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}_PORT"), "port"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}_ADDR"), "ip"),
+)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """Whether ``name=value`` is a Kubernetes service-link variable of a Service whose
+    name starts with ``kvroute`` (``KVROUTE_SERVICE_HOST``, ``KVROUTE_PORT_8000_TCP``...),
+    by the shapes the kubelet writes them in: the name's suffix and a value to match."""
+    for shape, kind in _SERVICE_LINKS:
+        match = shape.fullmatch(name)
+        if match is None:
+            continue
+        named = match.groupdict()
+        if kind == "ip":
+            ok = _is_ip(value)
+        elif kind == "port":
+            ok = _is_port(value) and value == named.get("port", value)
+        elif kind == "proto":
+            ok = value == named["proto"].lower()
+        else:
+            url = _LINK_URL.fullmatch(value)
+            ok = (
+                url is not None
+                and _is_ip(url["ip"] or url["ip6"])
+                and _is_port(url["port"])
+                and url["proto"] == (named.get("proto") or url["proto"]).lower()
+                and url["port"] == named.get("port", url["port"])
+            )
+        if ok:
+            return True
+    return False
 
 
 _DIALECTS = " or ".join(f"`{name}`" for name in handoff_registry.names())
@@ -1966,10 +2029,13 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def env_names(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
-    """Key path -> the ``KVROUTE_A__B`` variable that sets it."""
+    """Key path -> the ``KVROUTE_A__B`` variable that sets it (process switches and
+    Kubernetes service links are not configuration)."""
     names = {}
-    for name in environ:
+    for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX or name in PROCESS_SWITCHES:
+            continue
+        if is_service_link(name, value):
             continue
         path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p)
         if path:

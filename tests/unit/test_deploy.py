@@ -171,6 +171,14 @@ def test_the_router_runs_non_root_with_probes_and_a_drain(mode: str) -> None:
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_no_pod_gets_kubernetes_service_links(mode: str) -> None:
+    # A Service named kvroute would give each pod KVROUTE_SERVICE_HOST, KVROUTE_PORT...
+    pods = [d["spec"]["template"]["spec"] for d in by_kind(committed(mode), "Deployment")]
+    assert pods
+    assert [p.get("enableServiceLinks") for p in pods] == [False] * len(pods)
+
+
 def test_the_chart_points_the_index_redis_section_at_its_redis() -> None:
     config = router_config(committed("service"))
     assert config.index.backend == "redis"
