@@ -734,7 +734,11 @@ class EngineConfig(_Section):
         le=65535,
         description="SGLang prefill engines: the bootstrap port (default: /server_info).",
     )
-    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000.")
+    url: str = Field(
+        description="The engine server's root URL, e.g. http://10.0.0.5:8000: no path "
+        "(not the OpenAI base URL http://10.0.0.5:8000/v1), the router adds /v1/..., "
+        "/health and the rest itself."
+    )
     role: Literal["both", "prefill", "decode"] = Field(
         "both", description="What the engine does in disaggregated serving."
     )
@@ -762,6 +766,14 @@ class EngineConfig(_Section):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
             raise ValueError("engine url must look like http://host:port")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            # The OpenAI base-URL habit (.../v1) would be accepted and never become ready:
+            # every call the router makes is this URL + /v1/..., /health, /metrics.
+            root = f"{parts.scheme}://{parts.netloc}"
+            raise ValueError(
+                f"engine url {url} has a path: give the engine server's root, {root} "
+                "(the router adds /v1/..., /health and the rest itself)"
+            )
         return url.rstrip("/")
 
 

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="an engine serving prefill and decode (repeatable), e.g. http://10.0.0.5:8000",
+        help="an engine serving prefill and decode (repeatable): its server's root URL, "
+        "e.g. http://10.0.0.5:8000 (no /v1 or other path)",
     )
     parser.add_argument(
         "--prefill",

@@ -129,6 +129,7 @@ async def test_an_engine_added_with_its_topology_lists_it_back(
         ("POST", "", b"{not json", 400, "JSON"),
         ("POST", "", b"[1]", 400, "object"),
         ("POST", "", b'{"url": "ftp://x"}', 400, "url"),
+        ("POST", "", b'{"url": "http://127.0.0.1:9/v1"}', 400, "has a path"),
         ("POST", "", b'{"url": "http://127.0.0.1:9", "dp_size": 0}', 400, "dp_size"),
         ("POST", "", b'{"url": "http://127.0.0.1:9", "colour": "red"}', 400, "colour"),
         ("DELETE", "/127.0.0.1:1", None, 404, "127.0.0.1:1"),

@@ -167,3 +167,27 @@ def test_kubernetes_service_links_are_not_configuration(name: str, value: str) -
 def test_a_variable_that_only_looks_like_a_service_link_is_refused(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"from environment variable {name}"):
         load_config(environ={name: value})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.5:8000/v1",
+        "http://10.0.0.5:8000/v1/",
+        "http://10.0.0.5:8000/openai/v1",
+        "http://10.0.0.5:8000/?model=x",
+    ],
+)
+def test_an_engine_url_with_a_path_is_refused_naming_the_root_to_give(url: str) -> None:
+    # The OpenAI base-URL habit: accepted, it would never become ready (/v1/health: 404).
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"engines": [{"url": url}]}, environ={})
+    assert (
+        f"engines.0.url: Value error, engine url {url} has a path: give the engine "
+        "server's root, http://10.0.0.5:8000 (the router adds /v1/..., /health" in str(err.value)
+    )
+
+
+def test_an_engine_root_url_may_end_in_a_slash() -> None:
+    config = load_config(overrides={"engines": [{"url": "http://10.0.0.5:8000/"}]}, environ={})
+    assert config.engines[0].url == "http://10.0.0.5:8000"
