@@ -1996,11 +1996,14 @@ class _Sources:
     file: Any
     env_names: Mapping[tuple[str, ...], str]
     flags: Mapping[str, Any]
+    before_flags: Any
+    """The file and the environment merged: what flags that add list items extend."""
 
     def of(self, loc: tuple[Any, ...]) -> str:
         # Flags win over the environment, which wins over the file. Flags that add list
-        # items (--engine) carry the file's items too: those are not blamed on flags.
-        if loc and _holds(self.flags, loc, lists=False):
+        # items (--engine) carry the file's items too: only the items they add are
+        # blamed on flags.
+        if (loc and _holds(self.flags, loc, lists=False)) or self._added_by_flags(loc):
             return " (from a command-line flag)"
         keys = tuple(str(p) for p in loc)
         for env_path, name in self.env_names.items():
@@ -2010,6 +2013,16 @@ class _Sources:
         if self.path is not None and _holds(self.file, loc):
             return f" (in {self.path})"
         return ""
+
+    def _added_by_flags(self, loc: tuple[Any, ...]) -> bool:
+        """Whether ``loc`` is in a list item that flags appended to the file's list."""
+        index = next((i for i, part in enumerate(loc) if isinstance(part, int)), None)
+        if index is None or not _holds(self.flags, loc[:index], lists=False):
+            return False
+        listed: Any = self.before_flags
+        for part in loc[:index]:
+            listed = listed.get(part) if isinstance(listed, Mapping) else None
+        return loc[index] >= (len(listed) if isinstance(listed, list) else 0)
 
 
 def _format_errors(
@@ -2101,10 +2114,10 @@ def load_config(
             raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
         data = file = loaded or {}
     environ = os.environ if environ is None else environ
-    data = merge(data, env_overrides(environ))
+    data = before_flags = merge(data, env_overrides(environ))
     if overrides:
         data = merge(data, overrides)
-    sources = _Sources(path, file, env_names(environ), overrides or {})
+    sources = _Sources(path, file, env_names(environ), overrides or {}, before_flags)
     try:
         data, renamed = move_renamed(data)
     except RenamedKeyConflict as exc:

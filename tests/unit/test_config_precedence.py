@@ -191,3 +191,14 @@ def test_an_engine_url_with_a_path_is_refused_naming_the_root_to_give(url: str) 
 def test_an_engine_root_url_may_end_in_a_slash() -> None:
     config = load_config(overrides={"engines": [{"url": "http://10.0.0.5:8000/"}]}, environ={})
     assert config.engines[0].url == "http://10.0.0.5:8000"
+
+
+def test_a_bad_engine_flag_is_blamed_on_the_flag_not_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("engines:\n  - url: http://10.0.0.1:8000\n")
+    with pytest.raises(ConfigError) as err:
+        config_from_args(parse("--config", str(path), "--engine", "10.0.0.2:8000"))
+    assert str(err.value).splitlines()[1:] == [
+        "  engines.1.url: Value error, engine url must look like http://host:port "
+        "(from a command-line flag)"
+    ]
