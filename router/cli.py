@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -83,6 +85,22 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout's reader left (``kvroute status --json | head``); if so stdout now
+    goes to /dev/null, so the flush at exit does not print a traceback about it either."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return False
+    if hasattr(select, "poll"):  # a pipe with no reader polls as an error (Linux, BSD)
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False  # another pipe broke: not for this handler to hide
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in args_list if not a.startswith("-")), None)
@@ -96,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtra as exc:
         print(exc, file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        return 1
     except ModuleNotFoundError as exc:  # imported lazily by the command (bench's plots)
         if not _needs_extra(exc) or selected is None:
             raise

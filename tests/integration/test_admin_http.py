@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -178,6 +181,27 @@ async def test_kvroute_status_prints_the_engines(
     assert await asyncio.to_thread(main, ["status", router.url, "--json", "--timeout", "30"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert {e["endpoint"] for e in answer["engines"]} == {endpoint(e) for e in pair}
+
+
+def run_into_a_closed_pipe(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvroute ARGV`` writing to a pipe whose reader has gone, as ``| head`` leaves it."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "router", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+
+
+async def test_kvroute_status_into_a_closed_pipe_exits_quietly(router: RouterApp) -> None:
+    done = await asyncio.to_thread(run_into_a_closed_pipe, "status", router.url, "--json")
+    assert (done.returncode, done.stderr) == (1, "")
 
 
 async def test_kvroute_status_says_why_it_cannot_read(capsys: pytest.CaptureFixture[str]) -> None:
