@@ -16,6 +16,7 @@ import os
 import select
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from router import __version__
 
@@ -61,8 +62,18 @@ def _needs_extra(exc: ModuleNotFoundError) -> bool:
     return (exc.name or "").split(".")[0] in EXTRA_PACKAGES
 
 
+class _Parser(argparse.ArgumentParser):
+    """Long flags only as spelt: argparse would take ``--output`` for the one flag it
+    begins (``--output-tokens``) in a command without ``--output``, and every new flag
+    would break the abbreviations it begins. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvroute",
         description="Cache-aware request router for disaggregated LLM inference fleets.",
     )

@@ -65,3 +65,20 @@ def test_config_check_names_what_is_wrong_and_exits_2(
     path.write_text("[1, 2]")
     assert main(["config", "check", str(path)]) == 2
     assert "mapping at the top level" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "abbreviated"),
+    [
+        (["plan", "--cache", "100"], "--cache"),  # --cache-blocks
+        (["simulate", "--output-tok", "4"], "--output-tok"),  # --output-tokens
+        (["config", "check", "--form", "json", "router.yaml"], "--form"),  # --format
+    ],
+)
+def test_an_abbreviated_flag_is_refused_not_guessed(
+    argv: list[str], abbreviated: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
