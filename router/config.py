@@ -264,7 +264,10 @@ POLICY_NAMES = tuple(POLICIES)
 class PolicyConfig(_Section):
     """How the router picks an engine."""
 
-    name: str = Field("kv_cost", description="Policy name; see `kvroute serve --help`.")
+    name: str = Field(
+        "kv_cost",
+        description="Policy name; see `kvroute serve --help`. `default` is `kv_cost`.",
+    )
     prefill_weight: float = Field(
         2.0,
         ge=0,

@@ -27,7 +27,7 @@ from router.api.listener import ListenError
 from router.config import Config, ConfigError, load_config
 from router.handoff import registry as handoff_registry
 from router.live_config import LiveConfig
-from router.policy import POLICY_NAMES
+from router.policy import DEFAULT_POLICY, POLICY_NAMES
 
 log = logging.getLogger("kvroute")
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         choices=[*POLICY_NAMES, "default"],
-        help="routing policy (default kv_cost)",
+        help=f"routing policy; 'default' (also what an unset one means) is {DEFAULT_POLICY}",
     )
     parser.add_argument(
         "--block-size", type=int, help="tokens per KV block; must match the engines (default 16)"
