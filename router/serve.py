@@ -69,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"routing policy; 'default' (also what an unset one means) is {DEFAULT_POLICY}",
     )
     parser.add_argument(
-        "--block-size", type=int, help="tokens per KV block; must match the engines (default 16)"
+        "--block-size",
+        type=int,
+        help="tokens per KV block; must match the engines (default: each model's pool takes "
+        "the block size its first engine reports, 16 until one does)",
     )
     parser.add_argument(
         "--kv-events-port",
