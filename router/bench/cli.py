@@ -303,16 +303,17 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
             think_s=args.think_time,
             seed=args.seed,
             output_spread=args.output_spread,
+            requests=args.requests,
         )
-        total = len(specs) * args.turns
-        if args.requests is not None:
-            total = min(total, args.requests)
+        planned = args.conversations * args.turns
+        total = planned if args.requests is None else max(0, min(planned, args.requests))
         text = (
             f"chat: {args.conversations} conversations x {args.turns} turns, "
             f"{args.system_tokens}-token shared system prompt, {args.question_tokens}-token "
             f"questions, {args.output_tokens}-token answers"
             + (f" (+-{args.output_spread:.0%})" if args.output_spread else "")
             + f", each turn repeating the whole conversation; {closed} conversations in flight"
+            + (f"; the first {total} requests" if total < planned else "")
         )
         title = f"chat, {args.conversations} conversations x {args.turns} turns"
         return Workload(title, text, specs, total, closed, {"kind": "chat"})
