@@ -405,6 +405,16 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+def _can_plot() -> bool:
+    """Whether the plots' package is installed: asked before the workload runs, not
+    found missing after it (the plots come last)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvroute bench``.
 
@@ -421,6 +431,13 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "tenants", None):
         return _run_tenants(args)
+    if not args.no_plots and not _can_plot():
+        print(
+            "kvroute bench: the plots need the 'bench' extra (matplotlib is not installed): "
+            "pip install 'kvroute[bench]', or run with --no-plots",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.compare:
             targets = [parse_target(text) for text in args.compare]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.imports import ROOT, Imports, reachable
+from support.listener import CountingListener
 
 from router.cli import EXTRA_PACKAGES
 
@@ -266,3 +267,24 @@ def test_the_package_metadata_is_read_without_deprecation_warnings() -> None:
     build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]
     (setuptools,) = [Requirement(r) for r in build["requires"] if _name(r) == "setuptools"]
     assert "76.9" not in setuptools.specifier and "77.0" in setuptools.specifier
+
+
+def test_bench_without_its_plots_package_says_so_before_sending_anything(
+    tmp_path: Path,
+) -> None:
+    target = CountingListener()  # what bench would send the workload to
+    try:
+        done = _without_extras(
+            "from router.cli import main; sys.exit(main(sys.argv[2:]))",
+            *("bench", "--target", f"http://127.0.0.1:{target.port}", "--workload"),
+            *("shared-prefix", "--groups", "1", "--prompts-per-group", "2"),
+            *("--output", str(tmp_path)),
+        )
+    finally:
+        target.close()
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "kvroute bench: the plots need the 'bench' extra (matplotlib is not installed): "
+        "pip install 'kvroute[bench]', or run with --no-plots"
+    )
+    assert (done.stdout, target.accepted) == ("", 0)
