@@ -522,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
     if summaries:
         rows = report.table_rows(summaries, baseline)
         print()
-        print(report.render_text(rows))
+        print(report.render_text(rows, keep=report.LABEL_COLUMNS))
         text = report.render_markdown(rows)
         if len(summaries) > 1:
             print(report.ratio_note(baseline))

@@ -235,6 +235,11 @@ def fmt(value: float | None, kind: str) -> str:
     return f"{value:,.1f}"
 
 
+#: The columns of a :func:`table_rows` table that label its rows (metric, better): what a
+#: wrapped table repeats (``render_text(rows, keep=LABEL_COLUMNS)``).
+LABEL_COLUMNS = 2
+
+
 def table_rows(
     summaries: Sequence[dict[str, Any]],
     baseline: str,
@@ -279,8 +284,44 @@ def ratio_note(baseline: str) -> str:
     )
 
 
-def render_text(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+#: The widest a printed table may be (a terminal's width, less a margin): a wider one
+#: wraps into several tables of columns (:func:`wrap_columns`).
+TABLE_WIDTH = 100
+
+
+def _widths(rows: list[list[str]]) -> list[int]:
+    return [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+
+def wrap_columns(
+    rows: list[list[str]], width: int = TABLE_WIDTH, keep: int = 1
+) -> list[list[list[str]]]:
+    """A table (a header, then rows) cut into tables of columns no wider than ``width``
+    in :func:`render_text`: each repeats the first ``keep`` columns (the row labels) and
+    takes as many of the other columns, in order, as fit (one at least, however wide).
+    A table that fits is returned whole."""
+    widths = _widths(rows)
+    labels = sum(widths[:keep]) + 2 * (keep - 1)
+    groups: list[list[int]] = [[]]
+    used = labels
+    for column in range(keep, len(widths)):
+        if groups[-1] and used + 2 + widths[column] > width:
+            groups.append([])
+            used = labels
+        groups[-1].append(column)
+        used += 2 + widths[column]
+    return [[[row[i] for i in [*range(keep), *group]] for row in rows] for group in groups]
+
+
+def render_text(rows: list[list[str]], width: int = TABLE_WIDTH, keep: int = 1) -> str:
+    """An aligned text table: the first column left, the others right, a rule under the
+    header. Wider than ``width``, it wraps into several (:func:`wrap_columns`, each
+    repeating the first ``keep`` columns), a blank line apart."""
+    return "\n\n".join(_render_text(table) for table in wrap_columns(rows, width, keep))
+
+
+def _render_text(rows: list[list[str]]) -> str:
+    widths = _widths(rows)
     lines = []
     for n, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])]
