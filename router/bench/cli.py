@@ -343,10 +343,11 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
         else f"closed loop, {closed} in flight"
     )
     oracle = oracle_hit_rate(chosen)
+    sent_as = "token ids" if args.prompt_format == "tokens" else "text"
     text = (
         f"{trace.name}: first {len(chosen)} of {len(trace.requests)} requests, {pacing}; "
         f"prompt lengths x{args.scale:g} ({expander.block_len}-token blocks, mean "
-        f"{mean_prompt:,.0f} tokens, {args.prompt_format}), mean output {mean_output:.0f} tokens"
+        f"{mean_prompt:,.0f} tokens, sent as {sent_as}), mean output {mean_output:.0f} tokens"
     )
     if args.max_output_tokens is not None:
         text += f" (capped at {args.max_output_tokens})"
