@@ -220,7 +220,8 @@ def _ms(summary: dict[str, Any], key: str, q: str) -> str:
     return "-" if value is None else f"{value * 1e3:,.0f} ms"
 
 
-def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]]:
+def frontier_rows(points: Sequence[Point]) -> list[list[str]]:
+    """One row per fleet (the line under the table names the recommended one)."""
     rows = [
         [
             "fleet",
@@ -232,7 +233,6 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
             "ITL p99",
             "hit rate",
             "split share",
-            "best",
         ]
     ]
     for p in points:
@@ -249,7 +249,6 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
                 _ms(s, "itl_s", "p99"),
                 f"{s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "-",
                 f"{split:.0%}" if split is not None else "-",
-                "yes" if p is best else "",
             ]
         )
     return rows
@@ -659,7 +658,7 @@ def run(args: argparse.Namespace) -> int:
     )
     best = max(points, key=lambda p: p.rate)
     recommended = best.fleet.describe() if best.rate > 0 else None
-    rows = frontier_rows(points, best if best.rate > 0 else None)
+    rows = frontier_rows(points)
     _table(args, rows, {**about, "question": "fleets", "recommended": recommended})
     if best.rate <= 0:
         print("\nno fleet meets the SLOs even at 1/64 of the workload's rate")
