@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from router import __version__
 
@@ -59,8 +62,18 @@ def _needs_extra(exc: ModuleNotFoundError) -> bool:
     return (exc.name or "").split(".")[0] in EXTRA_PACKAGES
 
 
+class _Parser(argparse.ArgumentParser):
+    """Long flags only as spelt: argparse would take ``--output`` for the one flag it
+    begins (``--output-tokens``) in a command without ``--output``, and every new flag
+    would break the abbreviations it begins. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvroute",
         description="Cache-aware request router for disaggregated LLM inference fleets.",
     )
@@ -83,6 +96,22 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout's reader left (``kvroute status --json | head``); if so stdout now
+    goes to /dev/null, so the flush at exit does not print a traceback about it either."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return False
+    if hasattr(select, "poll"):  # a pipe with no reader polls as an error (Linux, BSD)
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False  # another pipe broke: not for this handler to hide
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in args_list if not a.startswith("-")), None)
@@ -96,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtra as exc:
         print(exc, file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        return 1
     except ModuleNotFoundError as exc:  # imported lazily by the command (bench's plots)
         if not _needs_extra(exc) or selected is None:
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,68 @@ PROCESS_SWITCHES = frozenset({"KVROUTE_PURE_PYTHON"})
 """Environment variables with the prefix that are not configuration keys: switches read
 by the process itself (``KVROUTE_PURE_PYTHON=1``: the pure-Python paths instead of the
 compiled helper, router/hashing.py)."""
+
+# Kubernetes gives every pod of a namespace "service links" for each Service in it
+# (unless the pod sets enableServiceLinks: false): a Service named kvroute, or
+# kvroute-anything, gives KVROUTE_SERVICE_HOST=10.0.0.7, KVROUTE_PORT=tcp://10.0.0.7:8000
+# and so on. They carry the prefix but are no configuration, so they are recognised by
+# their exact name shape and value and left alone; anything else with the prefix is a
+# configuration key (a misspelt one is still refused, naming the variable).
+_SERVICE = r"KVROUTE(?:_[A-Z0-9_]*[A-Z0-9])?"
+_LINK = r"(?P<port>[0-9]+)_(?P<proto>TCP|UDP|SCTP)"
+_LINK_URL = re.compile(
+    r"(?P<proto>tcp|udp|sctp)://(?:\[(?P<ip6>[0-9a-fA-F:.]+)\]|(?P<ip>[0-9.]+)):(?P<port>[0-9]+)"
+)
+_SERVICE_LINKS = (
+    (re.compile(rf"{_SERVICE}_SERVICE_HOST"), "ip"),
+    (re.compile(rf"{_SERVICE}_SERVICE_PORT(?:_[A-Z0-9_]+)?"), "port"),
+    (re.compile(rf"{_SERVICE}_PORT"), "url"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}"), "url"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}_PROTO"), "proto"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}_PORT"), "port"),
+    (re.compile(rf"{_SERVICE}_PORT_{_LINK}_ADDR"), "ip"),
+)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """Whether ``name=value`` is a Kubernetes service-link variable of a Service whose
+    name starts with ``kvroute`` (``KVROUTE_SERVICE_HOST``, ``KVROUTE_PORT_8000_TCP``...),
+    by the shapes the kubelet writes them in: the name's suffix and a value to match."""
+    for shape, kind in _SERVICE_LINKS:
+        match = shape.fullmatch(name)
+        if match is None:
+            continue
+        named = match.groupdict()
+        if kind == "ip":
+            ok = _is_ip(value)
+        elif kind == "port":
+            ok = _is_port(value) and value == named.get("port", value)
+        elif kind == "proto":
+            ok = value == named["proto"].lower()
+        else:
+            url = _LINK_URL.fullmatch(value)
+            ok = (
+                url is not None
+                and _is_ip(url["ip"] or url["ip6"])
+                and _is_port(url["port"])
+                and url["proto"] == (named.get("proto") or url["proto"]).lower()
+                and url["port"] == named.get("port", url["port"])
+            )
+        if ok:
+            return True
+    return False
 
 
 _DIALECTS = " or ".join(f"`{name}`" for name in handoff_registry.names())
@@ -220,7 +283,8 @@ class PolicyConfig(_Section):
 
     name: str = Field(
         "latency",
-        description="Policy name (`default`: `latency`); see `kvroute serve --help`.",
+        description="Policy name; see `kvroute serve --help`. `default` is `latency` (and "
+        "`kv_cost` the previous default).",
     )
     prefill_weight: float = Field(
         2.0,
@@ -695,7 +759,11 @@ class EngineConfig(_Section):
         le=65535,
         description="SGLang prefill engines: the bootstrap port (default: /server_info).",
     )
-    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000.")
+    url: str = Field(
+        description="The engine server's root URL, e.g. http://10.0.0.5:8000: no path "
+        "(not the OpenAI base URL http://10.0.0.5:8000/v1), the router adds /v1/..., "
+        "/health and the rest itself."
+    )
     role: Literal["both", "prefill", "decode"] = Field(
         "both", description="What the engine does in disaggregated serving."
     )
@@ -723,6 +791,14 @@ class EngineConfig(_Section):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
             raise ValueError("engine url must look like http://host:port")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            # The OpenAI base-URL habit (.../v1) would be accepted and never become ready:
+            # every call the router makes is this URL + /v1/..., /health, /metrics.
+            root = f"{parts.scheme}://{parts.netloc}"
+            raise ValueError(
+                f"engine url {url} has a path: give the engine server's root, {root} "
+                "(the router adds /v1/..., /health and the rest itself)"
+            )
         return url.rstrip("/")
 
 
@@ -1997,11 +2073,14 @@ class _Sources:
     file: Any
     env_names: Mapping[tuple[str, ...], str]
     flags: Mapping[str, Any]
+    before_flags: Any
+    """The file and the environment merged: what flags that add list items extend."""
 
     def of(self, loc: tuple[Any, ...]) -> str:
         # Flags win over the environment, which wins over the file. Flags that add list
-        # items (--engine) carry the file's items too: those are not blamed on flags.
-        if loc and _holds(self.flags, loc, lists=False):
+        # items (--engine) carry the file's items too: only the items they add are
+        # blamed on flags.
+        if (loc and _holds(self.flags, loc, lists=False)) or self._added_by_flags(loc):
             return " (from a command-line flag)"
         keys = tuple(str(p) for p in loc)
         for env_path, name in self.env_names.items():
@@ -2011,6 +2090,16 @@ class _Sources:
         if self.path is not None and _holds(self.file, loc):
             return f" (in {self.path})"
         return ""
+
+    def _added_by_flags(self, loc: tuple[Any, ...]) -> bool:
+        """Whether ``loc`` is in a list item that flags appended to the file's list."""
+        index = next((i for i, part in enumerate(loc) if isinstance(part, int)), None)
+        if index is None or not _holds(self.flags, loc[:index], lists=False):
+            return False
+        listed: Any = self.before_flags
+        for part in loc[:index]:
+            listed = listed.get(part) if isinstance(listed, Mapping) else None
+        return loc[index] >= (len(listed) if isinstance(listed, list) else 0)
 
 
 def _format_errors(
@@ -2042,10 +2131,13 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def env_names(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
-    """Key path -> the ``KVROUTE_A__B`` variable that sets it."""
+    """Key path -> the ``KVROUTE_A__B`` variable that sets it (process switches and
+    Kubernetes service links are not configuration)."""
     names = {}
-    for name in environ:
+    for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX or name in PROCESS_SWITCHES:
+            continue
+        if is_service_link(name, value):
             continue
         path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p)
         if path:
@@ -2099,10 +2191,10 @@ def load_config(
             raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
         data = file = loaded or {}
     environ = os.environ if environ is None else environ
-    data = merge(data, env_overrides(environ))
+    data = before_flags = merge(data, env_overrides(environ))
     if overrides:
         data = merge(data, overrides)
-    sources = _Sources(path, file, env_names(environ), overrides or {})
+    sources = _Sources(path, file, env_names(environ), overrides or {}, before_flags)
     try:
         data, renamed = move_renamed(data)
     except RenamedKeyConflict as exc:

@@ -18,6 +18,12 @@ import yaml
 from router.config import ConfigError, load_config
 from router.security import redacted
 
+#: What an unset top-level block_size means (the value printed is only the fallback).
+ADOPTED_BLOCK_SIZE = (
+    "block_size is not set: each model's pool takes the block size its first engine reports "
+    "(vllm:cache_config_info, /server_info), 16 until one does"
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
@@ -67,9 +73,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     values = config.model_dump(mode="json")  # secrets print as '**********'
     values["index"]["redis"]["url"] = redacted(values["index"]["redis"]["url"])
+    # An unset block_size prints as its default, which is not what the router runs with.
+    adopted = None if "block_size" in config.model_fields_set else ADOPTED_BLOCK_SIZE
     if args.format == "json":
+        if adopted:
+            print(f"kvroute config check: {args.file}: note: {adopted}", file=sys.stderr)
         print(json.dumps(values, indent=2))
     else:
         print(f"# {args.file}: valid. Effective configuration:")
-        print(yaml.safe_dump(values, sort_keys=False), end="")
+        text = yaml.safe_dump(values, sort_keys=False)
+        if adopted and text.startswith("block_size: "):  # the first key
+            text = f"# {adopted}\n{text}"
+        print(text, end="")
     return 0

@@ -140,6 +140,8 @@ class RoutingCore:
         policy = policy or self.policy
         matches = await self.lookup(request.keys, candidates, policy)
         decision = policy.choose(request, candidates, matches, self.loads.view)
+        if request.by_load and decision.reason == "no_prefix":
+            decision.reason = "load"
         if isinstance(matches, FallbackMatches):
             decision.index = matches.note  # the reason says the index did not answer
         key = (decision.policy, decision.reason)

@@ -285,4 +285,5 @@ class Planner:
                 seen.setdefault(key)
         if not seen:
             raise NoCandidates("no healthy engine")
-        return await self.choose(RouteRequest(request_id, [], 0, block_size), list(seen))
+        route = RouteRequest(request_id, [], 0, block_size, by_load=True)
+        return await self.choose(route, list(seen))

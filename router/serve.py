@@ -27,7 +27,7 @@ from router.api.listener import ListenError
 from router.config import Config, ConfigError, load_config
 from router.handoff import registry as handoff_registry
 from router.live_config import LiveConfig
-from router.policy import POLICY_NAMES
+from router.policy import DEFAULT_POLICY, POLICY_NAMES
 
 log = logging.getLogger("kvroute")
 
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="an engine serving prefill and decode (repeatable), e.g. http://10.0.0.5:8000",
+        help="an engine serving prefill and decode (repeatable): its server's root URL, "
+        "e.g. http://10.0.0.5:8000 (no /v1 or other path)",
     )
     parser.add_argument(
         "--prefill",
@@ -65,11 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         choices=[*POLICY_NAMES, "default"],
-        help="routing policy (default and `default`: latency, cache and load priced in "
-        "seconds of the engines' own measured speed; kv_cost: the previous default)",
+        help=f"routing policy; 'default' (also what an unset one means) is {DEFAULT_POLICY}: "
+        "cache and load priced in seconds of the engines' own measured speed (kv_cost: the "
+        "previous default)",
     )
     parser.add_argument(
-        "--block-size", type=int, help="tokens per KV block; must match the engines (default 16)"
+        "--block-size",
+        type=int,
+        help="tokens per KV block; must match the engines (default: each model's pool takes "
+        "the block size its first engine reports, 16 until one does)",
     )
     parser.add_argument(
         "--kv-events-port",

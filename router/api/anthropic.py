@@ -190,7 +190,8 @@ class CountTokens:
         planner = app.decider.planner
         given = request.headers.get("x-request-id")
         request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
-        by_load = RouteRequest(request_id, [], 0, app.block_size_for(app.registry.base_of(model)))
+        block_size = app.block_size_for(app.registry.base_of(model))
+        by_load = RouteRequest(request_id, [], 0, block_size, by_load=True)
         exclude: set[str] = set()
         last: UpstreamError | None = None
         for _attempt in range(1 + app.config.proxy.retries):

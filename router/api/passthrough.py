@@ -106,6 +106,7 @@ class Passthrough:
             app.block_size_for(app.registry.base_of(model)),
             session=app.decider.session_of(sink.headers),
             wait_until=deadline,
+            by_load=True,
         )
         parsed = ParsedRequest(model, stream, None, 1, None, None, include_usage=False)
         parsed.prompts = [[]]

@@ -336,16 +336,17 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
             think_s=args.think_time,
             seed=args.seed,
             output_spread=args.output_spread,
+            requests=args.requests,
         )
-        total = len(specs) * args.turns
-        if args.requests is not None:
-            total = min(total, args.requests)
+        planned = args.conversations * args.turns
+        total = planned if args.requests is None else max(0, min(planned, args.requests))
         text = (
             f"chat: {args.conversations} conversations x {args.turns} turns, "
             f"{args.system_tokens}-token shared system prompt, {args.question_tokens}-token "
             f"questions, {args.output_tokens}-token answers"
             + spread
             + f", each turn repeating the whole conversation; {closed} conversations in flight"
+            + (f"; the first {total} requests" if total < planned else "")
         )
         title = f"chat, {args.conversations} conversations x {args.turns} turns"
         return Workload(title, text, specs, total, closed, {"kind": "chat"})
@@ -375,10 +376,11 @@ def build_workload(args: argparse.Namespace, compact: bool = False) -> Workload:
         else f"closed loop, {closed} in flight"
     )
     oracle = oracle_hit_rate(chosen)
+    sent_as = "token ids" if args.prompt_format == "tokens" else "text"
     text = (
         f"{trace.name}: first {len(chosen)} of {len(trace.requests)} requests, {pacing}; "
         f"prompt lengths x{args.scale:g} ({expander.block_len}-token blocks, mean "
-        f"{mean_prompt:,.0f} tokens, {args.prompt_format}), mean output {mean_output:.0f} tokens"
+        f"{mean_prompt:,.0f} tokens, sent as {sent_as}), mean output {mean_output:.0f} tokens"
     )
     if args.max_output_tokens is not None:
         text += f" (capped at {args.max_output_tokens})"
@@ -437,6 +439,16 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+def _can_plot() -> bool:
+    """Whether the plots' package is installed: asked before the workload runs, not
+    found missing after it (the plots come last)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvroute bench``.
 
@@ -453,6 +465,13 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "tenants", None):
         return _run_tenants(args)
+    if not args.no_plots and not _can_plot():
+        print(
+            "kvroute bench: the plots need the 'bench' extra (matplotlib is not installed): "
+            "pip install 'kvroute[bench]', or run with --no-plots",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.compare:
             targets = [parse_target(text) for text in args.compare]
@@ -537,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
     if summaries:
         rows = report.table_rows(summaries, baseline)
         print()
-        print(report.render_text(rows))
+        print(report.render_text(rows, keep=report.LABEL_COLUMNS))
         text = report.render_markdown(rows)
         if len(summaries) > 1:
             print(report.ratio_note(baseline))

@@ -235,6 +235,11 @@ def fmt(value: float | None, kind: str) -> str:
     return f"{value:,.1f}"
 
 
+#: The columns of a :func:`table_rows` table that label its rows (metric, better): what a
+#: wrapped table repeats (``render_text(rows, keep=LABEL_COLUMNS)``).
+LABEL_COLUMNS = 2
+
+
 def table_rows(
     summaries: Sequence[dict[str, Any]],
     baseline: str,
@@ -279,8 +284,44 @@ def ratio_note(baseline: str) -> str:
     )
 
 
-def render_text(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+#: The widest a printed table may be (a terminal's width, less a margin): a wider one
+#: wraps into several tables of columns (:func:`wrap_columns`).
+TABLE_WIDTH = 100
+
+
+def _widths(rows: list[list[str]]) -> list[int]:
+    return [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+
+def wrap_columns(
+    rows: list[list[str]], width: int = TABLE_WIDTH, keep: int = 1
+) -> list[list[list[str]]]:
+    """A table (a header, then rows) cut into tables of columns no wider than ``width``
+    in :func:`render_text`: each repeats the first ``keep`` columns (the row labels) and
+    takes as many of the other columns, in order, as fit (one at least, however wide).
+    A table that fits is returned whole."""
+    widths = _widths(rows)
+    labels = sum(widths[:keep]) + 2 * (keep - 1)
+    groups: list[list[int]] = [[]]
+    used = labels
+    for column in range(keep, len(widths)):
+        if groups[-1] and used + 2 + widths[column] > width:
+            groups.append([])
+            used = labels
+        groups[-1].append(column)
+        used += 2 + widths[column]
+    return [[[row[i] for i in [*range(keep), *group]] for row in rows] for group in groups]
+
+
+def render_text(rows: list[list[str]], width: int = TABLE_WIDTH, keep: int = 1) -> str:
+    """An aligned text table: the first column left, the others right, a rule under the
+    header. Wider than ``width``, it wraps into several (:func:`wrap_columns`, each
+    repeating the first ``keep`` columns), a blank line apart."""
+    return "\n\n".join(_render_text(table) for table in wrap_columns(rows, width, keep))
+
+
+def _render_text(rows: list[list[str]]) -> str:
+    widths = _widths(rows)
     lines = []
     for n, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])]
@@ -343,73 +384,126 @@ def plot(summaries: Sequence[dict[str, Any]], outdir: Path, title: str) -> list[
     import matplotlib
 
     matplotlib.use("Agg")
+
+    written = [_save(ttft_figure(summaries, title), outdir / "ttft_cdf.png")]
+    with_engines = [s for s in summaries if s["timeseries"]["engines"]]
+    if with_engines:
+        written.append(_save(load_figure(with_engines, title), outdir / "engine_load.png"))
+        written.append(_save(hit_rate_figure(summaries, title), outdir / "hit_rate.png"))
+    return written
+
+
+def line_styles(count: int) -> list[dict[str, Any]]:
+    """Keyword arguments of ``count`` lines that stay told apart where they coincide (a
+    round robin's engines carry the same load): each thinner than the one before and
+    dashed its own way, so a line drawn over another leaves it showing."""
+    dashes = ("-", "--", ":", "-.")
+    return [
+        {"linestyle": dashes[i % len(dashes)], "linewidth": max(0.8, 2.6 - 0.45 * i)}
+        for i in range(count)
+    ]
+
+
+def _plain_log_labels(axis: Any) -> None:
+    """A log axis labelled 20, 300, 1,000 where matplotlib writes 2x10^1: on the ticks
+    its own log formatter labels."""
+    from matplotlib import ticker
+
+    # Defined here: matplotlib (the bench extra) is imported only to plot.
+    class PlainLog(ticker.LogFormatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:,.6g}" if super().__call__(x, pos) else ""
+
+    axis.set_major_formatter(PlainLog())
+    axis.set_minor_formatter(PlainLog())
+
+
+def ttft_figure(summaries: Sequence[dict[str, Any]], title: str) -> Any:
+    """Each target's TTFT CDF on a log time axis."""
     import matplotlib.pyplot as plt
 
-    written = []
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in summaries:
+    for s, style in zip(summaries, line_styles(len(summaries)), strict=True):
         ttfts = sorted(r["ttft"] for r in s["results"] if r["ttft"] is not None and not r["error"])
         if ttfts:
             ax.plot(
                 [v * 1e3 for v in ttfts],
                 [(i + 1) / len(ttfts) for i in range(len(ttfts))],
                 label=s["name"],
+                **style,
             )
     ax.set_xscale("log")
+    _plain_log_labels(ax.xaxis)
     ax.set_xlabel("time to first token (ms, log scale)")
     ax.set_ylabel("share of requests")
     ax.set_title(f"TTFT CDF: {title}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    written.append(_save(fig, outdir / "ttft_cdf.png"))
+    return fig
+
+
+def load_figure(summaries: Sequence[dict[str, Any]], title: str) -> Any:
+    """Each engine's load over time, one panel per target, one legend beside them all."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(summaries),
+        1,
+        figsize=(7.8, 2.4 * len(summaries)),
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
+    )
+    for ax, s in zip(axes[:, 0], summaries, strict=True):
+        ts = s["timeseries"]
+        for i, (engine, style) in enumerate(
+            zip(ts["engines"], line_styles(len(ts["engines"])), strict=True)
+        ):
+            ax.plot(
+                ts["t"],
+                [v if v is not None else math.nan for v in engine["load"]],
+                label=f"engine {i}",
+                color=f"C{i % 10}",
+                **style,
+            )
+        ax.set_ylabel("running + waiting")
+        ax.set_title(s["name"], fontsize=9)
+        ax.grid(True, alpha=0.3)
+    most = max(axes[:, 0], key=lambda ax: len(ax.get_lines()))
+    fig.legend(*most.get_legend_handles_labels(), loc="outside right upper", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds into the run")
+    fig.suptitle(f"Per-engine load: {title}", fontsize=9)
+    return fig
+
+
+def hit_rate_figure(summaries: Sequence[dict[str, Any]], title: str) -> Any:
+    """Each target's hit rate over a sliding window, under the ceiling."""
+    import matplotlib.pyplot as plt
 
     with_engines = [s for s in summaries if s["timeseries"]["engines"]]
-    if with_engines:
-        fig, axes = plt.subplots(
-            len(with_engines), 1, figsize=(7, 2.4 * len(with_engines)), sharex=True, squeeze=False
-        )
-        for ax, s in zip(axes[:, 0], with_engines, strict=True):
-            ts = s["timeseries"]
-            for i, engine in enumerate(ts["engines"]):
-                ax.plot(
-                    ts["t"],
-                    [v if v is not None else math.nan for v in engine["load"]],
-                    label=f"engine {i}",
-                )
-            ax.set_ylabel("running + waiting")
-            ax.set_title(s["name"], fontsize=9)
-            ax.grid(True, alpha=0.3)
-        axes[0, 0].legend(fontsize=7, ncol=4)
-        axes[-1, 0].set_xlabel("seconds into the run")
-        fig.suptitle(f"Per-engine load: {title}", fontsize=9)
-        written.append(_save(fig, outdir / "engine_load.png"))
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for s in with_engines:
-            ts = s["timeseries"]
-            totals_h = [sum(e["hits"][i] or 0 for e in ts["engines"]) for i in range(len(ts["t"]))]
-            totals_q = [
-                sum(e["queries"][i] or 0 for e in ts["engines"]) for i in range(len(ts["t"]))
-            ]
-            rates = windowed_hit_rate(ts["t"], totals_h, totals_q)
-            ax.plot(ts["t"], [math.nan if r is None else r for r in rates], label=s["name"])
-        top = summaries[0]["ceiling"]
-        ax.axhline(top, linestyle="--", color="grey", label=f"ceiling {top:.0%}")
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("seconds into the run")
-        ax.set_ylabel(f"prefix-cache hit rate (last {HIT_RATE_WINDOW_S:.0f} s)")
-        ax.set_title(f"Hit rate over time: {title}", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        written.append(_save(fig, outdir / "hit_rate.png"))
-    return written
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s, style in zip(with_engines, line_styles(len(with_engines)), strict=True):
+        ts = s["timeseries"]
+        totals_h = [sum(e["hits"][i] or 0 for e in ts["engines"]) for i in range(len(ts["t"]))]
+        totals_q = [sum(e["queries"][i] or 0 for e in ts["engines"]) for i in range(len(ts["t"]))]
+        rates = windowed_hit_rate(ts["t"], totals_h, totals_q)
+        ax.plot(ts["t"], [math.nan if r is None else r for r in rates], label=s["name"], **style)
+    top = summaries[0]["ceiling"]
+    ax.axhline(top, linestyle="--", color="grey", label=f"ceiling {top:.0%}")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel(f"prefix-cache hit rate (last {HIT_RATE_WINDOW_S:.0f} s)")
+    ax.set_title(f"Hit rate over time: {title}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
 
 
 def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a constrained layout places itself
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -479,6 +479,7 @@ def chat_workload(
     think_s: float = 0.0,
     seed: int = 0,
     output_spread: float = 0.0,
+    requests: int | None = None,
 ) -> list[RequestSpec]:
     """Multi-turn conversations, one first turn each; later turns follow from answers.
 
@@ -489,15 +490,23 @@ def chat_workload(
     ``max_tokens * (1 +- output_spread)`` (seeded per conversation; the prompts are those
     of ``output_spread`` 0): equal lengths and no think time keep conversations that
     start together in step for ever, which real answers do not.
+
+    ``requests`` caps the requests of all conversations together: the first ones in
+    order, whole, and the last one cut short (the same prompts as without the cap).
     """
     rng = random.Random(seed)
     system = words(rng, system_tokens, "sys")
     specs = []
     for c in range(conversations):
+        kept = turns if requests is None else min(turns, requests - c * turns)
+        if kept <= 0:
+            break
         questions = [words(rng, question_tokens, f"c{c}t{t}q") for t in range(turns)]
         lengths = answer_lengths(max_tokens, output_spread, turns, f"{seed}:answers:{c}")
         first = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
-        specs.append(_chat_turn(first, questions, 0, lengths, f"conversation-{c}", think_s))
+        specs.append(
+            _chat_turn(first, questions[:kept], 0, lengths[:kept], f"conversation-{c}", think_s)
+        )
     return specs
 
 

@@ -18,16 +18,19 @@ from router.emulator.config import DEFAULT_MODEL, HANDOFF_FAILURES, ROLES, Emula
 from router.emulator.faults import Faults
 from router.emulator.kv_publisher import REPLAY_BUFFER
 from router.emulator.server import start_engine
-from router.engine_model.flags import add_model_arguments, engine_params
+from router.engine_model.flags import add_model_arguments, engine_params, number, whole_number
 from router.events.vllm import EVENT_FORMATS, REPLAY_FRAMES
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
+
+#: A TCP port flag (0: a free one).
+PORT = whole_number(0, 65535)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``kvroute engine`` (docs/engine-emulator.md describes each)."""
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    net.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    net.add_argument("--port", type=PORT, default=8000, help="HTTP port; 0 picks a free one")
     net.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
     net.add_argument("--engine-id", default=None, help="engine identity (default: random)")
     net.add_argument("--role", choices=ROLES, default="both", help="disaggregation role")
@@ -40,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     net.add_argument(
         "--default-max-tokens",
-        type=int,
+        type=whole_number(1),
         default=16,
         help="output length when a request sets no max_tokens (the emulator ignores EOS)",
     )
     net.add_argument(
         "--mm-placeholder-tokens",
-        type=int,
+        type=whole_number(1),
         default=DEFAULT_MM_PLACEHOLDER_TOKENS,
         metavar="N",
         help="prompt tokens each image, audio or video part of a chat takes (default "
@@ -56,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--log-level", default="warning", help="log level on stderr")
     net.add_argument(
         "--dp-size",
-        type=int,
+        type=whole_number(1),
         default=1,
         help="data-parallel ranks behind the one HTTP port, each with its own cache",
     )
@@ -66,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing = parser.add_argument_group("real time")
     timing.add_argument(
         "--time-scale",
-        type=float,
+        type=number(above_zero=True),
         default=1.0,
         help="wall seconds per model second (0.01 runs 100x faster than real time)",
     )
@@ -78,19 +81,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     handoff.add_argument(
         "--side-channel-port",
-        type=int,
+        type=PORT,
         default=0,
         help="NIXL side-channel port of rank 0, rank r uses port + r (0: free ports)",
     )
     handoff.add_argument(
         "--bootstrap-port",
-        type=int,
+        type=PORT,
         default=0,
         help="SGLang bootstrap listener port, with --role prefill (0: a free one)",
     )
     handoff.add_argument(
         "--bootstrap-timeout",
-        type=float,
+        type=number(above_zero=True),
         default=300.0,
         help="wall seconds one SGLang leg waits for the other to arrive",
     )
@@ -156,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     events.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
     events.add_argument(
         "--kv-events-buffer-steps",
-        type=int,
+        type=whole_number(1),
         default=REPLAY_BUFFER,
         metavar="N",
         help=f"batches kept for replay (vLLM's buffer_steps; default {REPLAY_BUFFER})",
@@ -269,8 +272,10 @@ def run(args: argparse.Namespace) -> int:
         runner = uvloop.run
     try:
         runner(_serve(config))
-    except (OSError, zmq.ZMQError) as exc:
-        # A taken port or an unusable ZMQ endpoint: say which, without a traceback.
+    except zmq.ZMQError as exc:  # an unusable ZMQ endpoint: say which, without a traceback
         print(f"kvroute engine: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a taken port: its strerror names the address
+        print(f"kvroute engine: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0

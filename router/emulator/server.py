@@ -54,6 +54,15 @@ class _Server(uvicorn.Server):
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket; an OSError whose ``strerror`` names the address."""
+    try:
+        return _bind(host, port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OSError(exc.errno, f"cannot listen on {_url_host(host)}:{port}: {reason}") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

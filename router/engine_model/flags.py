@@ -5,8 +5,43 @@ described by the same words (docs/engine-emulator.md describes each flag)."""
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from router.engine_model.params import DEFAULT_PRESET, PRESETS, EngineParams, preset
+
+
+def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum], so a bad value is refused
+    naming its flag (the settings object it goes into would name its own field)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"expected a whole number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number(*, above_zero: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (``above_zero``) or at least 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > 0 if above_zero else value >= 0)):
+            bound = "above 0" if above_zero else ">= 0"
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -19,48 +54,58 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         default=DEFAULT_PRESET,
         help="starting point for every engine-model setting below",
     )
-    cache.add_argument("--block-size", type=int, help="tokens per KV block (preset: 16)")
-    cache.add_argument("--cache-blocks", type=int, help="KV-cache capacity in blocks")
+    cache.add_argument(
+        "--block-size", type=whole_number(1), help="tokens per KV block (preset: 16)"
+    )
+    cache.add_argument("--cache-blocks", type=whole_number(1), help="KV-cache capacity in blocks")
     cache.add_argument(
         "--cpu-offload-blocks",
-        type=int,
+        type=whole_number(0),
         help="offload tier in blocks (vLLM's CPU offloading, SGLang's HiCache): GPU "
         "evictions are demoted there and published as CPU-tier events (default: 0, none)",
     )
     cache.add_argument(
         "--max-model-len",
-        type=int,
+        type=whole_number(2),
         help="longest prompt + output in tokens (default: the preset's, capped by the cache)",
     )
-    cache.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
-    cache.add_argument("--max-num-seqs", type=int, help="most sequences in one step")
+    cache.add_argument(
+        "--max-num-batched-tokens", type=whole_number(1), help="token budget per step"
+    )
+    cache.add_argument("--max-num-seqs", type=whole_number(1), help="most sequences in one step")
     timing = parser.add_argument_group("timing (model time)")
-    timing.add_argument("--step-overhead-ms", type=float, help="fixed cost of every step")
     timing.add_argument(
-        "--prefill-us-per-token", type=float, help="cost per prompt token not served from cache"
+        "--step-overhead-ms", type=number(above_zero=False), help="fixed cost of every step"
     )
     timing.add_argument(
-        "--decode-us-per-seq", type=float, help="cost per sequence in a decode step"
+        "--prefill-us-per-token",
+        type=number(above_zero=False),
+        help="cost per prompt token not served from cache",
+    )
+    timing.add_argument(
+        "--decode-us-per-seq",
+        type=number(above_zero=False),
+        help="cost per sequence in a decode step",
     )
     timing.add_argument(
         "--decode-ns-per-context-token",
-        type=float,
+        type=number(above_zero=False),
         help="cost per context token read by decoding sequences",
     )
     transfer = parser.add_argument_group("KV transfer between engines")
     transfer.add_argument(
         "--kv-bytes-per-token",
-        type=int,
+        type=whole_number(0),
         help="KV-cache bytes per token, for transfer time (preset: 131072)",
     )
     transfer.add_argument(
         "--kv-transfer-bandwidth",
-        type=float,
+        type=number(above_zero=True),
         help="bytes per second of a KV transfer between engines (preset: 5e10)",
     )
     transfer.add_argument(
         "--kv-hold-timeout",
-        type=float,
+        type=number(above_zero=False),
         help="model seconds a prefill leg's blocks wait to be pulled (preset: 480)",
     )
     return cache

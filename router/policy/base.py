@@ -61,6 +61,10 @@ class RouteRequest:
     flow: FlowTicket | None = None
     """The request's flow-control ticket (``flow.enabled``): with prefill isolation on,
     engines prefilling requests that outrank it are left out (:mod:`router.flow.isolation`)."""
+    by_load: bool = False
+    """Nothing of the request was hashed (a pass-through body, count_tokens, a GET through
+    a gateway): the choice is the load's, and its reason says ``load``, not ``no_prefix``
+    (no lookup was made that could have found nothing)."""
 
 
 class Score(msgspec.Struct, gc=False):

@@ -660,7 +660,7 @@ def run(args: argparse.Namespace) -> int:
     oracle = workload.info.get("oracle_block_hit_rate")
     rows = report.table_rows(summaries, baseline, rows_for(summaries))
     print()
-    print(report.render_text(rows))
+    print(report.render_text(rows, keep=report.LABEL_COLUMNS))
     if oracle is not None:
         print(f"\ntrace block oracle (blocks repeating an earlier block): {oracle:.1%}")
     floor = summaries[0].get("floor") if summaries else None

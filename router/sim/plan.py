@@ -36,15 +36,18 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from router import __version__
 from router.bench.cli import add_workload_arguments, build_workload
-from router.bench.report import render_text
+from router.bench.report import render_markdown, render_text
 from router.bench.workloads import RequestSpec, TraceError
 from router.config import Config, ConfigError, load_config
 from router.engine_model import EngineParams
@@ -217,7 +220,8 @@ def _ms(summary: dict[str, Any], key: str, q: str) -> str:
     return "-" if value is None else f"{value * 1e3:,.0f} ms"
 
 
-def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]]:
+def frontier_rows(points: Sequence[Point]) -> list[list[str]]:
+    """One row per fleet (the line under the table names the recommended one)."""
     rows = [
         [
             "fleet",
@@ -229,7 +233,6 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
             "ITL p99",
             "hit rate",
             "split share",
-            "",
         ]
     ]
     for p in points:
@@ -246,7 +249,6 @@ def frontier_rows(points: Sequence[Point], best: Point | None) -> list[list[str]
                 _ms(s, "itl_s", "p99"),
                 f"{s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "-",
                 f"{split:.0%}" if split is not None else "-",
-                "<- best" if p is best else "",
             ]
         )
     return rows
@@ -353,7 +355,7 @@ def sweep_threshold(
     fleet = _pd_fleet(args, "--sweep-threshold")
     rows = [
         ["split when uncached >=", "goodput req/s", "split share", "TTFT p50", "TTFT p99",
-         "ITL p99", ""]
+         "ITL p99", "best"]
     ]  # fmt: skip
     points = []
     for threshold in args.thresholds:
@@ -383,7 +385,7 @@ def sweep_threshold(
                 _ms(s, "ttft_s", "p50"),
                 _ms(s, "ttft_s", "p99"),
                 _ms(s, "itl_s", "p99"),
-                "<- best" if point is best[1] and point.rate > 0 else "",
+                "yes" if point is best[1] and point.rate > 0 else "",
             ]
         )
     return rows
@@ -406,7 +408,7 @@ def compare_layouts(
         args.racks = 2
     rows = [
         ["layout", "goodput req/s", "within SLOs", "TTFT p50", "TTFT p99", "ITL p99",
-         "split share", "splits crossing racks", ""]
+         "split share", "splits crossing racks", "best"]
     ]  # fmt: skip
     points = []
     for style in LAYOUTS:
@@ -438,7 +440,7 @@ def compare_layouts(
                 _ms(s, "itl_s", "p99"),
                 f"{split:.0%}" if split is not None else "-",
                 f"{crossing:.0%}" if crossing is not None else "-",
-                "<- best" if point is best[1] and point.rate > 0 else "",
+                "yes" if point is best[1] and point.rate > 0 else "",
             ]
         )
     return rows
@@ -543,7 +545,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_router_arguments(parser)
     add_workload_arguments(parser, trace_alias=True, prompt_format="tokens")
-    parser.add_argument("--quiet", action="store_true", help="no line per searched fleet")
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--output",
+        metavar="DIR",
+        help="also write the table to DIR/results.json and DIR/summary.md (default: print only)",
+    )
+    out.add_argument("--quiet", action="store_true", help="no line per searched fleet")
+
+
+def _table(args: argparse.Namespace, rows: list[list[str]], about: dict[str, Any]) -> None:
+    """Print the result table and, with ``--output``, write it as JSON and markdown."""
+    print()
+    print(render_text(rows))
+    if not args.output:
+        return
+    header, *body = rows
+    document = {
+        "kvroute_version": __version__,
+        "command": " ".join(["kvroute", *sys.argv[1:]]) if sys.argv[1:2] == ["plan"] else None,
+        **about,
+        "table": [dict(zip(header, row, strict=True)) for row in body],
+    }
+    outdir = Path(args.output)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "results.json").write_text(json.dumps(document, indent=1) + "\n")
+    (outdir / "summary.md").write_text(render_markdown(rows) + "\n")
+    print(f"\nwrote {outdir / 'results.json'}, {outdir / 'summary.md'}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -572,11 +600,11 @@ def run(args: argparse.Namespace) -> int:
         f"KV {params.kv_bytes_per_token:,} B/token over {params.kv_transfer_bandwidth / 1e9:g} GB/s"
     )
     print(f"SLOs      {targets}")
+    about: dict[str, Any] = {"slos": targets}
     if args.sweep_lengths:
         print(f"sweep     {max(args.gpus, 2)} GPUs, colocated vs split, unique prompts\n")
         rows = sweep_lengths(args, params, config, slo)
-        print()
-        print(render_text(rows))
+        _table(args, rows, {**about, "question": "sweep-lengths"})
         return 0
     try:
         workload = build_workload(args, compact=True)
@@ -587,6 +615,7 @@ def run(args: argparse.Namespace) -> int:
     if all(s.at is None for s in specs):
         specs = poisson_arrivals(specs, args.rate, args.seed)
     print(f"workload  {workload.description}")
+    about["workload"] = workload.description
     if args.compare_layouts:
         print(
             f"layouts   {args.fleet or 'half prefill, half decode'} on {args.racks or 2} racks, "
@@ -597,8 +626,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvroute plan: {exc}", file=sys.stderr)
             return 2
-        print()
-        print(render_text(rows))
+        _table(args, rows, {**about, "question": "compare-layouts"})
         return 0
     if args.sweep_threshold:
         print(f"sweep     split thresholds on {args.fleet or 'half prefill, half decode'}\n")
@@ -607,8 +635,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvroute plan: {exc}", file=sys.stderr)
             return 2
-        print()
-        print(render_text(rows))
+        _table(args, rows, {**about, "question": "sweep-threshold"})
         return 0
     print(f"budget    {args.gpus} GPUs, policy {args.policy}\n")
 
@@ -630,8 +657,9 @@ def run(args: argparse.Namespace) -> int:
         progress,
     )
     best = max(points, key=lambda p: p.rate)
-    print()
-    print(render_text(frontier_rows(points, best if best.rate > 0 else None)))
+    recommended = best.fleet.describe() if best.rate > 0 else None
+    rows = frontier_rows(points)
+    _table(args, rows, {**about, "question": "fleets", "recommended": recommended})
     if best.rate <= 0:
         print("\nno fleet meets the SLOs even at 1/64 of the workload's rate")
         return 1

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -129,6 +132,7 @@ async def test_an_engine_added_with_its_topology_lists_it_back(
         ("POST", "", b"{not json", 400, "JSON"),
         ("POST", "", b"[1]", 400, "object"),
         ("POST", "", b'{"url": "ftp://x"}', 400, "url"),
+        ("POST", "", b'{"url": "http://127.0.0.1:9/v1"}', 400, "has a path"),
         ("POST", "", b'{"url": "http://127.0.0.1:9", "dp_size": 0}', 400, "dp_size"),
         ("POST", "", b'{"url": "http://127.0.0.1:9", "colour": "red"}', 400, "colour"),
         ("DELETE", "/127.0.0.1:1", None, 404, "127.0.0.1:1"),
@@ -177,6 +181,27 @@ async def test_kvroute_status_prints_the_engines(
     assert await asyncio.to_thread(main, ["status", router.url, "--json", "--timeout", "30"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert {e["endpoint"] for e in answer["engines"]} == {endpoint(e) for e in pair}
+
+
+def run_into_a_closed_pipe(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvroute ARGV`` writing to a pipe whose reader has gone, as ``| head`` leaves it."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "router", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+
+
+async def test_kvroute_status_into_a_closed_pipe_exits_quietly(router: RouterApp) -> None:
+    done = await asyncio.to_thread(run_into_a_closed_pipe, "status", router.url, "--json")
+    assert (done.returncode, done.stderr) == (1, "")
 
 
 async def test_kvroute_status_says_why_it_cannot_read(capsys: pytest.CaptureFixture[str]) -> None:

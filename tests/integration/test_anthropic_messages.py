@@ -329,6 +329,7 @@ async def test_count_tokens_is_the_engines_count(
         "context_management": {"original_input_tokens": words_count(body)},
     }
     assert reply.headers["x-kvroute-engine"] in {f"127.0.0.1:{e.port}" for e in fleet}
+    assert reply.headers["x-kvroute-reason"].startswith("kv_cost:load match=0 ")
 
 
 # ---------------------------------------------------------------------- x-api-key

@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import aiohttp
+import pytest
 from support.clients import get, post
 from support.engines import EngineProcess
+
+from router.cli import main
 
 
 async def test_the_engine_command_serves_and_exits_cleanly_on_sigterm(
@@ -44,8 +47,33 @@ def test_invalid_settings_exit_with_status_2() -> None:
         text=True,
         timeout=30,
     )
-    assert result.returncode == 2 and "time_scale must be positive" in result.stderr
+    assert result.returncode == 2
+    assert "argument --time-scale: expected a number above 0, got '0'" in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--cache-blocks", "-5", "a whole number >= 1"),
+        ("--block-size", "0", "a whole number >= 1"),
+        ("--max-model-len", "1", "a whole number >= 2"),
+        ("--cpu-offload-blocks", "-1", "a whole number >= 0"),
+        ("--kv-transfer-bandwidth", "0", "a number above 0"),
+        ("--step-overhead-ms", "-1", "a number >= 0"),
+        ("--dp-size", "0", "a whole number >= 1"),
+        ("--port", "70000", "a whole number in [0, 65535]"),
+        ("--bootstrap-timeout", "nan", "a number above 0"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_its_flag(
+    flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not the engine model's field (--cache-blocks -5 said "num_gpu_blocks").
+    with pytest.raises(SystemExit) as exited:
+        main(["engine", "--port", "0", flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: expected {expected}, got '{value}'" in capsys.readouterr().err
 
 
 def test_a_taken_port_exits_with_status_1_and_says_so() -> None:
@@ -59,5 +87,8 @@ def test_a_taken_port_exits_with_status_1_and_says_so() -> None:
             text=True,
             timeout=30,
         )
-    assert result.returncode == 1 and "kvroute engine:" in result.stderr
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"kvroute engine: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
     assert result.stdout == ""

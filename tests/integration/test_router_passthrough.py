@@ -106,13 +106,15 @@ async def test_each_route_family_reaches_an_engine_serving_its_model_and_relays_
         direct = await post_reply(http, f"{engine.url}{path}", body)
         assert routed.status == direct.status == 200, routed.body
         assert routed.headers["x-kvroute-engine"] == engine.url.removeprefix("http://")
-        assert routed.headers["x-kvroute-reason"]
+        # The body was not hashed: the reason is the load's, not a prefix verdict.
+        assert routed.headers["x-kvroute-reason"].startswith("kv_cost:load match=0 ")
         assert _stable(routed.body) == _stable(direct.body)
     samples = await metrics(http, router.url)
     label = path.rsplit("/", 1)[-1] if path != "/v1/chat/completions/render" else "render"
     assert metric_sum(
         samples, "kvroute_requests_total", route=label, outcome="ok", status="200"
     ) >= len(two_models)
+    assert metric_sum(samples, "kvroute_decisions_total", reason="load") >= len(two_models)
 
 
 async def test_an_engine_refusal_passes_through_with_its_status_and_body(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from router.bench.cli import TRACE_MAX_IN_FLIGHT, add_arguments, build_workload
 
 TRACE = Path(__file__).parent.parent / "fixtures" / "traces" / "mooncake-small.jsonl"
@@ -23,6 +25,13 @@ def test_a_trace_replays_on_its_compressed_timestamps_and_says_its_scale() -> No
     assert "prompt lengths x0.25 (128-token blocks" in workload.description
     assert "blocks reusable with an infinite cache: 33.3%" in workload.description
     assert workload.info["scale"] == 0.25
+
+
+@pytest.mark.parametrize(("prompt_format", "said"), [("tokens", "token ids"), ("text", "text")])
+def test_a_trace_says_how_its_prompts_are_sent_once(prompt_format: str, said: str) -> None:
+    workload = build_workload(flags("--workload", str(TRACE), "--prompt-format", prompt_format))
+    assert f"mean 928 tokens, sent as {said})" in workload.description
+    assert "tokens, tokens" not in workload.description
 
 
 def test_closed_loop_ignores_timestamps() -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.report import fmt, table_rows, windowed_hit_rate
+from router.bench.report import (
+    LABEL_COLUMNS,
+    fmt,
+    render_text,
+    table_rows,
+    windowed_hit_rate,
+    wrap_columns,
+)
 from router.bench.targets import Target, TargetError, command_argv, parse_target
 
 
@@ -95,6 +102,41 @@ def test_every_row_with_a_ratio_says_which_way_is_better() -> None:
     summaries = [{"name": n, "ok": 1, "ceiling": 0.5} for n in ("rr", "kv")]
     for row in table_rows(summaries, "rr")[1:]:
         assert row[1] in ("higher", "lower") or row[-1] in ("", "-"), row
+
+
+def eight_policies() -> list[list[str]]:
+    names = ["kv_cost", "latency", "round_robin", "random", "least_loaded", "power_of_two",
+             "session", "cache_aware_sglang"]  # fmt: skip
+    summaries = [{"name": n, "ok": 100, "hit_rate": 0.25, "ttft_s": {"p50": 0.2}} for n in names]
+    return table_rows(summaries, "kv_cost")
+
+
+def test_a_wide_table_wraps_into_tables_of_columns_within_the_width() -> None:
+    rows = eight_policies()
+    tables = wrap_columns(rows, width=100, keep=LABEL_COLUMNS)
+    assert len(tables) > 1
+    for table in tables:
+        assert [row[:LABEL_COLUMNS] for row in table] == [row[:LABEL_COLUMNS] for row in rows]
+    # Every other column once, in order.
+    assert [c for t in tables for c in t[0][LABEL_COLUMNS:]] == rows[0][LABEL_COLUMNS:]
+    text = render_text(rows, keep=LABEL_COLUMNS)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert text.count("\nmetric ") == len(tables) - 1  # a header per table
+
+
+def test_a_table_that_fits_stays_whole() -> None:
+    rows = [["metric", "a", "b"], ["hit rate", "1.0%", "2.0%"]]
+    assert wrap_columns(rows) == [rows]
+    assert render_text(rows).splitlines() == [
+        "metric       a     b",
+        "--------  ----  ----",
+        "hit rate  1.0%  2.0%",
+    ]
+
+
+def test_a_column_wider_than_the_width_gets_a_table_of_its_own() -> None:
+    rows = [["label", "x" * 120, "y"], ["row", "1", "2"]]
+    assert [t[0] for t in wrap_columns(rows, width=100)] == [["label", "x" * 120], ["label", "y"]]
 
 
 def test_number_formats() -> None:

@@ -265,6 +265,14 @@ def test_samples_repeat_each_prompt_one_after_another() -> None:
     assert all(len(WordTokenizer().encode(p)) == 30 for p in prompts if isinstance(p, str))
 
 
+def test_a_request_cap_keeps_whole_conversations_in_order_and_cuts_the_last() -> None:
+    whole = chat_workload(4, 3, 50, 10, 8, seed=2)
+    capped = chat_workload(4, 3, 50, 10, 8, seed=2, requests=5)
+    assert [answer_lengths(s) for s in capped] == [[8, 8, 8], [8, 8]]
+    assert [s.messages for s in capped] == [s.messages for s in whole[:2]]
+    assert len(chat_workload(4, 3, 50, 10, 8, seed=2, requests=100)) == 4
+
+
 def test_next_turn_leaves_the_earlier_messages_alone() -> None:
     messages = [{"role": "user", "content": "hi"}]
     following = next_turn(messages, "hello", "how are you")

@@ -65,3 +65,43 @@ def test_config_check_names_what_is_wrong_and_exits_2(
     path.write_text("[1, 2]")
     assert main(["config", "check", str(path)]) == 2
     assert "mapping at the top level" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "abbreviated"),
+    [
+        (["plan", "--cache", "100"], "--cache"),  # --cache-blocks
+        (["simulate", "--output-tok", "4"], "--output-tok"),  # --output-tokens
+        (["config", "check", "--form", "json", "router.yaml"], "--form"),  # --format
+    ],
+)
+def test_an_abbreviated_flag_is_refused_not_guessed(
+    argv: list[str], abbreviated: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
+
+
+def test_config_check_says_an_unset_block_size_is_the_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("engines:\n  - url: http://10.0.0.5:8000\n")
+    assert main(["config", "check", str(path), "--no-env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("# block_size is not set: each model's pool takes the block size")
+    assert lines[2] == "block_size: 16"
+    assert main(["config", "check", str(path), "--no-env", "--format", "json"]) == 0
+    assert "note: block_size is not set" in capsys.readouterr().err
+    path.write_text("block_size: 32\nengines:\n  - url: http://10.0.0.5:8000\n")
+    assert main(["config", "check", str(path), "--no-env"]) == 0
+    assert "block_size is not set" not in capsys.readouterr().out
+
+
+def test_serve_help_says_the_block_size_comes_from_the_engines() -> None:
+    parser = _parser("serve")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    (flag,) = [a for a in sub.choices["serve"]._actions if "--block-size" in a.option_strings]
+    assert flag.help is not None and "first engine reports" in flag.help

@@ -128,3 +128,77 @@ def test_a_yaml_error_names_the_file_and_line(tmp_path: Path) -> None:
         load_config(path, environ={})
     assert f'in "{path}", line 2' in str(err.value)
     assert "<unicode string>" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVROUTE_SERVICE_HOST", "10.96.12.34"),
+        ("KVROUTE_SERVICE_PORT", "8000"),
+        ("KVROUTE_SERVICE_PORT_HTTP", "8000"),
+        ("KVROUTE_PORT", "tcp://10.96.12.34:8000"),
+        ("KVROUTE_PORT_8000_TCP", "tcp://10.96.12.34:8000"),
+        ("KVROUTE_PORT_8000_TCP_PROTO", "tcp"),
+        ("KVROUTE_PORT_8000_TCP_PORT", "8000"),
+        ("KVROUTE_PORT_8000_TCP_ADDR", "10.96.12.34"),
+        ("KVROUTE_GRPC_PORT_9003_UDP", "udp://[fd00::12]:9003"),
+        ("KVROUTE_REDIS_SERVICE_HOST", "fd00::7"),
+    ],
+)
+def test_kubernetes_service_links_are_not_configuration(name: str, value: str) -> None:
+    config = load_config(environ={name: value})
+    assert config == load_config(environ={})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        # Misspelt settings that only look like links: each is still refused by name.
+        ("KVROUTE_PORT", "8000"),
+        ("KVROUTE_SERVER_PORT", "9000"),
+        ("KVROUTE_SERVICE_HOST", "router.example"),
+        ("KVROUTE_PORT_8000_TCP", "tcp://10.96.12.34:9000"),
+        ("KVROUTE_PORT_8000_TCP_PROTO", "udp"),
+        ("KVROUTE_PORT_8000_TCP_PORT", "8001"),
+        ("KVROUTE_PORT_8000_TCP_ADDR", "localhost"),
+        ("KVROUTE_SERVICE_PORT", "99999"),
+    ],
+)
+def test_a_variable_that_only_looks_like_a_service_link_is_refused(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"from environment variable {name}"):
+        load_config(environ={name: value})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.5:8000/v1",
+        "http://10.0.0.5:8000/v1/",
+        "http://10.0.0.5:8000/openai/v1",
+        "http://10.0.0.5:8000/?model=x",
+    ],
+)
+def test_an_engine_url_with_a_path_is_refused_naming_the_root_to_give(url: str) -> None:
+    # The OpenAI base-URL habit: accepted, it would never become ready (/v1/health: 404).
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"engines": [{"url": url}]}, environ={})
+    assert (
+        f"engines.0.url: Value error, engine url {url} has a path: give the engine "
+        "server's root, http://10.0.0.5:8000 (the router adds /v1/..., /health" in str(err.value)
+    )
+
+
+def test_an_engine_root_url_may_end_in_a_slash() -> None:
+    config = load_config(overrides={"engines": [{"url": "http://10.0.0.5:8000/"}]}, environ={})
+    assert config.engines[0].url == "http://10.0.0.5:8000"
+
+
+def test_a_bad_engine_flag_is_blamed_on_the_flag_not_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("engines:\n  - url: http://10.0.0.1:8000\n")
+    with pytest.raises(ConfigError) as err:
+        config_from_args(parse("--config", str(path), "--engine", "10.0.0.2:8000"))
+    assert str(err.value).splitlines()[1:] == [
+        "  engines.1.url: Value error, engine url must look like http://host:port "
+        "(from a command-line flag)"
+    ]

@@ -171,6 +171,14 @@ def test_the_router_runs_non_root_with_probes_and_a_drain(mode: str) -> None:
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_no_pod_gets_kubernetes_service_links(mode: str) -> None:
+    # A Service named kvroute would give each pod KVROUTE_SERVICE_HOST, KVROUTE_PORT...
+    pods = [d["spec"]["template"]["spec"] for d in by_kind(committed(mode), "Deployment")]
+    assert pods
+    assert [p.get("enableServiceLinks") for p in pods] == [False] * len(pods)
+
+
 def test_the_chart_points_the_index_redis_section_at_its_redis() -> None:
     config = router_config(committed("service"))
     assert config.index.backend == "redis"
@@ -318,6 +326,44 @@ def test_service_monitor_scrapes_the_router_port() -> None:
     assert (
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
+
+
+# ---------------------------------------------------------------------- what the docs say
+
+#: Objects whose kinds need the Prometheus Operator's CRDs -> the value that turns each off.
+OPERATOR_KINDS = {"ServiceMonitor": "serviceMonitor", "PrometheusRule": "prometheusRule"}
+
+
+def sections(text: str) -> list[str]:
+    """A markdown text cut at its headings (a heading inside a code block is none)."""
+    parts = re.split(r"^#{1,6} (?=[^\n]*\n)", text, flags=re.M)
+    return [p for p in parts if p.strip()]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/operations.md"])
+def test_each_helm_install_names_the_crds_its_values_need_and_how_to_go_without(
+    doc: str,
+) -> None:
+    installs = 0
+    for section in sections((DEPLOY.parent / doc).read_text()):
+        for mode in re.findall(r"helm install [^`]*?values-([a-z-]+)\.yaml", section):
+            installs += 1
+            kinds = {o["kind"] for o in committed(mode)} & OPERATOR_KINDS.keys()
+            if kinds:
+                assert "Prometheus Operator" in section, (doc, mode)
+            for kind in kinds:
+                assert f"--set {OPERATOR_KINDS[kind]}.enabled=false" in section, (doc, kind)
+    assert installs
+
+
+def test_the_operations_guide_names_every_kind_the_service_mode_creates() -> None:
+    text = (DOCS / "operations.md").read_text()
+    start = text.index("What it creates:")
+    created = text[start : text.index("\n\n", start)]
+    kinds = {o["kind"] for o in committed("service")}
+    bindings = {"RoleBinding", "ClusterRoleBinding"}  # "each with its binding"
+    missing = [k for k in sorted(kinds - bindings) if not re.search(rf"\b{k}\b", created)]
+    assert not missing
 
 
 # ---------------------------------------------------------------------- metric names

@@ -26,3 +26,14 @@ async def test_the_suite_runs_on_uvloop_like_production() -> None:
     import asyncio
 
     assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+
+
+def test_each_simulator_example_of_the_readme_says_how_long_it_takes() -> None:
+    text = (DOCS.parent / "README.md").read_text()
+    block = re.search(r"```\n(# [^`]*?kvroute simulate[^`]*)```", text)
+    assert block, "the README's simulator examples"
+    # Each command with the comment lines above it.
+    examples = re.findall(r"((?:# .*\n)+)\.venv/bin/kvroute (simulate|plan)", block.group(1))
+    assert len(examples) >= 2
+    for comment, command in examples:
+        assert re.search(r"about \d+ (s|minutes?)\b", comment), (command, comment)

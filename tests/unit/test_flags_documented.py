@@ -37,3 +37,14 @@ def test_every_flag_is_documented(add_arguments, doc: str) -> None:
     missing = [flag for flag in flags(add_arguments) if not re.search(f"`{flag}(?![\\w-])", text)]
     assert len(flags(add_arguments)) > 10
     assert not missing, f"{doc} does not describe {missing}"
+
+
+def test_every_policy_name_serve_takes_is_in_the_readme() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    (policy,) = [a for a in parser._actions if "--policy" in a.option_strings]
+    text = (ROOT / "README.md").read_text()
+    usage = re.search(r"\[--policy ([a-z_|]+)\]", text)
+    assert usage, "the README's serve usage lists the policies"
+    documented = set(usage.group(1).split("|")) | set(re.findall(r"`([a-z_]+)`", text))
+    assert not set(policy.choices) - documented  # `default` too: what is it?

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
 from array import array
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +83,7 @@ def test_kvroute_plan_recommends_a_fleet(capsys: pytest.CaptureFixture[str]) -> 
     assert "recommended: " in out
     for fleet in ("2 colocated", "1P+1D"):
         assert fleet in out
+    assert out.count("\nfleet ") == 1  # one table: it fits in 100 columns
 
 
 def test_kvroute_plan_sweeps_request_shapes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,3 +131,41 @@ def test_the_threshold_sweep_needs_a_disaggregated_fleet(
     code = main(["plan", "--sweep-threshold", "--fleet", "4", "--workload", "shared-prefix"])
     assert code == 2
     assert "needs a prefill/decode fleet" in capsys.readouterr().err
+
+
+def test_kvroute_plan_writes_its_table_with_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "plan", "--workload", "shared-prefix", "--groups", "4", "--prompts-per-group", "3",
+            "--prefix-tokens", "1000", "--output-tokens", "32", "--gpus", "2", "--no-colocated",
+            "--ttft-slo-ms", "400", "--itl-slo-ms", "40", "--search-steps", "1",
+            "--cache-blocks", "4096", "--quiet", "--output", str(tmp_path / "plan"),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    document = json.loads((tmp_path / "plan" / "results.json").read_text())
+    assert document["recommended"] == "1P+1D"
+    (row,) = document["table"]
+    assert row["fleet"] == "1P+1D" and float(row["goodput req/s"]) > 0
+    assert "| fleet | goodput req/s |" in (tmp_path / "plan" / "summary.md").read_text()
+
+
+def test_every_column_of_a_plan_table_is_labelled(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "plan", "--sweep-threshold", "--fleet", "1P+1D", "--workload", "shared-prefix",
+            "--groups", "4", "--prompts-per-group", "3", "--prefix-tokens", "1000",
+            "--thresholds", "0", "--search-steps", "1", "--cache-blocks", "4096", "--quiet",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if set(line) <= {"-", " "} and "--" in line)
+    header, dashes = lines[rule - 1], lines[rule]
+    # Under every run of dashes, a label above it.
+    for start, end in ((m.start(), m.end()) for m in re.finditer(r"-+", dashes)):
+        assert header[start:end].strip(), (header, dashes)

@@ -131,3 +131,5 @@ async def test_full_engines_wait_through_the_injected_callable_then_refuse() -> 
 async def test_a_request_without_a_prompt_is_placed_by_load_among_serving_engines() -> None:
     decision = await planner(PD).on_load("get", BS)
     assert decision.engine.endpoint in ("d0:1", "d1:1")
+    # Nothing was hashed: no verdict on a prefix, the load's choice.
+    assert decision.summary().startswith("kv_cost:load match=0 ")

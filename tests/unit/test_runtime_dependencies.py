@@ -11,11 +11,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 from functools import cache
 from pathlib import Path
 
 import pytest
 from support.imports import ROOT, Imports, reachable
+from support.listener import CountingListener
 
 from router.cli import EXTRA_PACKAGES
 
@@ -247,3 +249,42 @@ def test_a_package_a_command_imports_as_it_runs_is_named_too() -> None:
 def test_the_serve_roots_exist() -> None:
     for root in SERVE_ROOTS:
         assert (ROOT / Path(*root.split("."))).with_suffix(".py").exists()
+
+
+def test_the_package_metadata_is_read_without_deprecation_warnings() -> None:
+    """The SPDX license string of PEP 639 (a license table is deprecated in setuptools,
+    unsupported after 2027-02-18), and a build requirement on a setuptools that reads it."""
+    from packaging.requirements import Requirement
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert [str(w.message).splitlines()[0] for w in caught] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
+    assert dist.metadata.license_files == ["router/native/LICENSE.xxhash"]
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]
+    (setuptools,) = [Requirement(r) for r in build["requires"] if _name(r) == "setuptools"]
+    assert "76.9" not in setuptools.specifier and "77.0" in setuptools.specifier
+
+
+def test_bench_without_its_plots_package_says_so_before_sending_anything(
+    tmp_path: Path,
+) -> None:
+    target = CountingListener()  # what bench would send the workload to
+    try:
+        done = _without_extras(
+            "from router.cli import main; sys.exit(main(sys.argv[2:]))",
+            *("bench", "--target", f"http://127.0.0.1:{target.port}", "--workload"),
+            *("shared-prefix", "--groups", "1", "--prompts-per-group", "2"),
+            *("--output", str(tmp_path)),
+        )
+    finally:
+        target.close()
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "kvroute bench: the plots need the 'bench' extra (matplotlib is not installed): "
+        "pip install 'kvroute[bench]', or run with --no-plots"
+    )
+    assert (done.stdout, target.accepted) == ("", 0)

@@ -242,6 +242,43 @@ def test_kvroute_simulate_compares_policies_and_writes_results(tmp_path: Path) -
     assert "prefix-cache hit rate" in (tmp_path / "summary.md").read_text()
 
 
+def test_kvroute_simulate_sends_at_most_requests_of_a_chat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "simulate", "--workload", "chat", "--conversations", "4", "--turns", "3",
+            "--system-tokens", "200", "--question-tokens", "20", "--output-tokens", "8",
+            "--requests", "5", "--engines", "2", "--cache-blocks", "2048",
+            "--output", str(tmp_path), "--quiet",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["ok"] == 5
+    assert "the first 5 requests" in capsys.readouterr().out
+
+
+def test_kvroute_simulate_of_every_policy_prints_its_table_within_100_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "simulate", "--workload", "shared-prefix", "--groups", "2", "--prompts-per-group",
+            "2", "--prefix-tokens", "200", "--engines", "2", "--policy", "all",
+            "--cache-blocks", "2048", "--output", str(tmp_path), "--quiet",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("metric ")]
+    assert len(headers) > 1  # 8 policies and 7 ratios: wrapped
+    height = lines.index("", headers[0]) - headers[0]  # each table has the same rows
+    for start in headers:
+        table = lines[start : start + height]
+        assert max(len(line) for line in table) <= 100, table[0]
+
+
 def test_kvroute_simulate_refuses_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--workload", "shared-prefix", "--policy", "fastest"]) == 2
     assert "unknown policy 'fastest'" in capsys.readouterr().err
