@@ -1089,7 +1089,12 @@ class TokenizerConfig(_Section):
         None, description="A chat template file that overrides the one in config_path."
     )
     chars_per_token: int = Field(
-        4, ge=1, le=64, description="Characters per pseudo-token in `approximate` mode."
+        4,
+        ge=1,
+        le=64,
+        description="Characters per pseudo-token in `approximate` mode (an `auto` pool in "
+        "approximate mode measures its own from the engines' `usage.prompt_tokens` once "
+        "it has read 20 answers).",
     )
     cache_size: int = Field(
         2048, ge=0, description="Recent prompts whose `engine` tokenization is remembered."

@@ -144,11 +144,11 @@ def on_disk(
     seen: set[Path] = set()
 
     def visit(directory: Path, source: str, detail: str) -> TokenizerFiles | None:
-        key = directory.absolute()
+        key = directory.absolute()  # a relative root: where the router runs
         if key in seen:
             return None
         seen.add(key)
-        looked.append(str(directory))
+        looked.append(str(key))
         return in_directory(directory, source, detail)
 
     for reported in names:
