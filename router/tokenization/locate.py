@@ -11,7 +11,7 @@
    names whole or by their last path component;
 3. the Hugging Face cache (``HF_HUB_CACHE``, ``HF_HOME``, ``~/.cache/huggingface/hub``),
    through huggingface_hub's own lookup, for every name that is a hub id;
-4. the hub itself (:func:`download`; the caller runs it in the background, bounded), for
+4. the hub itself (:func:`fetch`; the caller runs it in the background), for
    the hub ids the engine reports as its model (never the served name alone, which a
    deployment may keep private).
 
@@ -21,7 +21,10 @@ candidate against the engine's own ``/tokenize`` and picks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,3 +201,33 @@ def download(repo_id: str, timeout_s: float) -> TokenizerFiles:
     if found is None:  # the file it just wrote is gone: not ours to explain
         raise FileNotFoundError(f"{path} vanished after its download")
     return found
+
+
+async def fetch(repo_id: str, timeout_s: float) -> TokenizerFiles:
+    """:func:`download` on a thread of its own, waited for ``timeout_s`` at most
+    (``TimeoutError``). huggingface_hub does not bound each request it makes in time, so a
+    hub that never answers keeps the thread: a daemon thread, which never holds up the
+    router's exit (an executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[TokenizerFiles] = loop.create_future()
+
+    def settle(result: TokenizerFiles | None, error: Exception | None) -> None:
+        if done.done():  # waited for no longer
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            assert result is not None
+            done.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = download(repo_id, timeout_s)
+        except Exception as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"kvroute-hub {repo_id}", daemon=True).start()
+    return await asyncio.wait_for(done, timeout_s)

@@ -221,8 +221,8 @@ class Tokenizers:
         return pool.tokenizer.mode
 
     async def stop(self) -> None:
-        """Stop the attempts and hub downloads in flight (a download's thread ends on
-        its own timeouts)."""
+        """Stop the attempts and hub downloads in flight (a download's daemon thread is
+        left to end by itself)."""
         tasks = [t for p in self._pools.values() for t in (p.probing, p.fetching) if t]
         for task in tasks:
             task.cancel()
@@ -317,9 +317,7 @@ class Tokenizers:
             for repo in repos:
                 looked.append(f"the Hugging Face hub ({repo})")
                 try:
-                    files = await asyncio.wait_for(
-                        asyncio.to_thread(locate.download, repo, timeout), timeout
-                    )
+                    files = await locate.fetch(repo, timeout)
                 except asyncio.TimeoutError:
                     rejected.append(f"{repo}: the hub did not answer within {timeout:g} s")
                     continue
@@ -379,10 +377,12 @@ class Tokenizers:
         if self.get is not None:
             status, body = await self._ask(self.get(model, "/v1/models"))
             card = _card(body, model) if status == 200 else None
+            vllm = card is not None and card.get("owned_by", "vllm") == "vllm"
             root = card.get("root") if card else None
-            if isinstance(root, str) and root:
+            # vLLM's root is its --model; SGLang's is the served name again.
+            if isinstance(root, str) and root and (vllm or root != model):
                 names.append(Reported(root, "root"))
-            if card is None or card.get("owned_by", "vllm") != "vllm":
+            if not vllm:
                 # SGLang reports its paths here (``/get_model_info`` before 0.5).
                 for path in ("/model_info", "/get_model_info"):
                     status, body = await self._ask(self.get(model, path))
