@@ -186,15 +186,13 @@ VLLM_ENGINE_CMD := env HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_S
 	--served-model-name tiny-llama --load-format dummy --host 127.0.0.1 --port {port} \
 	--block-size 32 --max-model-len 4096 --enable-prefix-caching --enable-prompt-tokens-details \
 	--kv-events-config '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"ipc://{dir}/events{i}\",\"replay_endpoint\":\"ipc://{dir}/replay{i}\",\"topic\":\"kv-events\"}'
+# The router runs its default configuration: tokenizer.mode auto finds the model's own
+# tokenizer files from the engines' /v1/models root (build/tiny-llama) and uses them (hf).
 BENCH_VLLM := $(VENV)/bin/kvroute bench --engines 2 --engine-cmd "$(VLLM_ENGINE_CMD)" \
-	--compare kvroute=policy:kv_cost rr=policy:round_robin --baseline rr --no-plots --quiet \
-	--router-args "--config build/tiny-llama/kvroute.yaml"
+	--compare kvroute=policy:kv_cost rr=policy:round_robin --baseline rr --no-plots --quiet
 bench-vllm: vllm
 	@test -f $(VLLM_DIR)/.installed || { echo "bench-vllm needs make vllm: $$(cat $(VLLM_DIR)/UNAVAILABLE)"; exit 1; }
 	$(PY) tests/support/tiny_model.py build/tiny-llama
-	@# The router tokenizes with the model's own files (hf), as a deployment should: the
-	@# default (auto) would ask an engine's /tokenize for every new prompt.
-	printf 'tokenizer:\n  mode: hf\n  path: build/tiny-llama/tokenizer.json\n  config_path: build/tiny-llama/tokenizer_config.json\n' > build/tiny-llama/kvroute.yaml
 	$(BENCH_VLLM) --workload shared-prefix --groups 8 --prompts-per-group 6 --prefix-tokens 150 \
 		--question-tokens 20 --output-tokens 16 --output bench-results/vllm-shared-prefix
 	$(BENCH_VLLM) --workload chat --conversations 12 --turns 4 --system-tokens 100 \

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from router.live_config import LiveConfig
     from router.reload import Reloader
     from router.security import Credentials
+    from router.tokenization.pools import Tokenizers
 
 
 class AdminError(Exception):
@@ -63,10 +64,12 @@ class Admin:
         add_engine: Callable[[EngineConfig], Engine],
         remove_engine: Callable[[str], Awaitable[Engine | None]],
         reloader: Callable[[], Reloader | None],
+        tokenizers: Tokenizers | None = None,
     ) -> None:
         """``add_engine``/``remove_engine`` change the fleet (the router's own, which also
         probes, follows KV events and clears index entries); ``reloader`` is the router's
-        reloader, if it was started from a configuration (``kvroute serve``)."""
+        reloader, if it was started from a configuration (``kvroute serve``);
+        ``tokenizers``, the pools' tokenizers the engine list shows beside the engines."""
         self.registry = registry
         self.index = index
         self.loads = loads
@@ -76,6 +79,7 @@ class Admin:
         self._add_engine = add_engine
         self._remove_engine = remove_engine
         self._reloader = reloader
+        self._tokenizers = tokenizers
 
     def authorize(self, credential: str | None, peer: str | None, api: str) -> None:
         """Every admin call passes here first, with the caller's ``Authorization`` value
@@ -140,6 +144,10 @@ class Admin:
                 }
             )
         return out
+
+    def tokenizers(self) -> list[dict[str, Any]]:
+        """Each model pool's tokenizer: mode, the path it is on and why."""
+        return self._tokenizers.describe() if self._tokenizers is not None else []
 
     async def describe(self, engine: Engine) -> dict[str, Any]:
         """One engine as :meth:`engines` shows it."""

@@ -142,7 +142,7 @@ class RouterApp:
             if tracer_provider is None:
                 self._tracer_provider = provider  # ours to flush and shut down
             self.tracer = tracer_of(provider)
-        self.tokenizers = Tokenizers(config, self._post_to_pool)
+        self.tokenizers = Tokenizers(config, self._post_to_pool, get=self._get_from_pool)
         self.index = index or build_index(config)
         self.shadowed = self.index if isinstance(self.index, ShadowedIndex) else None
         self.remote: RemoteIndex | None = self.shadowed.remote if self.shadowed else None
@@ -281,6 +281,7 @@ class RouterApp:
             add_engine=self.add_engine,
             remove_engine=self.remove_engine,
             reloader=lambda: self.reloader,
+            tokenizers=self.tokenizers,
         )
         """The admin layer of the HTTP and gRPC admin APIs."""
         """Counts in-flight HTTP requests (for draining) and writes the access log."""
@@ -530,6 +531,15 @@ class RouterApp:
 
     async def _post_to_pool(self, model: str, path: str, body: bytes) -> tuple[int, bytes]:
         """POST to a healthy engine serving ``model`` (rotating), for tokenization."""
+        return await self._call_pool(model, "POST", path, body)
+
+    async def _get_from_pool(self, model: str, path: str) -> tuple[int, bytes]:
+        """GET from a healthy engine serving ``model`` (what it serves, for the tokenizer)."""
+        return await self._call_pool(model, "GET", path, b"")
+
+    async def _call_pool(
+        self, model: str, method: str, path: str, body: bytes
+    ) -> tuple[int, bytes]:
         engines = [e for e in self.registry if model in e.models and e.state is EngineState.HEALTHY]
         if not engines or self.upstream is None:
             raise TokenizerUnavailable(f"no healthy engine serves {model!r}")
@@ -537,7 +547,7 @@ class RouterApp:
         engine = engines[self._turn % len(engines)]
         try:
             return await self.upstream.call(
-                "POST", engine.url + path, body, self.config.health.timeout_s * 2
+                method, engine.url + path, body, self.config.health.timeout_s * 2
             )
         except UpstreamError as exc:
             raise TokenizerUnavailable(str(exc)) from None
@@ -983,6 +993,7 @@ class RouterApp:
             self._bound = None
         if self.monitor is not None:
             await self.monitor.stop()
+        await self.tokenizers.stop()
         if self.subscriber is not None:
             await self.subscriber.close()
         if self.upstream is not None:

@@ -1212,10 +1212,14 @@ class TokenizerConfig(_Section):
 
     mode: Literal["auto", "words", "hf", "engine", "approximate"] = Field(
         "auto",
-        description="`auto`: probe an engine's /tokenize (until one answers: a failed "
-        "probe is tried again by a request 5 s later, the wait doubling to 60 s, "
-        "`approximate` meanwhile); the emulator's words tokenizer if it answers like one, "
-        "else ask the engine (`engine`), else `approximate`. `hf`: a local tokenizer.json "
+        description="`auto`: at discovery, find the served model's own tokenizer files and "
+        "use them (`hf`): a directory the engine reports (vLLM's /v1/models `root`, "
+        "SGLang's tokenizer_path), `model_dirs`, the Hugging Face cache, else the hub "
+        "(`download`, in the background); each checked against one /tokenize of the "
+        "engine's. The emulator's words tokenizer if the engine answers like one; else "
+        "`approximate` (its characters per token calibrated from the engines' usage), "
+        "never `engine`. Until settled, and while an engine does not answer (asked again "
+        "5 s later, the wait doubling to 60 s), `approximate`. `hf`: a local tokenizer.json "
         "(+ tokenizer_config.json for chat).",
     )
     path: str | None = Field(None, description="tokenizer.json, for `hf`.")
@@ -1226,7 +1230,12 @@ class TokenizerConfig(_Section):
         None, description="A chat template file that overrides the one in config_path."
     )
     chars_per_token: int = Field(
-        4, ge=1, le=64, description="Characters per pseudo-token in `approximate` mode."
+        4,
+        ge=1,
+        le=64,
+        description="Characters per pseudo-token in `approximate` mode (an `auto` pool in "
+        "approximate mode measures its own from the engines' `usage.prompt_tokens` once "
+        "it has read 20 answers).",
     )
     cache_size: int = Field(
         2048, ge=0, description="Recent prompts whose `engine` tokenization is remembered."
@@ -1239,6 +1248,28 @@ class TokenizerConfig(_Section):
         "and chats, and `hf` those of conversations up to their last special tokens, up to "
         "this many tokens in all (4 bytes each): a prompt sent again is not tokenized "
         "again, and a conversation's next turn tokenizes only what it adds; 0 turns it off.",
+    )
+    model_dirs: list[str] = Field(
+        default_factory=list,
+        description="`auto`: directories where models' files are mounted (a shared model "
+        "volume mounted elsewhere than on the engines), each searched for "
+        "`<dir>/<name>/tokenizer.json` with `<name>` the engine's `root` or the served "
+        "model name, whole and by its last path component.",
+    )
+    download: bool = Field(
+        True,
+        description="`auto`: when no tokenizer is found on disk, fetch tokenizer.json, "
+        "tokenizer_config.json and chat_template.jinja of the hub id the engine reports "
+        "(its `root`, never the served name) from the Hugging Face hub (`HF_ENDPOINT`, "
+        "`HF_TOKEN`) into the Hugging Face cache, in the background, as vLLM itself "
+        "fetches the model; never with `HF_HUB_OFFLINE=1`.",
+    )
+    download_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="`auto`: how long the hub download of one model's tokenizer may take "
+        "before the pool settles on `approximate`.",
     )
     mm_placeholder_tokens: int = Field(
         DEFAULT_MM_PLACEHOLDER_TOKENS,

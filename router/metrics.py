@@ -200,6 +200,24 @@ class StateCollector(Collector):
             for model, mode in sorted(src.tokenizers.modes().items()):
                 modes.add_metric([model, mode], 1)
             yield modes
+            pools = src.tokenizers.describe()
+            sources = GaugeMetricFamily(
+                "kvroute_tokenizer_source",
+                "1 for where each model's pool got its tokenizer (tokenizer.mode auto: "
+                "engine, model_dirs, hf_cache, hub, probe, none, pending, guard; configured)",
+                labels=["model", "source"],
+            )
+            chars = GaugeMetricFamily(
+                "kvroute_tokenizer_chars_per_token",
+                "Characters per pseudo-token of each model's pool in approximate mode",
+                labels=["model"],
+            )
+            for pool in pools:
+                sources.add_metric([pool["model"], pool["source"]], 1)
+                if pool["chars_per_token"] is not None:
+                    chars.add_metric([pool["model"]], pool["chars_per_token"])
+            yield sources
+            yield chars
         if src.shadowed is not None:
             yield from self._shadowed(src.shadowed)
         if src.shared_load is not None:

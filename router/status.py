@@ -1,7 +1,10 @@
-"""``kvroute status URL``: a running router's engines, their state, load and index share.
+"""``kvroute status URL``: a running router's engines, their state, load and index share,
+and the tokenizer each model's pool uses.
 
 Reads ``GET URL/admin/engines`` and prints a table (one row per engine, and one per
-data-parallel rank when an engine has several), or the JSON itself with ``--json``.
+data-parallel rank when an engine has several), then one line per model pool saying
+which tokenizer it is on and why (``hf: /models/llama/tokenizer.json (engine root)``);
+or the JSON itself with ``--json``.
 """
 
 from __future__ import annotations
@@ -134,6 +137,20 @@ def table(engines: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def tokenizer_table(tokenizers: list[dict[str, Any]]) -> str:
+    """Each model pool's tokenizer: its mode, the path it is on and why (approximate
+    pools with their characters per pseudo-token)."""
+    rows = [("MODEL", "TOKENIZER")]
+    for t in tokenizers:
+        line = t["description"]
+        if t.get("chars_per_token") is not None:
+            measured = ", measured" if t.get("calibrated") else ""
+            line += f" [{t['chars_per_token']} characters per token{measured}]"
+        rows.append((t["model"], line))
+    width = max(len(model) for model, _ in rows)
+    return "\n".join(f"{model.ljust(width)}  {line}" for model, line in rows)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         answer = fetch(args.url, args.timeout)
@@ -144,4 +161,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=2))
     else:
         print(table(answer["engines"]))
+        tokenizers = answer.get("tokenizers")  # routers before this field have none
+        if isinstance(tokenizers, list) and tokenizers:
+            print()
+            print(tokenizer_table(tokenizers))
     return 0

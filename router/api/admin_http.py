@@ -1,7 +1,8 @@
 """The admin endpoints on the router's HTTP listener (the layer is :mod:`router.admin`).
 
 * ``GET /admin/engines``: every engine's URL, role, state, models, DP ranks, in-flight
-  load, index blocks held and share of the index;
+  load, index blocks held and share of the index; beside them (``tokenizers``) each
+  model pool's tokenizer mode, the path it is on and why;
 * ``POST /admin/engines``: add an engine (a body like an ``engines[]`` config entry);
 * ``DELETE /admin/engines/{endpoint}``: remove one;
 * ``POST /admin/engines/{endpoint}/drain`` and ``.../undrain``.
@@ -60,7 +61,7 @@ class AdminHttp:
 
     async def list(self, request: web.Request) -> web.Response:
         async def action() -> dict[str, Any]:
-            return {"engines": await self.admin.engines()}
+            return {"engines": await self.admin.engines(), "tokenizers": self.admin.tokenizers()}
 
         return await self._call(request, action)
 

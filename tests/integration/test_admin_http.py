@@ -175,7 +175,7 @@ async def test_kvroute_status_prints_the_engines(
         "TTFT0_MS",
         "TPOT_MS",
     ]
-    rows = {line.split()[0]: line.split() for line in table[1:]}
+    rows = {line.split()[0]: line.split() for line in table[1 : table.index("")]}
     assert rows[endpoint(pair[0])][1:4] == ["both", "healthy", "kvroute-emulated"]
     assert "dp1" in rows  # the DP engine shows a row per rank
     assert await asyncio.to_thread(main, ["status", router.url, "--json", "--timeout", "30"]) == 0

@@ -41,6 +41,7 @@ IMPORT_NAMES: dict[str, set[str]] = {
     "redis": {"redis"},
     "prometheus-client": {"prometheus_client"},
     "tokenizers": {"tokenizers"},
+    "huggingface-hub": {"huggingface_hub"},
     "jinja2": {"jinja2"},
     "grpcio": {"grpc"},
     "grpcio-health-checking": {"grpc_health"},

@@ -60,7 +60,7 @@ async def test_a_failed_probe_is_tried_again_by_a_later_request() -> None:
     await asyncio.sleep(0)
     assert engine.calls == 3
     # That probe was answered: the pool is the emulator's words, for good.
-    assert pools.for_model(MODEL).mode == "words"
+    assert await pools.resolve(MODEL) == "words"
     now[0] += 1000
     pools.for_model(MODEL)
     await asyncio.sleep(0)
