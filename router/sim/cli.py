@@ -32,6 +32,7 @@ import difflib
 import itertools
 import json
 import re
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -572,10 +573,26 @@ def simulate(settings: SimSettings, specs: Sequence[RequestSpec], name: str) -> 
     return run
 
 
+def run_entry(entry: matrix.Entry, policy: str, config: str | None = None) -> dict[str, Any]:
+    """One policy on one workload of the matrix: the run's summary, as ``kvroute simulate``
+    with the workload's flags and ``--config`` would report it."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(shlex.split(entry.flags))
+    loaded = load_config(config)
+    workload = build_workload(args, compact=True)
+    settings = settings_for(
+        fleets_of(args)[0], policy, model_params(args), loaded, args, workload.concurrency
+    )
+    summary = simulate(settings, workload.specs, policy).summary()
+    summary["workload"] = entry.name
+    return summary
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvroute simulate``."""
     if args.matrix is not None:
-        return matrix.run(args)
+        return matrix.run(args, run_entry)
     try:
         fleets = fleets_of(args)
         policies = policies_of(args)

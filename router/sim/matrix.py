@@ -22,9 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,29 +152,6 @@ def entry(name: str) -> Entry:
     raise ValueError(f"no workload {name!r} in the matrix; one of {known}")
 
 
-def run_entry(one: Entry, policy: str, config: str | None = None) -> dict[str, Any]:
-    """One policy on one workload: the run's summary (``kvroute simulate``'s numbers)."""
-    from router.bench.cli import build_workload
-    from router.config import load_config
-    from router.sim import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args(shlex.split(one.flags))
-    loaded = load_config(config)
-    workload = build_workload(args, compact=True)
-    settings = cli.settings_for(
-        cli.fleets_of(args)[0], policy, cli.model_params(args), loaded, args, workload.concurrency
-    )
-    summary = cli.simulate(settings, workload.specs, policy).summary()
-    summary["workload"] = one.name
-    return summary
-
-
-def _run(job: tuple[Entry, str, str | None]) -> dict[str, Any]:
-    return run_entry(*job)
-
-
 def judge(runs: dict[str, dict[str, Any]], default: str = DEFAULT_POLICY) -> list[Verdict]:
     """The rule on one workload's runs (policy name -> summary)."""
     verdicts = []
@@ -215,9 +191,15 @@ def table(results: Results, policies: Sequence[str]) -> list[list[str]]:
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
+#: Runs one policy on one workload and returns the run's summary (``router.sim.cli``'s
+#: ``run_entry``, a module-level function so that worker processes can run it).
+RunEntry = Callable[[Entry, str, str | None], dict[str, Any]]
+
+
+def run(args: argparse.Namespace, run_entry: RunEntry) -> int:
     """``kvroute simulate --matrix [NAME ...]``: every workload (or those named) with every
-    policy of :data:`POLICIES` (or ``--policy``, the first being the one judged)."""
+    policy of :data:`POLICIES` (or ``--policy``, the first being the one judged), each
+    run by ``run_entry``."""
     try:
         chosen = [entry(n) for n in args.matrix] if args.matrix else list(MATRIX)
         policies = list(dict.fromkeys(args.policy or POLICIES))
@@ -233,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     jobs = [(one, policy, args.config) for one in chosen for policy in policies]
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers) as pool:
-        summaries = list(pool.map(_run, jobs))
+        summaries = list(pool.map(run_entry, *zip(*jobs, strict=True)))
     results: Results = {}
     for (one, policy, _), summary in zip(jobs, summaries, strict=True):
         results.setdefault(one.name, {})[policy] = summary

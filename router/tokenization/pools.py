@@ -41,9 +41,15 @@ from typing import Any
 import msgspec
 
 from router.config import Config, TokenizerConfig
-from router.tokenization import locate
 from router.tokenization.base import PromptTokenizer, TokenizeError
-from router.tokenization.locate import Reported, TokenizerFiles
+from router.tokenization.locate import (
+    Reported,
+    TokenizerFiles,
+    downloadable,
+    fetch,
+    hub_offline,
+    on_disk,
+)
 from router.tokenization.modes import (
     ApproximateTokenizer,
     EngineTokenizer,
@@ -265,9 +271,7 @@ class Tokenizers:
         names = await self._reported(model)
         probes = _Probes(await self._probe(model))
         looked: list[str] = []
-        found = await asyncio.to_thread(
-            lambda: list(locate.on_disk(names, settings.model_dirs, looked))
-        )
+        found = await asyncio.to_thread(lambda: list(on_disk(names, settings.model_dirs, looked)))
         rejected: list[str] = []
         for files in found:
             tokenizer = await self._checked(model, files, probes, rejected)
@@ -276,10 +280,10 @@ class Tokenizers:
         if probes.prompt is not None and probes.prompt == self.words.encode(PROBE):
             detail = "; ".join(["emulator probe", *rejected])
             return Choice("words", "probe", detail), self._build(model, settings, "words")
-        repos = locate.downloadable(names)
+        repos = downloadable(names)
         if repos and not settings.download:
             looked.append("not the hub (tokenizer.download is off)")
-        elif repos and locate.hub_offline():
+        elif repos and hub_offline():
             looked.append("not the hub (HF_HUB_OFFLINE)")
         elif repos:
             pool.choice = Choice(
@@ -317,7 +321,7 @@ class Tokenizers:
             for repo in repos:
                 looked.append(f"the Hugging Face hub ({repo})")
                 try:
-                    files = await locate.fetch(repo, timeout)
+                    files = await fetch(repo, timeout)
                 except asyncio.TimeoutError:
                     rejected.append(f"{repo}: the hub did not answer within {timeout:g} s")
                     continue

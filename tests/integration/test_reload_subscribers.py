@@ -137,6 +137,7 @@ READS: dict[str, Reader] = {
         "max_inflight admission_queue admission_timeout_s",
     ),
     "limits.max_inflight_per_engine": lambda app: app.core.max_per_engine,
+    "limits.max_dp_size": lambda app: _monitor(app).limits.max_dp_size,
     "engines": lambda app: sorted(e.endpoint for e in app.registry),
     "health.timeout_s": lambda app: _monitor(app).health.timeout_s,
     **_reads(

@@ -107,7 +107,7 @@ async def test_each_route_family_reaches_an_engine_serving_its_model_and_relays_
         assert routed.status == direct.status == 200, routed.body
         assert routed.headers["x-kvroute-engine"] == engine.url.removeprefix("http://")
         # The body was not hashed: the reason is the load's, not a prefix verdict.
-        assert routed.headers["x-kvroute-reason"].startswith("kv_cost:load match=0 ")
+        assert routed.headers["x-kvroute-reason"].startswith("latency:load match=0 ")
         assert _stable(routed.body) == _stable(direct.body)
     samples = await metrics(http, router.url)
     label = path.rsplit("/", 1)[-1] if path != "/v1/chat/completions/render" else "render"

@@ -132,4 +132,4 @@ async def test_a_request_without_a_prompt_is_placed_by_load_among_serving_engine
     decision = await planner(PD).on_load("get", BS)
     assert decision.engine.endpoint in ("d0:1", "d1:1")
     # Nothing was hashed: no verdict on a prefix, the load's choice.
-    assert decision.summary().startswith("kv_cost:load match=0 ")
+    assert decision.summary().startswith("latency:load match=0 ")

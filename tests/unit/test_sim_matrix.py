@@ -16,7 +16,8 @@ import pytest
 
 from router.cli import main
 from router.policy import DEFAULT_POLICY
-from router.sim.matrix import BALANCERS, MATRIX, Verdict, entry, judge, run_entry
+from router.sim.cli import run_entry
+from router.sim.matrix import BALANCERS, MATRIX, Verdict, entry, judge
 
 #: The rows kv_cost loses (docs/simulator.md, "The workload matrix").
 KV_COST_LOSES = ("help-chat", "system-prompt", "system-prompt-8")
