@@ -189,7 +189,7 @@ VLLM_ENGINE_CMD := env HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_S
 # The router runs its default configuration: tokenizer.mode auto finds the model's own
 # tokenizer files from the engines' /v1/models root (build/tiny-llama) and uses them (hf).
 BENCH_VLLM := $(VENV)/bin/kvroute bench --engines 2 --engine-cmd "$(VLLM_ENGINE_CMD)" \
-	--compare kvroute=policy:kv_cost rr=policy:round_robin --baseline rr --no-plots --quiet
+	--compare kvroute=policy:default rr=policy:round_robin --baseline rr --no-plots --quiet
 bench-vllm: vllm
 	@test -f $(VLLM_DIR)/.installed || { echo "bench-vllm needs make vllm: $$(cat $(VLLM_DIR)/UNAVAILABLE)"; exit 1; }
 	$(PY) tests/support/tiny_model.py build/tiny-llama

@@ -53,7 +53,7 @@ BUILD = Path("build/aiperf")
 #: The served model name and the tokenizer's hub id: AIPerf wants ``ORG/NAME`` for both.
 MODEL = "kvroute/emulated-words"
 #: Targets of both tools, each on fresh engines.
-TARGETS = ("kvroute=policy:kv_cost", "rr=policy:round_robin")
+TARGETS = ("kvroute=policy:default", "rr=policy:round_robin")
 ENGINES = 4
 #: As ``make bench-compare``: prefill twice the preset's, so shortened prompts still load
 #: the engines.

@@ -8,7 +8,7 @@ Examples::
         --workload mooncake-conversation --requests 500 --speedup 4 --scale 0.125
 
     # kvroute's default policy against round robin, each on 4 fresh emulated engines
-    kvroute bench --engines 4 --compare kvroute=policy:kv_cost rr=policy:round_robin \\
+    kvroute bench --engines 4 --compare kvroute=policy:default rr=policy:round_robin \\
         --baseline rr --workload chat --conversations 24 --turns 4
 
     # the same on 2 real vLLM engines per target (make bench-vllm has a whole command)
@@ -34,6 +34,7 @@ import asyncio
 import json
 import shlex
 import signal
+import statistics
 import sys
 import time
 import urllib.request
@@ -86,6 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     what.add_argument(
         "--baseline", metavar="NAME", help="target the others are compared to (default: first)"
+    )
+    what.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run every target N times, interleaved (round 1 in the order given, round 2 in "
+        "reverse, and so on, so a machine that slows down over the run weighs on every "
+        "target alike); the table shows each number's median over the rounds and "
+        "results.json keeps every round (default 1)",
     )
     what.add_argument(
         "--engines",
@@ -257,6 +268,45 @@ def add_workload_arguments(
         "F in [0, 1) (default 0: all equal, which keeps requests that start together in "
         "step for ever)",
     )
+
+
+def _positive_int(text: str) -> int:
+    """A whole number above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a whole number above 0")
+    return value
+
+
+def round_order(names: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, target) in the order ``--rounds`` runs them: round 1 as given, round 2
+    reversed, round 3 as given, ..."""
+    return [(r, name) for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]
+
+
+def median_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's summaries of several rounds as one: every number (at any depth) the
+    median of the rounds' numbers, everything else the first round's."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    merged: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [r.get(key) for r in rounds]
+        if isinstance(value, dict) and all(isinstance(v, dict) for v in values):
+            merged[key] = median_summary(values)  # type: ignore[arg-type]
+        elif (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        ):
+            merged[key] = statistics.median(values)  # type: ignore[type-var]
+        else:
+            merged[key] = value
+    return merged
 
 
 def _spread(text: str) -> float:
@@ -506,12 +556,18 @@ def run(args: argparse.Namespace) -> int:
 
     outdir = Path(args.output)
     outdir.mkdir(parents=True, exist_ok=True)
-    summaries = []
+    by_target: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
     # Targets that could not be started or run: kept with the reason, and the others go
     # on, so one broken peer router does not lose the whole comparison.
     failed: list[dict[str, str]] = []
     started = time.time()
-    for target in targets:
+    named = {t.name: t for t in targets}
+    for round_, name in round_order(names, args.rounds):
+        target = named[name]
+        if any(f["name"] == name for f in failed):
+            continue
+        if args.rounds > 1:
+            print(f"round {round_ + 1} of {args.rounds}: {name}", flush=True)
         try:
             if args.reset_caches and options.engine_urls:
                 _reset(list(options.engine_urls))
@@ -540,9 +596,10 @@ def run(args: argparse.Namespace) -> int:
             failed.append({"name": target.name, "spec": target.spec, "reason": reason})
             continue
         summary = report.summarize_run(run_)
-        summaries.append(summary)
+        by_target[name].append(summary)
         for example in summary["error_examples"]:
             print(f"  {target.name} error: {example}", file=sys.stderr)
+    summaries = [median_summary(by_target[n]) for n in names if by_target[n]]
 
     requested_baseline = baseline
     if summaries and baseline not in {s["name"] for s in summaries}:
@@ -578,6 +635,8 @@ def run(args: argparse.Namespace) -> int:
         "targets": summaries,
         "failed": failed,
     }
+    if args.rounds > 1:
+        document["rounds"] = {n: runs for n, runs in by_target.items() if runs}
     report.write_json(outdir / "results.json", document)
     if failed_lines:
         text += "\n\nFailed (no results): " + "; ".join(failed_lines)

@@ -115,6 +115,10 @@ def bench_argvs(found: list[str]) -> list[list[str]]:
         ENGINE_ARGS,
         "--baseline",
         "rr",
+        # Two interleaved rounds (the second in reverse order): a machine that slows down
+        # over the run weighs on every target alike, and each number is a median of two.
+        "--rounds",
+        "2",
         "--compare",
         *found,
     ]

@@ -154,6 +154,7 @@ def test_bench_compare_starts_engines_and_routers_and_writes_its_report(tmp_path
             "--scale", "0.25",
             "--speedup", "20",
             "--sample-interval", "0.1",
+            "--rounds", "2",
             "--output", str(out),
             "--quiet",
         ]
@@ -161,6 +162,9 @@ def test_bench_compare_starts_engines_and_routers_and_writes_its_report(tmp_path
     assert status == 0
     document = json.loads((out / "results.json").read_text())
     assert [t["name"] for t in document["targets"]] == ["kv", "rr"]
+    # Two interleaved rounds, each on fresh engines; the table's numbers are their medians.
+    assert {name: len(runs) for name, runs in document["rounds"].items()} == {"kv": 2, "rr": 2}
+    assert all(run["ok"] == 4 for runs in document["rounds"].values() for run in runs)
     for target in document["targets"]:
         assert target["ok"] == 4
         assert target["errors"] == 0

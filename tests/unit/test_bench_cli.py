@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.cli import TRACE_MAX_IN_FLIGHT, add_arguments, build_workload
+from router.bench.cli import (
+    TRACE_MAX_IN_FLIGHT,
+    add_arguments,
+    build_workload,
+    median_summary,
+    round_order,
+)
 
 TRACE = Path(__file__).parent.parent / "fixtures" / "traces" / "mooncake-small.jsonl"
 
@@ -69,3 +75,34 @@ def test_a_samples_workload_sends_each_prompt_n_times_in_a_row() -> None:
     assert workload.specs[5].prompt != workload.specs[4].prompt
     assert "3 prompts of 40 tokens, each sampled 5 times" in workload.description
     assert "(+-25%)" in workload.description
+
+
+def test_rounds_interleave_the_targets_turning_the_order_each_round() -> None:
+    assert round_order(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+    assert round_order(["a", "b", "c"], 3) == [
+        (0, "a"), (0, "b"), (0, "c"),
+        (1, "c"), (1, "b"), (1, "a"),
+        (2, "a"), (2, "b"), (2, "c"),
+    ]  # fmt: skip
+
+
+def test_rounds_are_summarised_by_each_numbers_median() -> None:
+    rounds = [
+        {"name": "kvroute", "ok": 10, "hit_rate": 0.5, "ttft_s": {"p99": 3.0}, "note": "x"},
+        {"name": "kvroute", "ok": 12, "hit_rate": 0.7, "ttft_s": {"p99": 1.0}, "note": "y"},
+        {"name": "kvroute", "ok": 11, "hit_rate": 0.2, "ttft_s": {"p99": 2.0}, "note": "z"},
+    ]
+    merged = median_summary(rounds)
+    assert merged == {
+        "name": "kvroute", "ok": 11, "hit_rate": 0.5, "ttft_s": {"p99": 2.0}, "note": "x"
+    }  # fmt: skip
+    assert median_summary(rounds[:1]) is rounds[0]
+
+
+def test_rounds_must_be_a_whole_number_above_zero() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--target", "policy:kv_cost", "--rounds", "3"]).rounds == 3
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--target", "policy:kv_cost", "--rounds", bad])
