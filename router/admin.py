@@ -8,6 +8,7 @@ Errors are :class:`AdminError` with the HTTP status each front end maps to its o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -121,6 +122,9 @@ class Admin:
                         "decode_blocks": load.decode_blocks if load else 0,
                         "decoding": load.decoding if load else 0,
                         "latency": load.latency.as_dict() if load and load.latency else None,
+                        "offered_prefill_tokens_per_s": (
+                            load.offered_tokens_per_s(time.monotonic()) if load else 0.0
+                        ),
                         "index_blocks": blocks,
                         "index_share": _share(blocks, total),
                     }

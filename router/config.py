@@ -197,7 +197,7 @@ class LatencyPolicyConfig(_Section):
         '"The default policy").',
     )
     tie_tolerance: float = Field(
-        0.05,
+        0.02,
         ge=0,
         le=1,
         description="Engines whose costs are within this share of the lowest are a tie "

@@ -8,6 +8,7 @@ with their engine (label sets stay bounded by the fleet).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -620,6 +621,15 @@ class StateCollector(Collector):
                     ),
                 )
             }
+            offered = GaugeMetricFamily(
+                "kvroute_engine_prefill_utilization",
+                "Prefill seconds offered to the engine per second lately (its recent uncached "
+                "prompt tokens per second, all replicas', times its fitted prefill time per "
+                "token): the busy term of the default policy",
+                labels=["engine"],
+            )
+            view = core.loads.view
+            now = time.monotonic()
             observed = CounterMetricFamily(
                 "kvroute_engine_latency_observations",
                 "First tokens (ttft) and finished streams (tpot) the latency model learnt from",
@@ -635,9 +645,13 @@ class StateCollector(Collector):
                     gauges["ttft_overhead_seconds"].add_metric(label, fit.ttft_overhead_s)
                     gauges["tpot_base_seconds"].add_metric(label, fit.tpot_base_s)
                     gauges["tpot_seconds_per_sequence"].add_metric(label, fit.tpot_s_per_seq)
+                    load = view.get(key)
+                    rate = load.offered_tokens_per_s(now) if load is not None else 0.0
+                    offered.add_metric(label, fit.prefill_s_per_token * rate)
                     observed.add_metric([key.label, "ttft"], fit.ttft.observations)
                     observed.add_metric([key.label, "tpot"], fit.tpot.observations)
             yield from gauges.values()
+            yield offered
             yield observed
         policy = core.policy
         checked = getattr(policy, "slo_checked", None)

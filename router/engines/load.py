@@ -29,6 +29,20 @@ if TYPE_CHECKING:
     from router.flow.ticket import FlowTicket
 
 
+#: What a request is expected to generate before an engine's answers have been counted:
+#: no bound but its own ``max_tokens``.
+PRIOR_OUTPUT_TOKENS = math.inf
+#: The weight of each counted answer in :attr:`EngineLoad.output_tokens` (about the last
+#: twenty answers).
+OUTPUT_WEIGHT = 0.05
+
+#: The window of :meth:`EngineLoad.offered_tokens_per_s`: long enough to average over a
+#: handful of requests, short enough to follow a burst (the routing results of
+#: ``kvroute simulate --matrix`` barely move between 1 and 5 s).
+OFFERED_HALF_LIFE_S = 2.0
+_LN2 = math.log(2.0)
+
+
 @dataclass(slots=True)
 class EngineLoad:
     """One engine's load as the decision sees it."""
@@ -77,6 +91,11 @@ class EngineLoad:
     replicas: int = 1
     """Router replicas whose work this router's share of :attr:`offered` stands for (1 +
     the peers of the last load exchange): each sends about as much."""
+    output_tokens: float = PRIOR_OUTPUT_TOKENS
+    """The output tokens of the requests that ended there lately, counted (a streamed
+    answer's), as a moving mean (infinite until one is): what a request there is expected
+    to generate when its ``max_tokens`` allows more (clients often send a cap far above
+    the answer)."""
 
     def offered_tokens_per_s(self, now: float) -> float:
         """Prefill tokens per second offered to the engine lately, by this router and (as
@@ -109,13 +128,6 @@ class EngineLoad:
         self.peer_prefill_tokens = peers.prefill_tokens
         self.peer_decode_tokens = peers.decode_tokens
         self.peer_decode_blocks = peers.decode_blocks
-
-
-#: The window of :meth:`EngineLoad.offered_tokens_per_s`: long enough to average over a
-#: handful of requests, short enough to follow a burst (the routing results of
-#: ``kvroute simulate --matrix`` barely move between 1 and 5 s).
-OFFERED_HALF_LIFE_S = 2.0
-_LN2 = math.log(2.0)
 
 
 class InFlight(NamedTuple):
@@ -323,6 +335,12 @@ class LoadTracker:
             load.decode_tokens -= ticket.decode_tokens
             if ticket.prefilled:
                 load.decode_blocks -= ticket.blocks
+                if ticket.output_tokens is not None:
+                    counted = ticket.output_tokens
+                    mean = load.output_tokens
+                    load.output_tokens = (
+                        counted if math.isinf(mean) else mean + OUTPUT_WEIGHT * (counted - mean)
+                    )
                 if ticket.first_at >= 0 and load.latency is not None:
                     self._observe_pace(ticket, load)
                 load.decoding -= 1

@@ -14,7 +14,8 @@
  * engine the request's session was served by last, or None. ``params`` is (block_size,
  * prompt_tokens, cap, offload_discount, disk_extra, waiting_weight, running_weight,
  * kv_usage_weight, fresh_after or None, now, queue_weight, tie_tolerance, busiest,
- * idle_prefill_weight or None, itl_weight, by_decoding, slowdown, backlog,
+ * idle_prefill_weight or None, itl_weight, by_decoding, slowdown_weight, max_tokens,
+ * prior_output_tokens, backlog,
  * transfer_s_per_token or None, bonus_max, wait_cap, speed_tolerance, offered_half_life,
  * ln2, tie, (prior a, b, tpot_base, tpot_per_seq)). ``tied`` lists the positions whose
  * total is within max(tie, tie_tolerance * |lowest|) of the lowest, ``deepest`` is the largest match depth,
@@ -33,7 +34,7 @@
 static PyObject *s_blocks, *s_offloaded, *s_disk, *s_prefill_tokens, *s_requests, *s_decoding,
     *s_reported_at, *s_waiting, *s_running, *s_kv_usage, *s_latency, *s_offered, *s_offered_at,
     *s_replicas, *s_backlog_until, *s_peer_prefill_tokens, *s_prefill_s_per_token,
-    *s_ttft_overhead_s, *s_tpot_base_s, *s_tpot_s_per_seq;
+    *s_ttft_overhead_s, *s_tpot_base_s, *s_tpot_s_per_seq, *s_output_tokens;
 
 /* an int attribute of ``obj`` as a long long; -1 with an exception set on error */
 static int
@@ -151,13 +152,14 @@ latency_scan(PyObject *module, PyObject *args)
     PyObject *cands_obj, *matches, *loads, *transfers, *pinned;
     long long bs, isl, cap, by_decoding, backlog;
     double offload_discount, disk_extra, ww, wr, wk, now, qw, tie_tolerance, busiest, itl_w, slowdown,
+        out, prior_out,
         bonus_max, wait_cap, tol, half_life, ln2, tie, pa, pb, ptb, pts;
     PyObject *fresh_obj, *idle_obj, *per_moved_obj;
     if (!PyArg_ParseTuple(args,
-                          "OO!O!OO(LLLdddddOddddOdLdLOdddddd(dddd)):latency_scan", &cands_obj,
+                          "OO!O!OO(LLLdddddOddddOdLdddLOdddddd(dddd)):latency_scan", &cands_obj,
                           &PyDict_Type, &matches, &PyDict_Type, &loads, &transfers, &pinned, &bs,
                           &isl, &cap, &offload_discount, &disk_extra, &ww, &wr, &wk, &fresh_obj,
-                          &now, &qw, &tie_tolerance, &busiest, &idle_obj, &itl_w, &by_decoding, &slowdown,
+                          &now, &qw, &tie_tolerance, &busiest, &idle_obj, &itl_w, &by_decoding, &slowdown, &out, &prior_out,
                           &backlog, &per_moved_obj, &bonus_max, &wait_cap, &tol, &half_life,
                           &ln2, &tie, &pa, &pb, &ptb, &pts)) {
         return NULL;
@@ -281,6 +283,7 @@ latency_scan(PyObject *module, PyObject *args)
         }
         long long queued = 0, decoding = 0, requests = 0;
         double reported = 0.0, busy = 0.0, wait;
+        double expected = prior_out < out ? prior_out : out; /* min(out, prior) */
         int timed = 0;
         double backlog_until = 0.0, peer_prefill = 0.0;
         PyObject *load = PyDict_GetItemWithError(loads, engine);
@@ -288,14 +291,16 @@ latency_scan(PyObject *module, PyObject *args)
             goto fail;
         }
         if (load != NULL) {
-            double offered, offered_at;
+            double offered, offered_at, outputs;
             long long replicas;
             if (get_ll(load, s_prefill_tokens, &queued) != 0 || get_ll(load, s_decoding, &decoding) != 0 ||
                 get_ll(load, s_requests, &requests) != 0 || get_num(load, s_offered, &offered, NULL) != 0 ||
                 get_num(load, s_offered_at, &offered_at, NULL) != 0 ||
-                get_ll(load, s_replicas, &replicas) != 0) {
+                get_ll(load, s_replicas, &replicas) != 0 ||
+                get_num(load, s_output_tokens, &outputs, NULL) != 0) {
                 goto fail;
             }
+            expected = outputs < out ? outputs : out; /* min(out, load.output_tokens) */
             if (reports) {
                 double at;
                 int present;
@@ -344,7 +349,7 @@ latency_scan(PyObject *module, PyObject *args)
         double prefill = (has_idle && !requests) ? idle * a * uncached : (1.0 + busy) * a * uncached;
         double transfer = has_per_moved ? moved * per_moved : a * moved;
         double harm = itl_w * a * uncached * (double)(by_decoding ? decoding : requests);
-        double decode = slowdown * sts[i] * (double)decoding;
+        double decode = slowdown * expected * sts[i] * (double)decoding;
         double ttft = b + wait + a * uncached + transfer;
         double bonus = 0.0;
         if (pinned != Py_None && wait_cap > 0) {
@@ -429,14 +434,14 @@ kvroute_add_latency_functions(PyObject *module)
                           &s_kv_usage,        &s_latency,       &s_offered,
                           &s_offered_at,      &s_replicas,      &s_backlog_until,
                           &s_peer_prefill_tokens, &s_prefill_s_per_token, &s_ttft_overhead_s,
-                          &s_tpot_base_s,     &s_tpot_s_per_seq};
+                          &s_tpot_base_s,     &s_tpot_s_per_seq, &s_output_tokens};
     const char *text[] = {"blocks",          "offloaded",     "disk",
                           "prefill_tokens",  "requests",      "decoding",
                           "reported_at",     "waiting",       "running",
                           "kv_usage",        "latency",       "offered",
                           "offered_at",      "replicas",      "backlog_until",
                           "peer_prefill_tokens", "prefill_s_per_token", "ttft_overhead_s",
-                          "tpot_base_s",     "tpot_s_per_seq"};
+                          "tpot_base_s",     "tpot_s_per_seq", "output_tokens"};
     for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
         *names[k] = PyUnicode_InternFromString(text[k]);
         if (*names[k] == NULL) {

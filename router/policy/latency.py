@@ -12,8 +12,9 @@ or the configured priors while it has not been timed (lower total wins)::
                offered to the engine per second lately   arriving behind it meanwhile
     harm     = itl_weight * a * uncached * requests there (harm_counts): those queued
                share its steps, those decoding have theirs lengthened by its chunks
-    decode   = slowdown_weight * max_tokens * tpot_per_seq * sequences decoding there
-               (the seconds its decoding adds to theirs)
+    decode   = slowdown_weight * expected output * tpot_per_seq * sequences decoding there
+               (the seconds its decoding adds to theirs; expected output: max_tokens, or
+               the engine's recent answers' mean length when that is shorter)
     transfer = the KV transfer's seconds (a split's prefill, topology known)
     reported = (kv_cost's engine-reported terms, in blocks) * a * block_size
     ttft     = b + wait + a * uncached + transfer seconds          (the prediction)
@@ -49,7 +50,7 @@ at ``session_max_wait_ms``: it tips near-ties toward the engine holding the
 conversation and never pulls it onto a saturated one (engines at the in-flight limit
 are no candidates at all).
 
-Costs within ``tie_tolerance`` (5%) of the lowest are ties: the model cannot tell them
+Costs within ``tie_tolerance`` (2%) of the lowest are ties: the model cannot tell them
 apart, and the engine holding more of the prompt wins them (the placement that costs the
 fleet the least compute: n samples of one prompt arriving at once stay on the engine
 computing it rather than each recomputing it on an idle one), then the session's engine,
@@ -71,7 +72,7 @@ from typing import Any
 
 from router.config import PolicyConfig
 from router.engines.latency import LatencyPriors
-from router.engines.load import OFFERED_HALF_LIFE_S, LoadView
+from router.engines.load import OFFERED_HALF_LIFE_S, PRIOR_OUTPUT_TOKENS, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
 from router.policy.base import Decision, LazyScores, RouteRequest, Score, tiebreak
@@ -144,7 +145,6 @@ class LatencyPolicy(KVCostPolicy):
         by_decoding = lat.harm_counts == "decoding"
         busiest = max(cfg.prefill_weight - 1.0, 0.0)
         idle = lat.idle_prefill_weight
-        slowdown = lat.slowdown_weight * out
         scores: list[Score] = []
         for engine, (a, b, tpot_base, tpot_seq) in zip(candidates, speeds, strict=True):
             match = matches.get(engine)
@@ -157,8 +157,10 @@ class LatencyPolicy(KVCostPolicy):
             load = loads.get(engine)
             queued = decoding = requests = 0
             reported = busy = 0.0
+            expected = min(out, PRIOR_OUTPUT_TOKENS)
             if load is not None:
                 queued, decoding, requests = load.prefill_tokens, load.decoding, load.requests
+                expected = min(out, load.output_tokens)
                 reported = reported_load(load, fresh_after, ww, wr, wk) * a * bs
                 busy = _busy(a * load.offered_tokens_per_s(now), busiest)
             if backlog and load is not None and load.latency is not None:
@@ -177,7 +179,9 @@ class LatencyPolicy(KVCostPolicy):
             # Everyone in flight there waits for its chunks: the queued share its steps,
             # the decoding have theirs lengthened.
             harm = lat.itl_weight * a * uncached * (decoding if by_decoding else requests)
-            decode = slowdown * tpot_seq * decoding
+            # Its tokens each lengthen the steps of those decoding there: as many as it is
+            # expected to generate (its max_tokens, or fewer as the engine's answers go).
+            decode = lat.slowdown_weight * expected * tpot_seq * decoding
             ttft = b + wait + a * uncached + transfer
             bonus = 0.0
             if pinned == engine and wait_cap > 0:
@@ -329,7 +333,9 @@ class LatencyPolicy(KVCostPolicy):
             lat.idle_prefill_weight,
             lat.itl_weight,
             lat.harm_counts == "decoding",
-            lat.slowdown_weight * max(request.max_tokens, 0),
+            lat.slowdown_weight,
+            float(max(request.max_tokens, 0)),
+            PRIOR_OUTPUT_TOKENS,
             lat.queue_model == "backlog",
             request.transfer_s_per_token,
             lat.session_bonus_ms * 1e-3,

@@ -3,6 +3,7 @@ model learning from streamed answers, SLO headers and session affinity on HTTP a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from support.routers import StartRouter
 
 from router.config import Config
 from router.emulator import EmulatedEngine
+from router.engine_model import EngineParams
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.policy.latency import LatencyPolicy
 from router.reload import Reloader
@@ -330,3 +332,118 @@ async def test_a_reload_to_another_policy_stops_sharing_sessions(
     assert await reloader.reload() is not None
     sync = app.session_sync
     assert sync is not None and sync.sessions is app.core.policy.sessions  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------- the default's terms, live
+
+
+@pytest_asyncio.fixture
+async def slow_pair(ipc_dir: Path) -> AsyncIterator[list[EmulatedEngine]]:
+    """Two engines whose prefill takes a millisecond a token in real time, so that a burst
+    sent at once is routed while its first request is still prefilling."""
+    params = EngineParams(num_gpu_blocks=1_024, max_model_len=16_384, prefill_token_s=1e-3)
+    engines = [
+        await start_test_engine(
+            engine_id=f"slow{i}",
+            kv_events_endpoint=f"ipc://{ipc_dir}/slow{i}",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+            params=params,
+            time_scale=1.0,
+        )
+        for i in range(2)
+    ]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+
+
+async def burst(http: aiohttp.ClientSession, url: str, prompts: list[str]) -> list[str]:
+    """The engines that served ``prompts``, sent all at once."""
+    replies = await asyncio.gather(
+        *(
+            post_reply(http, f"{url}/v1/completions", {"prompt": p, "max_tokens": 1})
+            for p in prompts
+        )
+    )
+    assert all(r.status == 200 for r in replies)
+    return [r.headers["x-kvroute-engine"] for r in replies]
+
+
+@pytest.mark.parametrize("idle_prefill_weight", [None, 2.0])
+async def test_a_new_shared_prefix_is_copied_onto_the_idle_engine(
+    routers: StartRouter,
+    slow_pair: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    idle_prefill_weight: float | None,
+) -> None:
+    """The busy term: on an engine nobody has sent work to lately, computing a prefix
+    again costs only the request's own time, less than queueing behind the engine
+    computing it and delaying the request there (its prompt shares that engine's steps).
+    Priced at twice its time on the idle engine (as kv_cost prices every recompute), the
+    second request queues behind the first."""
+    app = await routers(
+        [e.url for e in slow_pair],
+        policy={"latency": {"idle_prefill_weight": idle_prefill_weight}},
+    )
+    shared = prompt("shared", 400)
+    engines = await burst(http, app.url, [f"{shared} {prompt(f'q{n}x', 200)}" for n in range(2)])
+    assert len(set(engines)) == (2 if idle_prefill_weight is None else 1), engines
+
+
+async def test_samples_of_one_prompt_sent_at_once_stay_on_the_engine_computing_it(
+    routers: StartRouter, slow_pair: list[EmulatedEngine], http: aiohttp.ClientSession
+) -> None:
+    """The tie rule: waiting for the engine computing the prompt costs about what computing
+    it again on the idle one does (the prompt's last partial block aside), and a tie goes
+    to the engine holding more of it."""
+    app = await routers([e.url for e in slow_pair])  # the default
+    engines = await burst(http, app.url, [prompt("sampled", 1009)] * 4)
+    assert len(set(engines)) == 1, engines
+
+
+@pytest.mark.parametrize("itl_weight", [1.0, 0.0])
+async def test_a_long_prompt_goes_where_fewer_requests_are_in_flight(
+    routers: StartRouter,
+    slow_pair: list[EmulatedEngine],
+    http: aiohttp.ClientSession,
+    itl_weight: float,
+) -> None:
+    """The harm term: three streams decoding on the engine holding part of a long prompt
+    make it cost the prompt's chunks' delay to each of them, more than the part it saves
+    (without the term, the cache wins, and the decode term prices the slowdown the
+    prompt's own decoding adds to the three)."""
+    app = await routers([e.url for e in slow_pair], policy={"latency": {"itl_weight": itl_weight}})
+    held_by, other = (e.url.removeprefix("http://") for e in slow_pair)
+    shared = prompt("held", 1000)
+    direct = {"prompt": shared, "max_tokens": 1}
+    async with http.post(f"{slow_pair[0].url}/v1/completions", json=direct) as resp:
+        assert resp.status == 200
+
+    async def held() -> bool:
+        entry = next(e for e in await app.admin.engines() if e["endpoint"] == held_by)
+        return bool(entry["index_blocks"])
+
+    await poll(held, timeout=10.0)
+    opened = []
+    try:
+        for n in range(3):  # decoding for seconds (300 steps of 5 ms): closed below
+            body = {"prompt": f"{shared} s{n}", "max_tokens": 300, "stream": True}
+            response = await http.post(f"{app.url}/v1/completions", json=body)
+            opened.append(response)
+            assert response.headers["x-kvroute-engine"] == held_by, (
+                response.headers["x-kvroute-reason"],
+                app.tokenizers.modes(),
+            )
+        await poll(lambda: app.loads.view[EngineKey.parse(held_by)].decoding == 3, timeout=10.0)
+        long_prompt = {"prompt": f"{shared} {prompt('long', 2000)}", "max_tokens": 50}
+        reply = await post_reply(http, f"{app.url}/v1/completions", long_prompt)
+        reason = reply.headers["x-kvroute-reason"]
+        if itl_weight:
+            assert reply.headers["x-kvroute-engine"] == other, (reason, held_by, other)
+        else:
+            assert reply.headers["x-kvroute-engine"] == held_by, reason
+            decode = float(reason.split(" decode=")[1].split("ms")[0])
+            assert decode > 0.0, reason  # 0.1 x 50 tokens x the TPOT slope x 3 sequences
+    finally:
+        for response in opened:
+            response.close()

@@ -106,6 +106,28 @@ def test_every_term_is_in_seconds_of_the_engines_speed() -> None:
         assert s.ttft == pytest.approx(b + s.queue + a * uncached[engine])
 
 
+def test_a_decode_is_priced_at_what_the_engine_answers_not_at_a_generous_cap() -> None:
+    tracker = LoadTracker(block_size=16)
+    for length in (80, *[40] * 100):  # the first answer counts whole, then a moving mean
+        ticket = tracker.begin(A, 100, 0, 4096)
+        tracker.prefilled(ticket)
+        ticket.output_tokens = length
+        tracker.end(ticket)
+        if length == 80:
+            assert tracker.view[A].output_tokens == 80
+    assert tracker.view[A].output_tokens == pytest.approx(40, abs=0.5)
+    tracker.prefilled(tracker.begin(A, 100, 0, 4096))  # one decoding there now
+    p = policy()
+    (capped,) = p.score(req(max_tokens=4096), [A], {}, tracker.view)
+    (short,) = p.score(req(max_tokens=10), [A], {}, tracker.view)
+    per_seq = 200e-6  # the prior TPOT slope
+    assert capped.decode == pytest.approx(0.1 * tracker.view[A].output_tokens * per_seq)
+    assert short.decode == pytest.approx(0.1 * 10 * per_seq)  # max_tokens below the mean
+    # An engine none of whose answers was counted yet: max_tokens.
+    (unknown,) = p.score(req(max_tokens=4096), [B], {}, {B: EngineLoad(decoding=1)})
+    assert unknown.decode == pytest.approx(0.1 * 4096 * per_seq)
+
+
 def test_a_prefill_costs_more_where_work_arrives_at_a_high_rate() -> None:
     clock = [10.0]
     tracker = LoadTracker(block_size=16, clock=lambda: clock[0])

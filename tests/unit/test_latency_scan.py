@@ -9,6 +9,8 @@ only one and this module has nothing to compare."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,6 +57,7 @@ def _load(draw: st.DrawFn) -> EngineLoad:
         replicas=draw(st.integers(1, 3)),
         peer_prefill_tokens=draw(st.sampled_from([0, 500])),
         backlog_until=draw(st.sampled_from([0.0, NOW - 1.0, NOW + 0.25])),
+        output_tokens=draw(st.sampled_from([math.inf, 12.5, 3_000.0])),
     )
     if draw(st.booleans()):  # timed: a fitted line of its own
         fit = LatencyModel(LatencyPriors()).of(EngineKey("x:1"))
