@@ -96,6 +96,11 @@ RUNS = [
         "200",
         "--output-tokens",
         "100",
+        # Answers of varied length (+-50%): with all answers alike, conversations that start
+        # together stay in step for ever, which no real traffic does (docs/simulator.md,
+        # "The workload matrix").
+        "--output-spread",
+        "0.5",
         "--concurrency",
         "16",
         "--output",
