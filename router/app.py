@@ -314,7 +314,7 @@ class RouterApp:
         live.subscribe("admission", ("limits",), self._new_limits)
         live.subscribe("request observer", ("server",), self._new_server)
         live.subscribe("upstream", ("proxy", "auth"), self._new_proxy)
-        live.subscribe("engine monitor", ("health", "scrape", "auth"), self._new_monitor)
+        live.subscribe("engine monitor", ("health", "scrape", "auth", "limits"), self._new_monitor)
         live.subscribe("engines", ("engines",), self._new_engines)
 
     def _new_decider(self, new: Config, old: Config) -> None:
