@@ -198,10 +198,11 @@ bench-vllm: vllm
 	$(BENCH_VLLM) --workload chat --conversations 12 --turns 4 --system-tokens 100 \
 		--question-tokens 20 --output-tokens 16 --output bench-results/vllm-chat
 
-# kvroute (kv_cost and latency) vs round robin vs sglang-router and vllm-router (installed
-# from PyPI into build/compat when possible), each on 4 fresh emulated engines, on a reduced
-# Mooncake replay and a multi-turn chat (about 11 minutes on 2 cores: 11 min 1 s measured
-# with the routers already installed; docs/benchmarks.md). A router that fails is reported, the rest run.
+# kvroute (the default, latency, and kv_cost) vs round robin vs sglang-router and vllm-router
+# (installed from PyPI into build/compat when possible), each on 4 fresh emulated engines, on
+# a reduced Mooncake replay and a multi-turn chat, two interleaved rounds (about 22 minutes on
+# 2 cores: 21 min 52 s measured with the routers already installed; docs/benchmarks.md). A
+# router that fails is reported, the rest run.
 bench-compare: venv
 	$(PY) -m router.bench.compare
 
