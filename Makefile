@@ -20,7 +20,7 @@ test: venv envoy vllm
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Property-based tests and fuzzing with the long hypothesis profile (make test runs the
-# same tests with a bounded one). About 10 minutes on 2 cores.
+# same tests with a bounded one). About 11 minutes on 2 cores.
 fuzz: venv
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/fuzz tests/unit/test_request_limits.py
 

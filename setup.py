@@ -1,7 +1,7 @@
-"""The optional compiled helper (router/native/: native.c, blocktable.c, cost.c, latency.c); everything else is in
-pyproject.toml. When it cannot be built (no C compiler, no Python headers) the install
-goes on without it and router/hashing.py uses its pure-Python path, which gives the same
-keys."""
+"""The optional compiled helper (router/native/: native.c, blocktable.c, cost.c,
+latency.c); everything else is in pyproject.toml. When it cannot be built (no C
+compiler, no Python headers) the install goes on without it and router/hashing.py uses
+its pure-Python path, which gives the same keys."""
 
 from setuptools import Extension, setup
 
