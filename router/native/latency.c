@@ -14,8 +14,7 @@
  * engine the request's session was served by last, or None. ``params`` is (block_size,
  * prompt_tokens, cap, offload_discount, disk_extra, waiting_weight, running_weight,
  * kv_usage_weight, fresh_after or None, now, queue_weight, tie_tolerance, busiest,
- * idle_prefill_weight or None, itl_weight, by_decoding, slowdown_weight, max_tokens,
- * prior_output_tokens, backlog,
+ * idle_prefill_weight or None, itl_weight, by_decoding, slowdown_weight, max_tokens, backlog,
  * transfer_s_per_token or None, bonus_max, wait_cap, speed_tolerance, offered_half_life,
  * ln2, tie, (prior a, b, tpot_base, tpot_per_seq)). ``tied`` lists the positions whose
  * total is within max(tie, tie_tolerance * |lowest|) of the lowest, ``deepest`` is the largest match depth,
@@ -152,14 +151,14 @@ latency_scan(PyObject *module, PyObject *args)
     PyObject *cands_obj, *matches, *loads, *transfers, *pinned;
     long long bs, isl, cap, by_decoding, backlog;
     double offload_discount, disk_extra, ww, wr, wk, now, qw, tie_tolerance, busiest, itl_w, slowdown,
-        out, prior_out,
+        out,
         bonus_max, wait_cap, tol, half_life, ln2, tie, pa, pb, ptb, pts;
     PyObject *fresh_obj, *idle_obj, *per_moved_obj;
     if (!PyArg_ParseTuple(args,
-                          "OO!O!OO(LLLdddddOddddOdLdddLOdddddd(dddd)):latency_scan", &cands_obj,
+                          "OO!O!OO(LLLdddddOddddOdLddLOdddddd(dddd)):latency_scan", &cands_obj,
                           &PyDict_Type, &matches, &PyDict_Type, &loads, &transfers, &pinned, &bs,
                           &isl, &cap, &offload_discount, &disk_extra, &ww, &wr, &wk, &fresh_obj,
-                          &now, &qw, &tie_tolerance, &busiest, &idle_obj, &itl_w, &by_decoding, &slowdown, &out, &prior_out,
+                          &now, &qw, &tie_tolerance, &busiest, &idle_obj, &itl_w, &by_decoding, &slowdown, &out,
                           &backlog, &per_moved_obj, &bonus_max, &wait_cap, &tol, &half_life,
                           &ln2, &tie, &pa, &pb, &ptb, &pts)) {
         return NULL;
@@ -283,7 +282,7 @@ latency_scan(PyObject *module, PyObject *args)
         }
         long long queued = 0, decoding = 0, requests = 0;
         double reported = 0.0, busy = 0.0, wait;
-        double expected = prior_out < out ? prior_out : out; /* min(out, prior) */
+        double expected = out; /* no answer counted there: max_tokens */
         int timed = 0;
         double backlog_until = 0.0, peer_prefill = 0.0;
         PyObject *load = PyDict_GetItemWithError(loads, engine);

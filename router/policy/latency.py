@@ -72,7 +72,7 @@ from typing import Any
 
 from router.config import PolicyConfig
 from router.engines.latency import LatencyPriors
-from router.engines.load import OFFERED_HALF_LIFE_S, PRIOR_OUTPUT_TOKENS, LoadView
+from router.engines.load import OFFERED_HALF_LIFE_S, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
 from router.policy.base import Decision, LazyScores, RouteRequest, Score, tiebreak
@@ -157,7 +157,7 @@ class LatencyPolicy(KVCostPolicy):
             load = loads.get(engine)
             queued = decoding = requests = 0
             reported = busy = 0.0
-            expected = min(out, PRIOR_OUTPUT_TOKENS)
+            expected = out  # no answer counted there: max_tokens
             if load is not None:
                 queued, decoding, requests = load.prefill_tokens, load.decoding, load.requests
                 expected = min(out, load.output_tokens)
@@ -335,7 +335,6 @@ class LatencyPolicy(KVCostPolicy):
             lat.harm_counts == "decoding",
             lat.slowdown_weight,
             float(max(request.max_tokens, 0)),
-            PRIOR_OUTPUT_TOKENS,
             lat.queue_model == "backlog",
             request.transfer_s_per_token,
             lat.session_bonus_ms * 1e-3,
