@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test fuzz sanitize demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-scale bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
+.PHONY: venv test test-quick fuzz sanitize demo docs manifests proto envoy vllm vllm-frames bench-vllm bench bench-flow bench-core bench-router bench-redis bench-disagg bench-grpc bench-sim bench-compare bench-peers bench-scale bench-tokenize bench-aiperf bench-aiconfigurator soak compat lint fmt clean
 
 venv: $(STAMP)
 
@@ -16,8 +16,18 @@ $(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktabl
 	$(PY) -m pip install --quiet -e '.[test,dev,bench]'
 	@touch $(STAMP)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist): most tests wait on sockets and
+# subprocesses, so 4 workers keep 2 cores busy. A file's tests run in one worker
+# (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: venv envoy vllm
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL)
+
+# The inner loop: the unit tests alone, in parallel (about a minute).
+test-quick: venv
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) tests/unit
 
 # Property-based tests and fuzzing with the long hypothesis profile (make test runs the
 # same tests with a bounded one). About 11 minutes on 2 cores.

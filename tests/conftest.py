@@ -39,6 +39,50 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Parallel runs (`make test` runs pytest-xdist with `--dist loadgroup`): a file's tests
+# run in one worker, so that its module-scoped fixtures (a fleet of engines, the
+# simulator's matrix) are built once; the real-vLLM files that share the package-scoped
+# pair of engines run in one worker too. The longest groups are handed out first (measured
+# with `pytest --durations=0`; a hint for the scheduler, not a contract), so that no long
+# group starts last and stretches the run. The tests of the files in SPREAD are independent
+# and long: they go to whichever worker is free, one by one.
+SPREAD = frozenset({"tests/unit/test_sim_matrix.py"})
+LONGEST_FIRST = (
+    "realvllm-pair",
+    "tests/realvllm/test_vllm_tokenizer_default.py",
+    "tests/unit/test_sim_matrix.py",
+    "tests/integration/test_router_disagg.py",
+    "tests/integration/test_prefill_isolation.py",
+    "tests/fuzz/test_http_hostile.py",
+    "tests/integration/test_bench_run.py",
+    "tests/integration/test_indexer.py",
+    "tests/integration/test_router_replicas.py",
+    "tests/integration/test_slow_clients.py",
+    "tests/integration/test_latency_routing.py",
+    "tests/unit/test_runtime_dependencies.py",
+    "tests/integration/test_replicated_index.py",
+    "tests/integration/test_index_flood.py",
+    "tests/integration/test_redis_index.py",
+)
+
+
+def _group(item: pytest.Item) -> str:
+    path = item.nodeid.split("::", 1)[0]
+    if path.startswith("tests/realvllm/") and "vllm_pair" in getattr(item, "fixturenames", ()):
+        return "realvllm-pair"
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    for item in items:
+        if _group(item) not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: file order kept
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:

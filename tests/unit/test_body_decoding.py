@@ -35,7 +35,12 @@ def test_codings_are_undone_last_first_and_every_gzip_member_is_read() -> None:
 
 @pytest.mark.parametrize(
     ("data", "coding"),
-    [(b"plain", "gzip"), (gzip.compress(b"cut")[:-3], "gzip"), (b"", "deflate"), (b"x", "br")],
+    [
+        (b"plain", "gzip"),
+        (gzip.compress(b"cut", mtime=0)[:-3], "gzip"),
+        (b"", "deflate"),
+        (b"x", "br"),
+    ],
 )
 def test_a_body_that_does_not_decode_is_a_400(data: bytes, coding: str) -> None:
     with pytest.raises(ApiError) as err:

@@ -7,8 +7,8 @@ prompt, which is what shows each of those rows can fail."""
 
 from __future__ import annotations
 
+import functools
 import json
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +23,16 @@ from router.sim.matrix import BALANCERS, MATRIX, Verdict, entry, judge
 KV_COST_LOSES = ("help-chat", "system-prompt", "system-prompt-8")
 
 
-def _run(job: tuple[str, str]) -> tuple[str, str, dict[str, Any]]:
-    name, policy = job
-    return name, policy, run_entry(entry(name), policy)
+@functools.cache
+def _run(name: str, policy: str) -> dict[str, Any]:
+    """One workload under one policy (a few seconds; each process runs it once)."""
+    return run_entry(entry(name), policy)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict[str, dict[str, Any]]]:
-    """Every workload with the default and both balancers, and kv_cost where it loses
-    (two processes: about 15 s on 2 cores)."""
-    jobs = [(e.name, p) for e in MATRIX for p in (DEFAULT_POLICY, *BALANCERS)]
-    jobs += [(name, "kv_cost") for name in KV_COST_LOSES]
-    found: dict[str, dict[str, dict[str, Any]]] = {}
-    with ProcessPoolExecutor(2) as pool:
-        for name, policy, summary in pool.map(_run, jobs):
-            found.setdefault(name, {})[policy] = summary
-    return found
+def _results(name: str, policies: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The workload under each policy. Each test runs its own workload's policies, so
+    that a parallel run (`make test`) spreads the matrix over its workers."""
+    return {policy: _run(name, policy) for policy in policies}
 
 
 def _lost(verdicts: list[Verdict]) -> list[str]:
@@ -46,19 +40,15 @@ def _lost(verdicts: list[Verdict]) -> list[str]:
 
 
 @pytest.mark.parametrize("name", [e.name for e in MATRIX])
-def test_the_default_is_no_worse_than_the_better_balancer(
-    results: dict[str, dict[str, dict[str, Any]]], name: str
-) -> None:
-    verdicts = judge(results[name])
+def test_the_default_is_no_worse_than_the_better_balancer(name: str) -> None:
+    verdicts = judge(_results(name, (DEFAULT_POLICY, *BALANCERS)))
     assert len(verdicts) == 6  # every metric judged
     assert _lost(verdicts) == []
 
 
 @pytest.mark.parametrize("name", KV_COST_LOSES)
-def test_kv_cost_breaks_the_rule_on_conversations_sharing_a_system_prompt(
-    results: dict[str, dict[str, dict[str, Any]]], name: str
-) -> None:
-    lost = _lost(judge(results[name], default="kv_cost"))
+def test_kv_cost_breaks_the_rule_on_conversations_sharing_a_system_prompt(name: str) -> None:
+    lost = _lost(judge(_results(name, ("kv_cost", *BALANCERS)), default="kv_cost"))
     assert {line.split(":")[0] for line in lost} >= {"TTFT mean", "e2e p99", "requests/s"}
 
 
