@@ -147,6 +147,7 @@ async def http_requests(app: RouterApp, http: aiohttp.ClientSession, run: MixedR
     reply = await post_reply(http, url, {"model": "agg", "prompt": shared, "max_tokens": 4})
     assert reply.status == 200, reply.body
     run.saw("http aggregated", reply.headers)
+    await poll(lambda: app.ingestor.counters.blocks_stored >= 600 // 16)  # the prefix is known
     await settled(app)
     body = {"model": "agg", "prompt": f"{shared} more", "max_tokens": 4, "stream": True}
     reply = await stream_reply(http, url, body)
