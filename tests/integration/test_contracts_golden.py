@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,7 +244,7 @@ async def extproc_requests(app: RouterApp, run: MixedRun) -> None:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def mixed_run(ipc_dir: Path, http: aiohttp.ClientSession) -> AsyncIterator[MixedRun]:
+async def mixed_run(ipc_dir: Path) -> MixedRun:
     def events(name: str) -> dict[str, str]:
         return {
             "engine_id": f"golden-{name}",
@@ -255,33 +254,39 @@ async def mixed_run(ipc_dir: Path, http: aiohttp.ClientSession) -> AsyncIterator
 
     engines: list[EmulatedEngine] = []
     app: RouterApp | None = None
-    try:
-        for name in ("a0", "a1"):
-            engines.append(await start_test_engine(model="agg", **events(name)))
-        engines.append(await start_test_engine(model="pd", role="prefill", **events("p0")))
-        engines.append(
-            await start_test_engine(
-                model="pd", role="decode", handoff_failure="error", **events("d0")
+    # A client of its own: the session's ``http`` fixture cannot be had from a module
+    # fixture that runs after another module's tests (pytest-asyncio 1.5 reports it
+    # torn down).
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        try:
+            for name in ("a0", "a1"):
+                engines.append(await start_test_engine(model="agg", **events(name)))
+            engines.append(await start_test_engine(model="pd", role="prefill", **events("p0")))
+            engines.append(
+                await start_test_engine(
+                    model="pd", role="decode", handoff_failure="error", **events("d0")
+                )
             )
-        )
-        roles: list[dict[str, Any]] = [{"url": e.url, "role": e.config.role} for e in engines]
-        app = await start_router(roles, grpc={"port": 0}, extproc={"port": 0})
-        await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] >= len(engines))
-        run = MixedRun()
-        await http_requests(app, http, run)
-        await grpc_requests(app, run)
-        await extproc_requests(app, run)
-        await poll(lambda: app.picks.open_count == 0)
-        async with http.get(f"{app.url}/metrics") as resp:
-            assert resp.status == 200
-            run.exposition = await resp.text()
-        run.declared = declared_labels(app.metrics.registry)
-    finally:
-        if app is not None:
-            await app.stop()
-        for engine in engines:
-            await engine.stop()
-    yield run
+            roles: list[dict[str, Any]] = [{"url": e.url, "role": e.config.role} for e in engines]
+            app = await start_router(roles, grpc={"port": 0}, extproc={"port": 0})
+            await poll(
+                lambda: app.subscriber and app.subscriber.stats.replays["ok"] >= len(engines)
+            )
+            run = MixedRun()
+            await http_requests(app, http, run)
+            await grpc_requests(app, run)
+            await extproc_requests(app, run)
+            await poll(lambda: app.picks.open_count == 0)
+            async with http.get(f"{app.url}/metrics") as resp:
+                assert resp.status == 200
+                run.exposition = await resp.text()
+            run.declared = declared_labels(app.metrics.registry)
+        finally:
+            if app is not None:
+                await app.stop()
+            for engine in engines:
+                await engine.stop()
+    return run
 
 
 # --------------------------------------------------------------------------- the files
