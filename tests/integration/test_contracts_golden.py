@@ -24,7 +24,10 @@ Golden files (``tests/fixtures/golden/``):
   (``name=v1|v2``): enums that are a contract, whose values this run determines. No
   family depends on timing: the collector yields every family its configuration has,
   series or not. Families of other configurations (Redis index, replicas, flow control,
-  discovery, ``kvroute serve``'s reloader) are not in this run.
+  discovery, ``kvroute serve``'s reloader) are not in this run. The file is the router's
+  with its compiled helper (``setup.py build_ext``): on the pure-Python path
+  (``KVROUTE_PURE_PYTHON=1``) the index has no compiled tables and exports no
+  ``kvroute_index_bytes``.
 - ``reason_formats.txt``: one line per path and header, sorted, every number as ``#`` and
   every engine (``host:port``, a URL) as ``<engine>``. ``Pick`` gives no headers: its
   line holds ``decision.summary``, the string the HTTP path sends as
