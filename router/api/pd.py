@@ -29,6 +29,7 @@ from router.api.errors import ApiError
 from router.handoff import registry as dialects
 from router.policy.base import Decision, NoCandidates
 from router.proxy import UpstreamError
+from router.serving.charges import prefill_charge
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
@@ -140,9 +141,7 @@ class PDForwarder:
         app = self.app
         engine = app.registry.engine_of(prefill.engine)
         assert engine is not None
-        ticket = self.loads.begin(
-            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1, ctx.request.flow
-        )
+        ticket = prefill_charge(ctx.request, prefill).begin(self.loads)
         headers = self.api.upstream_headers(
             ctx.sink.headers, ctx.request_id, engine, prefill.engine, ctx.path
         )
