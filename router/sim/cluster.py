@@ -75,10 +75,11 @@ from router.hashing import block_keys, cacheable_blocks, seed_for
 from router.index.base import IndexStats, KVIndex, Match, footprint
 from router.index.memory import MemoryIndex
 from router.plan import Planner
-from router.policy import make_decode_policy, make_policy
+from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.policy.latency import priors_of
 from router.serving.charges import Charges
+from router.serving.planning import wire_planner
 from router.tokenization.words import WordTokenizer
 from router.topology import Topology, link_between
 from router.types import EngineKey, Tier
@@ -740,13 +741,13 @@ class ClusterSim:
             has_events=lambda engine: settings.events,
             clock=clock,
         )
-        decode_policy = make_decode_policy(settings.policy, settings.disaggregation, policy, clock)
-        planner = Planner(
+        planner = wire_planner(
             self.pools,
             core,
-            decode_policy,
+            settings.policy,
             settings.disaggregation,
             lambda model: settings.disaggregation.handoff,
+            clock=clock,
             locate=self.pools.topology_of if settings.layout else None,
         )
         return _Replica(number, index, loads, core, planner)
