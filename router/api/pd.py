@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.registry import Engine
+    from router.plan import Plan
     from router.types import EngineKey
 
 log = logging.getLogger("kvroute.pd")
@@ -100,8 +101,11 @@ class PDForwarder:
     def engine(self, key: EngineKey) -> Engine | None:
         return self.app.registry.engine_of(key)
 
-    async def another_prefill(self, ctx: RequestContext, exclude: set[str]) -> Decision | None:
-        return await self.app.decider.planner.prefill(ctx.request, ctx.model, exclude=exclude)
+    async def another_prefill(
+        self, ctx: RequestContext, plan: Plan, exclude: set[str]
+    ) -> Decision | None:
+        planner = self.app.decider.planner
+        return await planner.prefill(ctx.request, ctx.model, exclude, plan.transfers)
 
     async def local(self, ctx: RequestContext, decode: Decision, reason: str) -> None:
         await self.api.attempt(ctx, decode, headers={"x-kvroute-mode": f"local:{reason}"})

@@ -161,7 +161,7 @@ class NixlHandoff(Handoff):
         prefill: Decision | None = None
         last: UpstreamError | None = None
         for attempt in range(PREFILL_TRIES):  # the planned prefill engine, then one other
-            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, tried)
+            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, plan, tried)
             if prefill is None:
                 break
             try:

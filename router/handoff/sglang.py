@@ -80,7 +80,7 @@ class SGLangHandoff(Handoff):
         tried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(PREFILL_TRIES):
-            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, tried)
+            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, plan, tried)
             if prefill is None:
                 break
             try:
