@@ -17,8 +17,8 @@ whichever path routed the request.
 * A split's prefill leg counts the routing prompt less the prefill engine's cached
   tokens, one output token, and the request's flow ticket.
 
-Callers keep only what is theirs: when a leg's first token will be seen
-(``sees_first_token``), and in which order their legs begin.
+Callers keep only what is theirs: whether they will see a leg's first token
+(``sees_first_token``), and when each leg's ticket begins and ends.
 """
 
 from __future__ import annotations
