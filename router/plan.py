@@ -8,11 +8,13 @@ then the prefill engine, chosen by the router's policy. With engine topology kno
 (:mod:`router.topology`), the split is priced over the best link from the decode engine
 to a prefill engine it may pair with, prefill engines behind a link slower than
 ``disaggregation.min_link_bandwidth_gb_s`` are no candidates, and each candidate's cost
-includes the transfer to that decode engine (``RouteRequest.transfer_tokens``). The HTTP
+includes the transfer to that decode engine (:class:`Transfers`, which the split hands
+to the prefill choice as ``RouteRequest.transfer_tokens``; the request itself is never
+written to). The HTTP
 API, gRPC ``Pick`` and ``Generate``, ext_proc and the cluster simulator all call
 :class:`Planner`, so the same request and state give the same engines on every front end.
 A front end that retries calls the same steps again with the failed engines excluded
-(``plan(exclude=...)``, ``prefill(exclude=...)``).
+(``plan(exclude=...)``, ``prefill(exclude=..., transfers=plan.transfers)``).
 
 The planner knows no application object: it takes the candidate pools (the
 :class:`Pools` protocol: the router's registry, or the simulator's fleet), the routing
@@ -68,6 +70,37 @@ async def refuse(route: RouteRequest, full: Saturated) -> None:
     raise Overloaded(str(full))
 
 
+@dataclass(frozen=True, slots=True)
+class Transfers:
+    """What moving the KV to the decode engine costs each prefill engine that may pair
+    with it (topology known): the prefill choice weighs it, and leaves out engines
+    without an entry (behind a link too slow)."""
+
+    tokens: dict[EngineKey, float]
+    """Per prefill engine, the transfer in prompt tokens' worth of prefill (transfer
+    seconds over ``disaggregation.prefill_s_per_token``); a dict, which the cost
+    policies' compiled scans take as it is."""
+    s_per_token: float
+    """What one of ``tokens`` is in seconds (the ``latency`` policy prices in seconds)."""
+
+    def candidates(self, pool: Iterable[EngineKey]) -> list[EngineKey]:
+        """The engines of ``pool`` that may pair with the decode engine."""
+        return [key for key in pool if key in self.tokens]
+
+    def route(self, route: RouteRequest) -> RouteRequest:
+        """``route`` as the prefill choice sees it: a copy carrying the transfers."""
+        return replace(route, transfer_tokens=self.tokens, transfer_s_per_token=self.s_per_token)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitOutcome:
+    """What :meth:`Planner.split` decided, handed on to the prefill choice."""
+
+    decision: SplitDecision
+    transfers: Transfers | None = None
+    """With topology known, what the prefill choice weighs; None: every link alike."""
+
+
 @dataclass(slots=True)
 class Plan:
     """Where one request goes, with every reason."""
@@ -84,6 +117,9 @@ class Plan:
     """The prefill engine, when split."""
     dialect: str | None = None
     """Disaggregated pools only: the handoff dialect (:mod:`router.handoff.registry`)."""
+    transfers: Transfers | None = None
+    """With topology known, what the split handed to the prefill choice (a retried
+    prefill choice takes it again: :meth:`Planner.prefill`)."""
 
     @property
     def mode(self) -> str:
@@ -177,8 +213,9 @@ class Planner:
         decode = await self.choose(route, pool, self.decode_policy)
         prefill_pool = self.candidates(model, ("prefill",))
         links = self.links(decode.engine, prefill_pool)
-        split = self.split(route, decode, prefill_pool, links)
-        prefill = await self.prefill(route, model) if split.split else None
+        outcome = self.split(route, decode, prefill_pool, links)
+        split, transfers = outcome.decision, outcome.transfers
+        prefill = await self.prefill(route, model, transfers=transfers) if split.split else None
         if prefill is not None and links is not None:
             # Priced over the best link; the chosen engine's may be longer (its cache
             # saved more than the difference): the plan says which it took.
@@ -192,7 +229,9 @@ class Planner:
             decode.note = self._explain(split, prefill)
         if self.on_split is not None:
             self.on_split(split)
-        return Plan(model, route, decode, load_tokens, split, prefill, self.dialect_of(model))
+        return Plan(
+            model, route, decode, load_tokens, split, prefill, self.dialect_of(model), transfers
+        )
 
     def links(
         self, decode: EngineKey, prefill: Iterable[EngineKey]
@@ -213,17 +252,16 @@ class Planner:
         decode: Decision,
         prefill: list[EngineKey],
         links: dict[EngineKey, Link] | None,
-    ) -> SplitDecision:
+    ) -> SplitOutcome:
         """Whether moving the prefill off ``decode`` to one of the ``prefill`` engines pays.
 
         ``links``: each prefill engine's link to ``decode`` (:meth:`links`). With
         topology known, the split is priced over the best link to a prefill engine fast
-        enough to pair with, and the prefill choice that follows weighs each candidate's
-        transfer (``route.transfer_tokens``, None without topology)."""
+        enough to pair with, and the outcome carries each such engine's transfer for the
+        prefill choice that follows (:class:`Transfers`; None without topology)."""
         cfg = self.disaggregation
-        route.transfer_tokens = None
-        route.transfer_s_per_token = None
         best: Link | None = None
+        transfers: Transfers | None = None
         if links is not None:
             uncached = max(route.prompt_tokens - decode.cached_tokens, 0)
             usable = {k: link for k, link in links.items() if link.fast_enough(cfg)}
@@ -232,12 +270,14 @@ class Planner:
                 key=lambda link: link.transfer_s(uncached, cfg),
                 default=None,
             )
-            route.transfer_tokens = {
-                key: link.transfer_s(uncached, cfg) / cfg.prefill_s_per_token
-                for key, link in usable.items()
-            }
-            route.transfer_s_per_token = cfg.prefill_s_per_token
-        return decide_split(
+            transfers = Transfers(
+                {
+                    key: link.transfer_s(uncached, cfg) / cfg.prefill_s_per_token
+                    for key, link in usable.items()
+                },
+                cfg.prefill_s_per_token,
+            )
+        decision = decide_split(
             route.prompt_tokens,
             decode.cached_tokens,
             bool(prefill),
@@ -245,16 +285,23 @@ class Planner:
             link=best,
             prefill_engines=len(prefill),
         )
+        return SplitOutcome(decision, transfers)
 
     async def prefill(
-        self, route: RouteRequest, model: str, exclude: Iterable[str] = ()
+        self,
+        route: RouteRequest,
+        model: str,
+        exclude: Iterable[str] = (),
+        transfers: Transfers | None = None,
     ) -> Decision | None:
-        """The prefill engine, by the router's policy; None when none is left. With
-        topology known, only engines whose link to the decode engine is fast enough
-        (the keys of ``route.transfer_tokens``) are candidates."""
+        """The prefill engine, by the router's policy; None when none is left.
+        ``transfers``: the split's (:attr:`Plan.transfers`); with them, only engines
+        whose link to the decode engine is fast enough are candidates, each weighed with
+        its transfer."""
         pool = self.candidates(model, ("prefill",), exclude=exclude)
-        if route.transfer_tokens is not None:
-            pool = [key for key in pool if key in route.transfer_tokens]
+        if transfers is not None:
+            pool = transfers.candidates(pool)
+            route = transfers.route(route)
         return await self.choose(route, pool) if pool else None
 
     @staticmethod

@@ -2,8 +2,9 @@
 
 :meth:`Decider.prepare` turns a parsed request into its routing facts (the prompt
 tokenized with the model's pool tokenizer, its block keys). Every choice of engines is
-the :class:`~router.plan.Planner`'s, which :attr:`Decider.planner` builds from the
-router's registry, routing core and configuration; when every candidate engine is full
+the :class:`~router.plan.Planner`'s, :attr:`Decider.planner`, wired from the router's
+registry, routing core and configuration as the simulator's is
+(:func:`~router.serving.planning.wire_planner`); when every candidate engine is full
 the planner waits here (:meth:`Decider.wait_for_room`: ``limits`` and the admission
 queue), then refuses with 429. HTTP, gRPC ``Pick`` and ``Generate`` and ext_proc all
 plan through it.
@@ -26,9 +27,9 @@ from router.flow.isolation import Yielding
 from router.hashing import block_keys, seed_for
 from router.media import block_extra_keys
 from router.plan import SERVING_ROLES, Plan, Planner, restrict
-from router.policy import make_decode_policy
 from router.policy.base import Decision, Policy, RouteRequest
 from router.policy.disagg import SplitDecision
+from router.serving.planning import wire_planner
 from router.tokenization import TokenizerUnavailable
 
 if TYPE_CHECKING:
@@ -95,20 +96,18 @@ class Decider:
         the routing core's policy): at start, and when a reload changes ``policy`` or
         ``disaggregation``."""
         config = self.live.current
-        self.decode_policy: Policy = make_decode_policy(
-            config.policy, config.disaggregation, self.core.policy
-        )
         registry = self.registry
-        self.planner = Planner(
+        self.planner: Planner = wire_planner(
             registry,
             self.core,
-            self.decode_policy,
+            config.policy,
             config.disaggregation,
             lambda model: self.live.current.handoff_for(registry.base_of(model)),
             wait=self.wait_for_room,
             on_split=self._count_split,
             locate=registry.topology_of,
         )
+        self.decode_policy: Policy = self.planner.decode_policy
 
     def session_of(self, headers: Mapping[str, str]) -> str | None:
         """The session key in the configured header (``policy.session_header``)."""

@@ -29,6 +29,7 @@ from router.api.errors import ApiError
 from router.handoff import registry as dialects
 from router.policy.base import Decision, NoCandidates
 from router.proxy import UpstreamError
+from router.serving.charges import prefill_charge
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.registry import Engine
+    from router.plan import Plan
     from router.types import EngineKey
 
 log = logging.getLogger("kvroute.pd")
@@ -99,8 +101,11 @@ class PDForwarder:
     def engine(self, key: EngineKey) -> Engine | None:
         return self.app.registry.engine_of(key)
 
-    async def another_prefill(self, ctx: RequestContext, exclude: set[str]) -> Decision | None:
-        return await self.app.decider.planner.prefill(ctx.request, ctx.model, exclude=exclude)
+    async def another_prefill(
+        self, ctx: RequestContext, plan: Plan, exclude: set[str]
+    ) -> Decision | None:
+        planner = self.app.decider.planner
+        return await planner.prefill(ctx.request, ctx.model, exclude, plan.transfers)
 
     async def local(self, ctx: RequestContext, decode: Decision, reason: str) -> None:
         await self.api.attempt(ctx, decode, headers={"x-kvroute-mode": f"local:{reason}"})
@@ -140,9 +145,7 @@ class PDForwarder:
         app = self.app
         engine = app.registry.engine_of(prefill.engine)
         assert engine is not None
-        ticket = self.loads.begin(
-            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1, ctx.request.flow
-        )
+        ticket = prefill_charge(ctx.request, prefill).begin(self.loads)
         headers = self.api.upstream_headers(
             ctx.sink.headers, ctx.request_id, engine, prefill.engine, ctx.path
         )

@@ -8,8 +8,9 @@ decision whichever API routed it) and the gateway says when the request finished
 released expires after ``grpc.pick_ttl_s``, so a caller that forgets cannot inflate an
 engine's load for ever.
 
-Tickets are those the HTTP path opens for the same plan: a split's prefill leg (one
-output token) and the decode leg, which prefills almost nothing once the KV is pulled.
+Tickets are those the HTTP path opens for the same plan (:mod:`router.serving.charges`):
+a split's prefill leg (one output token) and the decode leg, which prefills almost
+nothing once the KV is pulled.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from router.api.decide import Plan
 from router.engines.load import LoadTracker, Ticket
 from router.policy.base import RouteRequest
+from router.serving.charges import Charges
 from router.types import EngineKey
 
 
@@ -32,6 +34,8 @@ class Lease:
 
     request_id: str
     plan: Plan
+    charges: Charges
+    """What the plan's legs charge (:mod:`router.serving.charges`)."""
     decode: Ticket
     prefill: Ticket | None
     opened_at: float
@@ -89,29 +93,13 @@ class PickLedger:
         route = plan.route
         if register and route.request_id in self._open:
             raise DuplicatePick(route.request_id)
-        prefill = None
-        decode_cached = plan.decode.cached_tokens
-        if plan.prefill is not None:
-            prefill = self.loads.begin(
-                plan.prefill.engine,
-                route.prompt_tokens,
-                plan.prefill.cached_tokens,
-                1,
-                route.flow,
-                sees_first_token=False,  # the gateway may never say
-            )
-            decode_cached = max(route.prompt_tokens - 1, 0)  # the KV is pulled, not prefilled
-        decode = self.loads.begin(
-            plan.decode.engine,
-            plan.load_tokens,
-            decode_cached,
-            route.max_tokens,
-            route.flow if prefill is None else None,  # a split's decode engine pulls the KV
-            sees_first_token=False,
-        )
+        charges = Charges.of(plan)
+        # The gateway may never say when the first token came.
+        decode, prefill = charges.begin(self.loads, sees_first_token=False)
         lease = Lease(
             route.request_id,
             plan,
+            charges,
             decode,
             prefill,
             now,
@@ -141,14 +129,7 @@ class PickLedger:
             return
         old = lease.decode
         self.loads.end(old)
-        lease.decode = self.loads.begin(
-            served,
-            lease.plan.load_tokens,
-            0,
-            lease.plan.route.max_tokens,
-            lease.plan.route.flow if lease.prefill is None else None,
-            sees_first_token=False,
-        )
+        lease.decode = lease.charges.decode.on(served).begin(self.loads, sees_first_token=False)
         if old.prefilled:
             self.loads.prefilled(lease.decode)
         if self.on_move is not None:

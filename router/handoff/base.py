@@ -72,8 +72,11 @@ class Legs(Protocol):
         client, ``upstream_headers`` to the engine."""
         ...
 
-    async def another_prefill(self, ctx: RequestContext, exclude: set[str]) -> Decision | None:
-        """The planner's next prefill engine without ``exclude`` (None: none left)."""
+    async def another_prefill(
+        self, ctx: RequestContext, plan: Plan, exclude: set[str]
+    ) -> Decision | None:
+        """The planner's next prefill engine for ``plan`` without ``exclude`` (None: none
+        left)."""
         ...
 
     async def local(self, ctx: RequestContext, decode: Decision, reason: str) -> None:

@@ -38,6 +38,7 @@ from router.api.usage import UsageTap
 from router.handoff.base import PREFILL_TRIES, Directions, Handoff, Legs, prefill_saved
 from router.proxy import UpstreamError
 from router.security import host_allowed
+from router.serving.charges import Charges
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
@@ -160,7 +161,7 @@ class NixlHandoff(Handoff):
         prefill: Decision | None = None
         last: UpstreamError | None = None
         for attempt in range(PREFILL_TRIES):  # the planned prefill engine, then one other
-            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, tried)
+            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, plan, tried)
             if prefill is None:
                 break
             try:
@@ -270,7 +271,7 @@ class NixlHandoff(Handoff):
                 ctx,
                 plan.decode,
                 _encode(payload),
-                cached_tokens=max(prompt_tokens - 1, 0),
+                cached_tokens=Charges.of(plan).decode.cached_tokens,
                 tap=tap,
                 headers={"x-kvroute-mode": "split", "x-kvroute-prefill": prefill.engine.label},
             )

@@ -29,6 +29,7 @@ from router.api.usage import UsageTap, carries_usage
 from router.handoff.base import PREFILL_TRIES, Directions, Handoff, Legs, prefill_saved
 from router.policy.base import request_rng
 from router.proxy import UpstreamError
+from router.serving.charges import Charges
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
@@ -79,7 +80,7 @@ class SGLangHandoff(Handoff):
         tried: set[str] = set()
         last: UpstreamError | None = None
         for attempt in range(PREFILL_TRIES):
-            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, tried)
+            prefill = plan.prefill if attempt == 0 else await legs.another_prefill(ctx, plan, tried)
             if prefill is None:
                 break
             try:
@@ -132,7 +133,7 @@ class SGLangHandoff(Handoff):
                 decode,
                 _encode(with_bootstrap(payload, host, port, room)),
                 sink=watched,
-                cached_tokens=max(ctx.request.prompt_tokens - 1, 0),
+                cached_tokens=Charges.of(plan).decode.cached_tokens,
                 headers={"x-kvroute-mode": "split", "x-kvroute-prefill": prefill.engine.label},
             )
         )

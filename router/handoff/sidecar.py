@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from router.handoff.base import PREFILLER, Handoff, Legs
+from router.serving.charges import Charges
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
@@ -36,18 +37,16 @@ class SidecarHandoff(Handoff):
 
     async def serve(self, ctx: RequestContext, plan: Plan, legs: Legs) -> None:
         prefill = plan.prefill
-        assert prefill is not None
-        ticket = legs.loads.begin(
-            prefill.engine, ctx.request.prompt_tokens, prefill.cached_tokens, 1, ctx.request.flow
-        )
-        sink = _UntilFirstByte(ctx.sink, legs.loads, ticket)
+        charges = Charges.of(plan)
+        assert prefill is not None and charges.prefill is not None
+        sink = _UntilFirstByte(ctx.sink, legs.loads, charges.prefill.begin(legs.loads))
         try:
             await legs.decode_leg(
                 ctx,
                 plan.decode,
                 ctx.body,
                 sink=sink,
-                cached_tokens=max(ctx.request.prompt_tokens - 1, 0),
+                cached_tokens=charges.decode.cached_tokens,
                 headers={"x-kvroute-mode": "split", "x-kvroute-prefill": prefill.engine.label},
                 upstream_headers={HEADER: prefill.engine.endpoint},
             )

@@ -4,7 +4,8 @@ virtual clock.
 Nothing here is a second router. Each request goes through the objects ``kvroute serve``
 routes with: :class:`~router.core.RoutingCore` over a :class:`~router.index.memory.MemoryIndex`
 (provisional holders included), the configured policy from :func:`~router.policy.make_policy`,
-the :class:`~router.engines.load.LoadTracker` in-flight accounting, the router's request
+the :class:`~router.engines.load.LoadTracker` in-flight accounting (a plan's legs charged
+as every front end charges them, :mod:`router.serving.charges`), the router's request
 plan (:class:`~router.plan.Planner`: the decode policy, the split decision and the
 prefill choice for prefill/decode pools, over the fleet as :class:`SimPools`), and the
 :class:`~router.events.ingest.EventIngestor` that turns the engines' KV events into index
@@ -74,9 +75,11 @@ from router.hashing import block_keys, cacheable_blocks, seed_for
 from router.index.base import IndexStats, KVIndex, Match, footprint
 from router.index.memory import MemoryIndex
 from router.plan import Planner
-from router.policy import make_decode_policy, make_policy
+from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.policy.latency import priors_of
+from router.serving.charges import Charges
+from router.serving.planning import wire_planner
 from router.tokenization.words import WordTokenizer
 from router.topology import Topology, link_between
 from router.types import EngineKey, Tier
@@ -738,13 +741,13 @@ class ClusterSim:
             has_events=lambda engine: settings.events,
             clock=clock,
         )
-        decode_policy = make_decode_policy(settings.policy, settings.disaggregation, policy, clock)
-        planner = Planner(
+        planner = wire_planner(
             self.pools,
             core,
-            decode_policy,
+            settings.policy,
             settings.disaggregation,
             lambda model: settings.disaggregation.handoff,
+            clock=clock,
             locate=self.pools.topology_of if settings.layout else None,
         )
         return _Replica(number, index, loads, core, planner)
@@ -935,11 +938,9 @@ class ClusterSim:
             route.slo_ttft_s = None if self._slo.ttft_ms is None else self._slo.ttft_ms / 1e3
             route.slo_tpot_s = None if self._slo.tpot_ms is None else self._slo.tpot_ms / 1e3
         plan = await router.planner.plan(MODEL, route, len(tokens))
+        ticket, prefill_ticket = Charges.of(plan).begin(router.loads)
+        serve = self._by_key[plan.decode.engine]
         if plan.prefill is None:
-            serve = self._by_key[plan.decode.engine]
-            ticket = router.loads.begin(
-                serve.key, len(tokens), plan.decode.cached_tokens, spec.max_tokens
-            )
             flight = _Flight(
                 rid,
                 spec,
@@ -956,9 +957,7 @@ class ClusterSim:
             )
             self._submit(serve, flight, EngineRequest(rid, tokens, spec.max_tokens))
             return
-        serve = self._by_key[plan.decode.engine]
         engine = self._by_key[plan.prefill.engine]
-        loads = router.loads
         flight = _Flight(
             rid,
             spec,
@@ -967,15 +966,12 @@ class ClusterSim:
             "split",
             plan.reason,
             serve,
-            # The decode leg's first token waits for another engine's prefill: not its own.
-            loads.begin(
-                serve.key, len(tokens), max(len(tokens) - 1, 0), spec.max_tokens, timed=False
-            ),
+            ticket,
             router,
             order,
             previous,
             prefill=engine,
-            prefill_ticket=loads.begin(engine.key, len(tokens), plan.prefill.cached_tokens, 1),
+            prefill_ticket=prefill_ticket,
             keys=route.keys,
         )
         self._submit(engine, flight, EngineRequest(rid, tokens, 1, remote_decode=True))

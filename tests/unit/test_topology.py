@@ -168,3 +168,41 @@ async def test_prefill_engines_behind_a_slow_link_are_no_candidates() -> None:
         await planner(pools).plan("m", RouteRequest(f"r{i}", [], 4000, 16), 4000) for i in range(4)
     ]
     assert {p.prefill.engine.endpoint for p in plans if p.prefill} == {"p-zone:1"}
+
+
+async def test_the_split_hands_its_transfers_on_without_writing_into_the_request() -> None:
+    pools = Pools(
+        {
+            "p-other-zone:1": ("prefill", Topology("n1", "C", "z2")),
+            "p-rack:1": ("prefill", Topology("n2", "A", "z1")),
+            "d:1": ("decode", Topology("n3", "A", "z1")),
+        }
+    )
+    route = RouteRequest("r0", [], 4000, 16)
+    plan = await planner(pools).plan("m", route, 4000)
+    assert route.transfer_tokens is None and route.transfer_s_per_token is None
+    assert plan.transfers is not None
+    assert set(plan.transfers.tokens) == {EngineKey("p-rack:1")}  # the other is too slow
+    assert plan.transfers.s_per_token == CFG.prefill_s_per_token
+
+
+async def test_a_retried_prefill_choice_weighs_the_same_transfers() -> None:
+    pools = Pools(
+        {
+            "p-other-zone:1": ("prefill", Topology("n1", "C", "z2")),
+            "p-rack-a:1": ("prefill", Topology("n2", "A", "z1")),
+            "p-rack-b:1": ("prefill", Topology("n4", "A", "z1")),
+            "d:1": ("decode", Topology("n3", "A", "z1")),
+        }
+    )
+    plans = planner(pools)
+    route = RouteRequest("r0", [], 4000, 16)
+    plan = await plans.plan("m", route, 4000)
+    assert plan.prefill is not None
+    tried = {plan.prefill.engine.endpoint}
+    again = await plans.prefill(route, "m", tried, plan.transfers)
+    assert again is not None and again.engine.endpoint in {"p-rack-a:1", "p-rack-b:1"} - tried
+    assert "transfer=" in again.summary()
+    tried.add(again.engine.endpoint)
+    assert await plans.prefill(route, "m", tried, plan.transfers) is None
+    assert route.transfer_tokens is None
