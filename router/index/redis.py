@@ -49,12 +49,8 @@ from router.index.remote import (
     WriteResult,
 )
 from router.redis import leases
-from router.redis.client import RedisClient, Script, client_from_url, replica_id
-from router.redis.decision_stream import DecisionStream
-from router.redis.load_exchange import LoadExchange
-from router.redis.response_engines import ResponseEngines
+from router.redis.client import RedisClient, Script
 from router.redis.schema import pack_keys, unpack_key
-from router.redis.snapshot_store import SnapshotStore
 from router.types import EngineKey, Tier
 
 # The write vocabulary lived here before it was shared by remote backends: still
@@ -73,9 +69,7 @@ __all__ = [
     "WriteResult",
     "bucket_key",
     "bucket_name",
-    "client_from_url",
     "pack_keys",
-    "replica_id",
 ]
 
 _CANDIDATE_CACHE = 1024
@@ -173,10 +167,6 @@ class RedisIndex(FencedIndex):
         self._clock = clock
         self._keys = self.redis.keys
         self._candidates: dict[tuple[EngineKey, ...], _CandidateIds] = {}
-        self._loads = LoadExchange(self.redis)
-        self._decisions = DecisionStream(self.redis)
-        self._snapshots = SnapshotStore(self.redis)
-        self._responses = ResponseEngines(self.redis)
 
     @classmethod
     def from_config(cls, config: RedisIndexConfig, **kwargs: Any) -> RedisIndex:
@@ -354,94 +344,3 @@ class RedisIndex(FencedIndex):
                 for block, engine_hash in held.items():
                     if engine_hash:  # entries recorded without an engine hash have none
                         into[unpack_key(engine_hash)] = unpack_key(block)
-
-    # ------------------------------------------------------------------ not the index's
-    # What replicas share beside the index now lives in router/redis/; until its users
-    # take the client, the index passes their calls on.
-
-    @property
-    def client(self) -> aioredis.Redis | RedisCluster:
-        return self.redis.client
-
-    @property
-    def url(self) -> str:
-        return self.redis.url
-
-    @property
-    def namespace(self) -> str:
-        return self.redis.namespace
-
-    @property
-    def budget(self) -> float:
-        return self.redis.budget
-
-    @property
-    def admin_timeout(self) -> float:
-        return self.redis.admin_timeout
-
-    @property
-    def outage_note(self) -> str:
-        return self.redis.outage_note
-
-    @outage_note.setter
-    def outage_note(self, note: str) -> None:
-        self.redis.outage_note = note
-
-    def key(self, name: str) -> str:
-        return self.redis.key(name)
-
-    async def check_incarnation(self, timeout: float | None = None) -> bool:
-        return await self.redis.check_incarnation(timeout)
-
-    async def share_load(
-        self, replica: str, payload: bytes | None, ttl_ms: int, timeout: float | None = None
-    ) -> dict[str, bytes]:
-        return await self._loads.share(replica, payload, ttl_ms, timeout)
-
-    async def publish_decisions(
-        self,
-        replica: str,
-        payload: bytes,
-        min_id: str | None,
-        timeout: float | None = None,
-        sessions: bytes | None = None,
-        load: bytes | None = None,
-    ) -> str:
-        return await self._decisions.publish(replica, payload, min_id, timeout, sessions, load)
-
-    async def read_decisions(
-        self, after: str, count: int, block_ms: int | None
-    ) -> list[tuple[str, bytes, bytes, bytes, bytes]]:
-        return await self._decisions.read(after, count, block_ms)
-
-    async def claim_snapshots(
-        self, token: str, ttl_ms: int, release: bool = False, timeout: float | None = None
-    ) -> bool:
-        return await self._snapshots.claim(token, ttl_ms, release, timeout)
-
-    async def save_snapshot(
-        self, label: str, snapshot: bytes, timeout: float | None = None
-    ) -> None:
-        await self._snapshots.save(label, snapshot, timeout)
-
-    async def mark_snapshots_seen(
-        self, labels: Sequence[str], now_ms: int, timeout: float | None = None
-    ) -> None:
-        await self._snapshots.mark_seen(labels, now_ms, timeout)
-
-    async def drop_stale_snapshots(self, before_ms: int, timeout: float | None = None) -> list[str]:
-        return await self._snapshots.drop_stale(before_ms, timeout)
-
-    async def load_snapshot(self, label: str, timeout: float | None = None) -> bytes | None:
-        return await self._snapshots.load(label, timeout)
-
-    async def load_snapshot_labels(self, timeout: float | None = None) -> list[str]:
-        return await self._snapshots.labels(timeout)
-
-    async def remember_response(
-        self, response_id: str, endpoint: str, ttl_ms: int, timeout: float | None = None
-    ) -> None:
-        await self._responses.remember(response_id, endpoint, ttl_ms, timeout)
-
-    async def response_engine(self, response_id: str, timeout: float | None = None) -> str | None:
-        return await self._responses.engine_of(response_id, timeout)
