@@ -76,8 +76,8 @@ if TYPE_CHECKING:
     from router.events.snapshots import Snapshot, SnapshotWriter
     from router.events.writer import RemoteEventWriter
     from router.grpc.server import GrpcServers
-    from router.index.redis import RedisIndex
     from router.index.replicated import DecisionSync, ReplicatedIndex
+    from router.redis.client import RedisClient
     from router.reload import Reloader
 
 log = logging.getLogger("kvroute")
@@ -107,12 +107,14 @@ def _map_bound(config: IndexConfig, index: KVIndex) -> int:
     return min((c for c in caps if c), default=0)
 
 
-def _redis_of(remote: RemoteIndex | None) -> RedisIndex | None:
+def _redis_of(remote: RemoteIndex | None) -> RedisClient | None:
+    """The Redis client of a Redis index (built once, with the index), which the load
+    exchange, the decision stream and the response store share."""
     if remote is None:
         return None
     from router.index.redis import RedisIndex  # only with a shared index
 
-    return remote if isinstance(remote, RedisIndex) else None
+    return remote.redis if isinstance(remote, RedisIndex) else None
 
 
 def _replicated_of(index: KVIndex) -> ReplicatedIndex | None:
@@ -863,7 +865,7 @@ class RouterApp:
         await self.grpc.start()
         self.grpc_port, self.extproc_port = self.grpc.grpc_port, self.grpc.extproc_port
 
-    async def _start_redis(self, redis: RedisIndex) -> None:
+    async def _start_redis(self, redis: RedisClient) -> None:
         from router.engines.shared_load import SharedLoad
 
         # Learn Redis's incarnation now, so that after an outage the router can tell a
@@ -885,7 +887,7 @@ class RouterApp:
         if self.replicated is not None:
             await self._load_snapshots(redis)
 
-    async def _load_snapshots(self, redis: RedisIndex) -> None:
+    async def _load_snapshots(self, redis: RedisClient) -> None:
         """Replicated mode, before any engine is subscribed: the engine streams'
         snapshots, taken as each engine is subscribed during start."""
         from router.events.snapshots import load_snapshots
@@ -899,7 +901,7 @@ class RouterApp:
         else:
             log.info("replicated index: %d engine snapshot(s) to start from", len(self._warm))
 
-    async def _start_replicated(self, index: ReplicatedIndex, redis: RedisIndex) -> None:
+    async def _start_replicated(self, index: ReplicatedIndex, redis: RedisClient) -> None:
         """Once the engines are subscribed (and known, for peers' decisions about them):
         read the peers' decisions still live, then follow the decision stream and write
         snapshots in the background. Snapshots not taken by now are dropped: a later
@@ -924,8 +926,8 @@ class RouterApp:
         changes of in-flight load go and come back too. In the shared index's mode a
         follower of the stream (:attr:`session_sync`) lives while either needs it.
         Called at start and when a reload changes the policy."""
-        from router.index.redis import replica_id
         from router.index.replicated import DecisionSync
+        from router.redis.client import replica_id
 
         sessions = getattr(self.core.policy, "sessions", None)
         redis = self.redis

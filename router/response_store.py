@@ -20,10 +20,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from router.index.base import IndexUnavailable
+from router.redis.response_engines import ResponseEngines
 
 if TYPE_CHECKING:
     from router.config import ResponsesConfig
-    from router.index.redis import RedisIndex
+    from router.redis.client import RedisClient
 
 log = logging.getLogger("kvroute.responses")
 
@@ -42,11 +43,13 @@ class ResponseStore:
     def __init__(
         self,
         config: ResponsesConfig,
-        redis: RedisIndex | None = None,
+        redis: RedisClient | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.redis = redis
+        self.shared = ResponseEngines(redis) if redis is not None else None
+        """Where other replicas find the ids this one remembers (None: this replica's
+        memory alone)."""
         self.clock = clock
         self._held: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
@@ -62,10 +65,13 @@ class ResponseStore:
         self._held.move_to_end(response_id)
         while len(self._held) > self.config.max_remembered:
             self._held.popitem(last=False)
-        if self.redis is not None:
+        if self.shared is not None:
             try:
-                await self.redis.remember_response(
-                    response_id, endpoint, int(ttl * 1000), max(self.redis.budget, MIN_WRITE_S)
+                await self.shared.remember(
+                    response_id,
+                    endpoint,
+                    int(ttl * 1000),
+                    max(self.shared.redis.budget, MIN_WRITE_S),
                 )
             except IndexUnavailable as exc:
                 log.info("response %s: not shared with other replicas (%s)", response_id, exc)
@@ -80,10 +86,10 @@ class ResponseStore:
             if expires > self.clock():
                 return endpoint
             del self._held[response_id]
-        if self.redis is None:
+        if self.shared is None:
             return None
         try:
-            return await self.redis.response_engine(response_id)
+            return await self.shared.engine_of(response_id)
         except IndexUnavailable as exc:
             log.info("response %s: Redis not asked (%s)", response_id, exc)
             return None

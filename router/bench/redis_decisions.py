@@ -70,6 +70,7 @@ from router.index.replicated import DecisionSync, ReplicatedIndex
 from router.index.shadow import ShadowedIndex
 from router.policy.base import RouteRequest
 from router.policy.kv_cost import KVCostPolicy
+from router.redis.client import RedisClient
 from router.types import EngineKey
 
 PROMPT_TOKENS = 8192
@@ -84,33 +85,33 @@ readers of 50,000 decisions a second (800 MB/s of entries) are more than this on
 Python process can decode; in a fleet each replica is a process of its own."""
 
 
-async def _redis_usec(index: RedisIndex) -> float:
+async def _redis_usec(redis: RedisClient) -> float:
     """Microseconds Redis has spent in commands so far (every command: scripts, stream
     appends and reads)."""
-    stats = await index.client.info("commandstats")
+    stats = await redis.client.info("commandstats")
     return float(sum(v.get("usec", 0) for k, v in stats.items() if k.startswith("cmdstat_")))
 
 
-async def _redis_stream_usec(index: RedisIndex) -> tuple[float, float]:
+async def _redis_stream_usec(redis: RedisClient) -> tuple[float, float]:
     """Microseconds Redis has spent so far in stream appends and in stream reads."""
-    stats = await index.client.info("commandstats")
+    stats = await redis.client.info("commandstats")
     return (
         float(stats.get("cmdstat_xadd", {}).get("usec", 0)),
         float(stats.get("cmdstat_xread", {}).get("usec", 0)),
     )
 
 
-async def _redis_cpu_us(index: RedisIndex) -> float:
+async def _redis_cpu_us(redis: RedisClient) -> float:
     """Microseconds of CPU the Redis server process has used so far (``INFO cpu``: its
     commands and its network I/O, which ``commandstats`` leaves out)."""
-    cpu = await index.client.info("cpu")
+    cpu = await redis.client.info("cpu")
     return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])) * 1e6
 
 
-async def _drop(index: RedisIndex) -> None:
-    keys = [k async for k in index.client.scan_iter(match=f"{{{index.namespace}}}:*", count=1000)]
+async def _drop(redis: RedisClient) -> None:
+    keys = [k async for k in redis.client.scan_iter(match=f"{{{redis.namespace}}}:*", count=1000)]
     for start in range(0, len(keys), 1000):
-        await index.client.delete(*keys[start : start + 1000])
+        await redis.client.delete(*keys[start : start + 1000])
 
 
 async def bench_mode(
@@ -123,9 +124,10 @@ async def bench_mode(
         index = MemoryIndex()
         await fleet.fill(index)
     else:
-        redis = RedisIndex(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000)
-        await fleet.fill(redis)
-        index = redis if mode == "redis_awaited" else ShadowedIndex(redis)
+        shared = RedisIndex(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000)
+        await fleet.fill(shared)
+        index = shared if mode == "redis_awaited" else ShadowedIndex(shared)
+        redis = shared.redis
     config = PolicyConfig()
     core = RoutingCore(index, KVCostPolicy(config), config, LoadTracker(BLOCK))
 
@@ -213,7 +215,7 @@ class _Replicas:
         config = ReplicatedIndexConfig()
         self.indexes = [
             ReplicatedIndex(
-                RedisIndex(url, namespace, budget_ms=1000), config, f"bench-replica-{i}"
+                RedisClient(url, namespace, budget_ms=1000), config, f"bench-replica-{i}"
             )
             for i in range(n)
         ]
@@ -342,7 +344,7 @@ async def bench_stream_capacity(
     syncs = [
         DecisionSync(
             MemoryIndex(),
-            RedisIndex(url, namespace, budget_ms=1000),
+            RedisClient(url, namespace, budget_ms=1000),
             config,
             f"capacity-{i}",
             known=lambda engine: False,
@@ -404,22 +406,22 @@ async def bench_idle_append(url: str, count: int = 1000) -> dict[str, float]:
     """Redis's time for one 4 KB stream append (an 8,192-token decision's entry), no
     reader: back to back, and 2 ms apart (Redis idle in between, as at 500 decisions/s).
     The difference is what an idle server costs per command, not work."""
-    index = RedisIndex(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000)
+    redis = RedisClient(url, f"bench-{uuid.uuid4().hex[:8]}", budget_ms=1000)
     payload = bytes(8 * PROMPT_TOKENS // BLOCK)
-    key = index.key("decisions")
+    key = redis.key("decisions")
     row: dict[str, float] = {}
     try:
         for label, pause in (("back_to_back", 0.0), ("paced_2ms", 0.002)):
-            await index.client.delete(key)
-            before = await _redis_usec(index)
+            await redis.client.delete(key)
+            before = await _redis_usec(redis)
             for _ in range(count):
-                await index.client.xadd(key, {"r": "bench", "d": payload})
+                await redis.client.xadd(key, {"r": "bench", "d": payload})
                 if pause:
                     await asyncio.sleep(pause)
-            row[label] = (await _redis_usec(index) - before) / count
-        await index.client.delete(key)
+            row[label] = (await _redis_usec(redis) - before) / count
+        await redis.client.delete(key)
     finally:
-        await index.close()
+        await redis.close()
     return row
 
 

@@ -131,8 +131,8 @@ async def _hmget_pipeline_lookup(
     index: RedisIndex, keys: Sequence[int], candidates: Sequence[EngineKey]
 ) -> dict[EngineKey, Match]:
     """The measured alternative: fetch every block in one pipeline, walk in Python."""
-    prefix = f"{{{index.namespace}}}:"
-    pipe = index.client.pipeline(transaction=False)
+    prefix = f"{{{index.redis.namespace}}}:"
+    pipe = index.redis.client.pipeline(transaction=False)
     pipe.hmget(f"{prefix}engines", [c.label for c in candidates])
     packed = pack_keys(keys)
     pipe.hmget(f"{prefix}blocks", [packed[i : i + 8] for i in range(0, len(packed), 8)])
@@ -243,7 +243,7 @@ async def bench_ingest(url: str, streams: int, blocks: int, per_event: int) -> d
 
 
 async def _used_memory(index: RedisIndex) -> int:
-    info = await index.client.info("memory")
+    info = await index.redis.client.info("memory")
     return int(info["used_memory"])
 
 
@@ -286,9 +286,10 @@ async def bench_memory(url: str, engines: int, blocks: int, shared: float) -> di
 
 
 async def _drop(index: RedisIndex) -> None:
-    keys = [k async for k in index.client.scan_iter(match=f"{{{index.namespace}}}:*", count=1000)]
+    redis = index.redis
+    keys = [k async for k in redis.client.scan_iter(match=f"{{{redis.namespace}}}:*", count=1000)]
     for start in range(0, len(keys), 1000):
-        await index.client.delete(*keys[start : start + 1000])
+        await redis.client.delete(*keys[start : start + 1000])
 
 
 # --------------------------------------------------------------------------- main

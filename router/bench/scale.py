@@ -165,7 +165,7 @@ def measure_redis(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     index = RedisIndex(server.url, "scale", budget_ms=60_000, admin_timeout=600)
 
     async def used_memory() -> int:
-        return int((await index.client.info("memory"))["used_memory"])
+        return int((await index.redis.client.info("memory"))["used_memory"])
 
     async def run() -> dict[str, Any]:
         await index.add(EngineKey("10.255.255.255:1"), [1])  # scripts loaded, keys made

@@ -4,9 +4,10 @@ A router knows its own in-flight work per engine exactly, and nothing of its pee
 unless they share it. Every ``interval`` seconds, a background task of each replica
 publishes its own in-flight work per engine (requests, queued prefill tokens, decode
 tokens and blocks) under the index namespace with a ``ttl``, and reads back the other
-replicas' entries in the same script call; the sums per engine become the ``peer_*``
-part of the load view's totals (:meth:`LoadTracker.set_peers`). Policies read the
-totals: no decision waits for Redis or merges anything.
+replicas' entries in the same script call (``router/redis/load_exchange.py``); the sums
+per engine become the ``peer_*`` part of the load view's totals
+(:meth:`LoadTracker.set_peers`). Policies read the totals: no decision waits for Redis
+or merges anything.
 
 A replica that stops withdraws its entry; one that dies is forgotten once its entry
 expires. While Redis is unavailable, peers' figures are kept for one ``ttl`` (they are
@@ -37,7 +38,8 @@ import msgspec
 
 from router.engines.load import NO_PEERS, InFlight, LoadTracker
 from router.index.base import IndexUnavailable
-from router.index.redis import RedisIndex, replica_id
+from router.redis.client import RedisClient, replica_id
+from router.redis.load_exchange import LoadExchange
 from router.types import EngineKey
 
 log = logging.getLogger("kvroute.load")
@@ -94,7 +96,7 @@ class SharedLoad:
 
     def __init__(
         self,
-        index: RedisIndex,
+        redis: RedisClient,
         tracker: LoadTracker,
         known: Callable[[EngineKey], bool],
         *,
@@ -102,7 +104,8 @@ class SharedLoad:
         interval: float = 0.1,
         ttl: float = 1.0,
     ) -> None:
-        self.index = index
+        self.redis = redis
+        self._exchange = LoadExchange(redis)
         self.tracker = tracker
         self.known = known
         self.replica = replica or replica_id()
@@ -137,15 +140,15 @@ class SharedLoad:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         with contextlib.suppress(IndexUnavailable):
-            await self.index.share_load(self.replica, None, self._ttl_ms(), self._timeout())
+            await self._exchange.share(self.replica, None, self._ttl_ms(), self._timeout())
 
     def _ttl_ms(self) -> int:
         return max(int(self.ttl * 1000), 1)
 
     def _timeout(self) -> float:
         # Off the request path: as slow as one interval is still useful, and anything
-        # slower means Redis is in trouble (the index notices and probes it).
-        return max(self.interval, self.index.budget)
+        # slower means Redis is in trouble (the client notices and probes it).
+        return max(self.interval, self.redis.budget)
 
     async def _run(self) -> None:
         while True:
@@ -166,7 +169,7 @@ class SharedLoad:
         """Publish own work, read peers', and update the tracker (one round trip)."""
         now = time.monotonic()
         try:
-            payloads = await self.index.share_load(
+            payloads = await self._exchange.share(
                 self.replica,
                 encode_load(self.tracker.own(), self._next_version()),
                 self._ttl_ms(),

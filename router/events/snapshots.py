@@ -23,8 +23,10 @@ import msgspec
 
 from router.events.ingest import StreamState, hash_maps
 from router.index.base import IndexUnavailable, store_newest
-from router.index.redis import RedisIndex, pack_keys
 from router.index.replicated import unpack_keys
+from router.redis.client import RedisClient
+from router.redis.schema import pack_keys
+from router.redis.snapshot_store import SnapshotStore
 from router.types import EngineKey, Tier
 
 log = logging.getLogger("kvroute.events.snapshots")
@@ -92,13 +94,14 @@ def decode_snapshot(raw: bytes) -> Snapshot:
 
 
 async def load_snapshots(
-    redis: RedisIndex, timeout: float | None = None
+    redis: RedisClient, timeout: float | None = None
 ) -> dict[EngineKey, Snapshot]:
     """Every engine stream snapshot Redis holds (malformed ones are skipped), read one
     engine at a time."""
+    store = SnapshotStore(redis)
     found: dict[EngineKey, Snapshot] = {}
-    for label in await redis.load_snapshot_labels(timeout):
-        raw = await redis.load_snapshot(label, timeout)
+    for label in await store.labels(timeout):
+        raw = await store.load(label, timeout)
         if raw is None:
             continue  # deleted meanwhile
         try:
@@ -124,13 +127,13 @@ class SnapshotWriter:
 
     def __init__(
         self,
-        redis: RedisIndex,
+        redis: RedisClient,
         replica: str,
         interval: float,
         streams: Callable[[], Sequence[tuple[StreamState, int | None]]],
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.redis = redis
+        self.store = SnapshotStore(redis)
         self.replica = replica
         self.interval = interval
         self.streams = streams
@@ -155,7 +158,7 @@ class SnapshotWriter:
             self._task = None
         if self.holder:
             with contextlib.suppress(IndexUnavailable):
-                await self.redis.claim_snapshots(self.replica, 1, release=True)
+                await self.store.claim(self.replica, 1, release=True)
             self.holder = False
 
     async def _run(self) -> None:
@@ -173,18 +176,18 @@ class SnapshotWriter:
         followed and delete the snapshots of engines nobody has followed for long;
         returns how many snapshots it wrote."""
         ttl_ms = max(int(self.interval * 3000), 1000)
-        self.holder = await self.redis.claim_snapshots(self.replica, ttl_ms)
+        self.holder = await self.store.claim(self.replica, ttl_ms)
         if not self.holder:
             self._saved.clear()  # another replica writes; start afresh if it ever lapses
             return 0
         # What Redis holds now: after it lost its data, every stream is written again.
-        stored = set(await self.redis.load_snapshot_labels())
+        stored = set(await self.store.labels())
         self._saved = {k: v for k, v in self._saved.items() if k in stored}
         streams = list(self.streams())
         # Marked before written: a snapshot stored is never without its mark, even if
         # this round fails halfway or another replica takes the lease meanwhile.
         now_ms = int(self.wall() * 1000)
-        await self.redis.mark_snapshots_seen([s.engine.label for s, _ in streams], now_ms)
+        await self.store.mark_seen([s.engine.label for s, _ in streams], now_ms)
         written = 0
         for state, digest in streams:
             label = state.engine.label
@@ -194,11 +197,11 @@ class SnapshotWriter:
             position = (state.last_seq, digest)
             if self._saved.get(label) == position:
                 continue
-            await self.redis.save_snapshot(label, encode_snapshot(state, digest, self.wall()))
+            await self.store.save(label, encode_snapshot(state, digest, self.wall()))
             self._saved[label] = position
             written += 1
         stale_s = max(self.interval * STALE_INTERVALS, STALE_MIN_S)
-        for label in await self.redis.drop_stale_snapshots(now_ms - int(stale_s * 1000)):
+        for label in await self.store.drop_stale(now_ms - int(stale_s * 1000)):
             self._saved.pop(label, None)
         self.written += written
         return written

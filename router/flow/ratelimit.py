@@ -184,7 +184,7 @@ class RateLimiter:
 
     def _client_script(self) -> Any:
         if self._script is None:
-            from router.index.redis import client_from_url
+            from router.redis.client import client_from_url
 
             self._client = client_from_url(self._url or "")
             self._script = self._client.register_script(SCRIPT)

@@ -2,7 +2,8 @@
 
 ``base.py`` is the contract every backend implements, ``remote.py`` what a shared
 backend adds to it; ``memory.py`` and ``redis.py`` are the backends, ``shadow.py`` the
-router's wrapper of a shared one.
+router's wrapper of a shared one. The Redis connection the Redis backend and the
+replicated mode run over is ``router/redis/``'s.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ def index_from_config(config: IndexConfig) -> KVIndex:
 
         return RedisIndex.from_config(config.redis)
     if config.backend == "replicated":
-        from router.index.redis import RedisIndex, replica_id
         from router.index.replicated import ReplicatedIndex
+        from router.redis.client import RedisClient, replica_id
 
         return ReplicatedIndex(
-            RedisIndex.from_config(config.redis),
+            RedisClient.from_config(config.redis),
             config.replicated,
             replica_id(),
             max_entries=config.max_entries,

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+# Defined below the index: the Redis client (router/redis/) raises it too.
+from router.availability import IndexUnavailable as IndexUnavailable
 from router.types import EngineKey, Tier
 
 K = TypeVar("K")
@@ -128,18 +130,6 @@ def footprint(tables: Iterable[Any], seen: set[int] | None = None) -> int:
                     count(inner_key)
                     count(inner)
     return total
-
-
-class IndexUnavailable(RuntimeError):
-    """The backend cannot answer now (for example Redis is down); route on load alone.
-
-    ``why`` is a short code for the decision's reason: ``over_budget`` (no answer within
-    ``index.redis.budget_ms``), ``unreachable``, ``refused`` (an error answer), ``unavailable``.
-    """
-
-    def __init__(self, message: str, why: str = "unavailable") -> None:
-        super().__init__(message)
-        self.why = why
 
 
 class FallbackMatches(dict[EngineKey, Match]):

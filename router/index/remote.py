@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal, NamedTuple, TypeVar
 
+# Defined below the index: the Redis client (router/redis/) reports them too.
+from router.availability import AvailabilityListener as AvailabilityListener
+from router.availability import RemoteCounters as RemoteCounters
 from router.index.base import KVIndex
 from router.types import EngineKey, Tier
-
-AvailabilityListener = Callable[[bool, bool], None]
-"""Called with (available, data_lost) on every transition. ``data_lost`` is only ever
-True on the way back up: the backend may have lost what was written before the outage."""
 
 
 class AddOp(NamedTuple):
@@ -121,21 +120,6 @@ class StreamPosition:
     """Timestamp of that batch (tells the same engine life from a restarted one)."""
     hashes: tuple[dict[int, int], ...]
     """Engine hash -> block key of firmly held blocks, per tier (GPU, CPU, disk)."""
-
-
-@dataclass(slots=True)
-class RemoteCounters:
-    """What a remote backend's calls did, for metrics (never reset)."""
-
-    calls: int = 0
-    failures: int = 0
-    """Calls that timed out or could not reach the backend."""
-    fast_failures: int = 0
-    """Calls refused at once because the backend was known to be unreachable."""
-    outages: int = 0
-    """Transitions from available to unavailable."""
-    slow_calls: int = 0
-    """Calls over the budget that did not (yet) count as an outage."""
 
 
 class RemoteIndex(KVIndex):

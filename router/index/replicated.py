@@ -49,7 +49,9 @@ import msgspec
 from router.config import ReplicatedIndexConfig
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
-from router.index.redis import RedisIndex, pack_keys
+from router.redis.client import RedisClient
+from router.redis.decision_stream import DecisionStream
+from router.redis.schema import pack_keys
 from router.sessions import MAX_KEY_CHARS, SessionMap
 from router.types import EngineKey, Tier
 
@@ -87,7 +89,7 @@ READ_COUNT = 1024
 
 
 def unpack_keys(raw: bytes) -> array[int]:
-    """The inverse of :func:`~router.index.redis.pack_keys`."""
+    """The inverse of :func:`~router.redis.schema.pack_keys`."""
     if len(raw) % 8:
         raise ValueError(f"packed keys of {len(raw)} bytes (not a multiple of 8)")
     keys = array("Q")
@@ -146,7 +148,7 @@ class DecisionSync:
     def __init__(
         self,
         index: MemoryIndex | None,
-        redis: RedisIndex,
+        redis: RedisClient,
         config: ReplicatedIndexConfig,
         replica: str,
         *,
@@ -155,6 +157,8 @@ class DecisionSync:
     ) -> None:
         self.index = index
         self.redis = redis
+        self.stream = DecisionStream(redis)
+        """The decision stream in Redis, appended to and read over ``redis``."""
         self.config = config
         self.replica = replica
         self.known = known
@@ -336,7 +340,7 @@ class DecisionSync:
             if not batch and not pinned and taken is None:
                 continue  # everything left in the round had expired
             try:
-                entry = await self.redis.publish_decisions(
+                entry = await self.stream.publish(
                     self.replica,
                     encode_decisions(d for _, d in batch),
                     self._min_id,
@@ -370,7 +374,7 @@ class DecisionSync:
         total = 0
         while True:
             epoch = self._epoch
-            entries = await self.redis.read_decisions(self._last_id, READ_COUNT, None)
+            entries = await self.stream.read(self._last_id, READ_COUNT, None)
             await self._apply_yielding(entries, epoch)
             total += len(entries)
             if len(entries) < READ_COUNT:
@@ -393,7 +397,7 @@ class DecisionSync:
                 await self._up.wait()
             epoch = self._epoch
             try:
-                entries = await self.redis.read_decisions(self._last_id, READ_COUNT, BLOCK_MS)
+                entries = await self.stream.read(self._last_id, READ_COUNT, BLOCK_MS)
             except IndexUnavailable as exc:
                 self.counters.read_errors += 1
                 log.debug("reading peers' decisions failed: %s", exc)
@@ -502,7 +506,7 @@ class ReplicatedIndex(MemoryIndex):
 
     def __init__(
         self,
-        redis: RedisIndex,
+        redis: RedisClient,
         config: ReplicatedIndexConfig,
         replica: str,
         *,

@@ -186,7 +186,7 @@ async def test_a_writer_whose_lease_was_taken_is_fenced_off(
     toks = tokens(500, 2)
     await publisher.publish([stored([1], toks[:BS])])
     await until(lambda: _is(depth(index, toks), 1))
-    await index.client.delete(index.key(f"lease:{ENGINE.label}"))  # as if it lapsed
+    await index.redis.client.delete(index.redis.key(f"lease:{ENGINE.label}"))  # as if it lapsed
     two = indexers([source], "two")
     await two.start()
     assert two.owned == {ENGINE}
@@ -339,8 +339,8 @@ async def test_kvroute_indexer_command_follows_engines_and_stops_on_sigterm(
         await until(lambda: _is(depth(index, toks), 2))
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        lease = index.key(f"lease:{ENGINE.label}")
-        assert not await index.client.exists(lease)  # handed back for a standby
+        lease = index.redis.key(f"lease:{ENGINE.label}")
+        assert not await index.redis.client.exists(lease)  # handed back for a standby
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -28,8 +28,8 @@ from router.index.redis import (
     WriteResult,
     bucket_key,
     bucket_name,
-    client_from_url,
 )
+from router.redis.client import client_from_url
 from router.types import EngineKey, Tier
 
 A, B, C = EngineKey("10.0.0.1:8000"), EngineKey("10.0.0.2:8000"), EngineKey("10.0.0.3:8000", 1)
@@ -55,8 +55,8 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> 
 async def table_fields(index: RedisIndex, table: str) -> int:
     """Fields in every bucket of a bucketed table, counted by scanning its keys."""
     total = 0
-    async for name in index.client.scan_iter(match=index.key(table) + ":*", count=1000):
-        total += await index.client.hlen(name)
+    async for name in index.redis.client.scan_iter(match=index.redis.key(table) + ":*", count=1000):
+        total += await index.redis.client.hlen(name)
     return total
 
 
@@ -116,7 +116,7 @@ async def test_a_lookup_after_the_engine_map_changed_is_still_one_round_trip(
 
 async def test_scripts_are_reloaded_when_redis_forgot_them(index: RedisIndex) -> None:
     await index.add(A, KEYS)
-    await index.client.script_flush()
+    await index.redis.client.script_flush()
     assert await index.lookup(KEYS, [A]) == {A: Match(12)}
 
 
@@ -206,7 +206,7 @@ async def test_random_operations_on_a_growing_index_match_the_memory_index(
         if step % 40 == 39:
             clock.now += 10  # every record expired: firm entries alone remain
             assert (await index.stats()).entries == (await memory.stats()).entries
-    level = int(await index.client.hget(index.key("blocks"), "L"))
+    level = int(await index.redis.client.hget(index.redis.key("blocks"), "L"))
     assert level >= 5  # the blocks table split into dozens of buckets on the way
 
 
@@ -234,26 +234,26 @@ async def test_expiring_records_count_once_per_block_and_engine(
     stats = await index.stats()
     assert (stats.blocks, stats.entries) == (0, 0)
     assert await table_fields(index, "blocks") == 0  # memory reclaimed
-    assert await index.client.hget(index.key("blocks"), "n") == b"0"
+    assert await index.redis.client.hget(index.redis.key("blocks"), "n") == b"0"
 
 
 async def test_a_cleared_engine_is_collected_and_its_id_reused_without_inheritance(
     index: RedisIndex, clock: Clock
 ) -> None:
-    engines = index.key("engines")
+    engines = index.redis.key("engines")
     many = list(range(20_000, 23_000))  # more than one collection step
     await index.add(A, many)
     await index.add(A, KEYS, ttl=10.0)
-    old_id = await index.client.hget(engines, A.label)
+    old_id = await index.redis.client.hget(engines, A.label)
     await index.clear(A)
     stats = await index.stats()  # collects all garbage
     assert (stats.engines, stats.entries) == (0, 0)
     # The id waits until the cleared engine's expiring records have expired.
     await index.add(B, [1])
-    assert await index.client.hget(engines, B.label) != old_id
+    assert await index.redis.client.hget(engines, B.label) != old_id
     clock.now += 11
     await index.add(C, [2])
-    assert await index.client.hget(engines, C.label) == old_id
+    assert await index.redis.client.hget(engines, C.label) == old_id
     assert await index.lookup(many[:10], [C]) == {}
     assert await index.lookup(KEYS, [C]) == {}
 
@@ -264,7 +264,9 @@ async def test_namespaces_do_not_see_each_other(redis_url: str, clock: Clock) ->
     try:
         await one.add(A, KEYS)
         assert await two.lookup(KEYS, [A]) == {}
-        await one.client.delete(*[k async for k in one.client.scan_iter(f"{{{one.namespace}}}:*")])
+        await one.redis.client.delete(
+            *[k async for k in one.redis.client.scan_iter(f"{{{one.redis.namespace}}}:*")]
+        )
     finally:
         await one.close()
         await two.close()
@@ -454,7 +456,8 @@ def test_the_index_section_selects_the_backend() -> None:
     redis_config = IndexConfig(backend="redis", redis=redis)
     chosen = index_from_config(redis_config)
     assert isinstance(chosen, RedisIndex)
-    assert (chosen.url, chosen.namespace, chosen.budget) == ("rediss://h:1/0", "n", 0.003)
+    redis = chosen.redis
+    assert (redis.url, redis.namespace, redis.budget) == ("rediss://h:1/0", "n", 0.003)
 
 
 async def test_one_slow_answer_is_not_an_outage_but_slow_answers_in_a_row_are(
@@ -524,20 +527,22 @@ async def test_an_index_of_an_old_layout_is_never_read_and_the_new_one_is_built_
     tag = f"{{{redis_namespace}}}:"
     field = struct.pack("<Q", KEYS[0])
     # Engine id 1 on GPU in layout 1 (1 x 4 + 1) would read as id 0, disk tier.
-    await index.client.hset(f"{tag}engines", mapping={A.label: 1, B.label: 0})
-    await index.client.hset(f"{tag}blocks", field, struct.pack("<HH", 1, 1 * 4 + 1))
+    await index.redis.client.hset(f"{tag}engines", mapping={A.label: 1, B.label: 0})
+    await index.redis.client.hset(f"{tag}blocks", field, struct.pack("<HH", 1, 1 * 4 + 1))
     # Layout 2: A (id 0) on GPU.
-    await index.client.hset(f"{tag}v2:engines", mapping={A.label: 0})
-    await index.client.hset(f"{tag}v2:blocks", field, struct.pack("<HH", 1, 0 * 8 + 1))
+    await index.redis.client.hset(f"{tag}v2:engines", mapping={A.label: 0})
+    await index.redis.client.hset(f"{tag}v2:blocks", field, struct.pack("<HH", 1, 0 * 8 + 1))
     assert await index.lookup(KEYS[:1], [A, B]) == {}
     await index.add(B, KEYS[:2])
     found = await index.lookup(KEYS[:2], [A, B])
     assert found == {B: Match(2)}
-    assert index.key("blocks") == f"{tag}v3:blocks"
+    assert index.redis.key("blocks") == f"{tag}v3:blocks"
     assert await table_fields(index, "blocks") == 2
-    assert await index.client.hexists(bucket_key(index.key("blocks"), KEYS[0], 0, 0), field)
-    assert await index.client.hget(f"{tag}blocks", field) == struct.pack("<HH", 1, 5)
-    assert await index.client.hget(f"{tag}v2:blocks", field) == struct.pack("<HH", 1, 1)
+    assert await index.redis.client.hexists(
+        bucket_key(index.redis.key("blocks"), KEYS[0], 0, 0), field
+    )
+    assert await index.redis.client.hget(f"{tag}blocks", field) == struct.pack("<HH", 1, 5)
+    assert await index.redis.client.hget(f"{tag}v2:blocks", field) == struct.pack("<HH", 1, 1)
 
 
 # --------------------------------------------------------------------------- bucketed tables
@@ -559,9 +564,9 @@ async def test_tables_grow_by_splitting_buckets_that_stay_listpacks(
         part = slice(start, start + 2_500)
         await index.write([WriteBatch(A, [AddOp(keys[part], Tier.GPU, hashes[part])])])
     await index.add(B, keys[:5_000])
-    client = index.client
-    blocks = index.key("blocks")
-    held = f"{index.key('held')}:{int(await client.hget(index.key('engines'), A.label))}:0"
+    client, key = index.redis.client, index.redis.key
+    blocks = key("blocks")
+    held = f"{key('held')}:{int(await client.hget(key('engines'), A.label))}:0"
     for table, held_keys in ((blocks, keys[5_000:]), (held, keys)):
         level, split, n = (int(v) for v in await client.hmget(table, ["L", "s", "n"]))
         buckets = (1 << level) + split
@@ -575,7 +580,7 @@ async def test_tables_grow_by_splitting_buckets_that_stay_listpacks(
         assert sum(sizes) == n and max(sizes) < 128
         for k in held_keys[:200]:
             assert await client.hexists(bucket_key(table, k, level, split), struct.pack("<Q", k))
-    shared = index.key("shared")
+    shared = index.redis.key("shared")
     assert await client.hlen(shared) == 5_000 + 1  # and the field keeping it a hash table
     assert await client.object("encoding", shared) == b"hashtable"
     stats = await index.stats()
@@ -605,7 +610,7 @@ async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_ma
     history = [rng.getrandbits(64) for _ in range(200)]
     await index.add(A, history)
     await index.lookup(history, [A])  # loads the script and the candidates' ids
-    blocks, shared = index.key("blocks"), index.key("shared")
+    blocks, shared = index.redis.key("blocks"), index.redis.key("shared")
 
     async def walk(candidates: list[EngineKey], expected: dict[EngineKey, Match]) -> int:
         async def lookup() -> None:
@@ -615,15 +620,15 @@ async def test_a_block_of_one_holder_is_read_from_its_bucket_only_when_it_can_ma
         return [c.split()[0] for c in commands].count("HGET")
 
     async def in_buckets() -> int:
-        return int(await index.client.hget(blocks, "n"))
+        return int(await index.redis.client.hget(blocks, "n"))
 
     assert await walk([A], {A: Match(200)}) == 200
     await index.add(B, history, ttl=5)  # a routing decision: B is recorded
-    assert (await in_buckets(), await index.client.hlen(shared)) == (0, 200 + 1)
+    assert (await in_buckets(), await index.redis.client.hlen(shared)) == (0, 200 + 1)
     assert await walk([A, B], {A: Match(200), B: Match(200)}) == 0
     clock.now += 6
     await index.stats()  # sweeps the expired records
-    assert (await in_buckets(), await index.client.hlen(shared)) == (200, 1)
+    assert (await in_buckets(), await index.redis.client.hlen(shared)) == (200, 1)
     assert await walk([A], {A: Match(200)}) == 200
     # Records on blocks already recorded move nothing; a firm change can move a block
     # back to its bucket while it has records.
@@ -647,11 +652,11 @@ async def test_a_firm_entry_costs_under_64_bytes_of_redis_memory(own_server: Red
         shared = [rng.getrandbits(64) for _ in range(1_250)]
         engines = [EngineKey(f"10.1.0.{i}:8000") for i in range(16)]
         await idx.add(A, KEYS)  # scripts loaded, first keys made: not part of the figure
-        before = int((await idx.client.info("memory"))["used_memory"])
+        before = int((await idx.redis.client.info("memory"))["used_memory"])
         for engine in engines:
             own = shared + [rng.getrandbits(64) for _ in range(3_750)]
             await idx.write([WriteBatch(engine, [AddOp(own, Tier.GPU, [k ^ 1 for k in own])])])
-        used = int((await idx.client.info("memory"))["used_memory"]) - before
+        used = int((await idx.redis.client.info("memory"))["used_memory"]) - before
         assert (await idx.stats()).entries == 16 * 5_000 + len(KEYS)
         assert used / (16 * 5_000) <= 64
     finally:

@@ -44,8 +44,9 @@ from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
-from router.index.redis import RedisIndex, pack_keys
+from router.index.redis import pack_keys
 from router.index.replicated import DecisionSync, decode_decisions, encode_decisions, unpack_keys
+from router.redis.client import RedisClient
 from router.sessions import SessionMap
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey
@@ -117,11 +118,11 @@ async def test_a_decision_of_one_replica_is_in_the_others_index_within_milliseco
         delay = b.replicated.sync.counters.delay_s
         assert 0 <= delay < 1.0
         # One stream entry per gathering interval, each decision's keys in it.
-        index = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+        redis = RedisClient(redis_url, redis_namespace, budget_ms=2000)
         try:
-            entries = await index.client.xrange(index.key("decisions"))
+            entries = await redis.client.xrange(redis.key("decisions"))
         finally:
-            await index.close()
+            await redis.close()
         assert entries
         decisions = [d for _, fields in entries for d in decode_decisions(fields[b"d"])]
         assert len(decisions) == 12  # six through A, six through B
@@ -344,7 +345,7 @@ async def decision_sync(
     """One replica's :class:`DecisionSync` over a fresh memory index (``sync.index``) and
     its own Redis client (``sync.redis``), stopped and closed afterwards; ``config``:
     ``index.replicated`` keys."""
-    redis = RedisIndex(url, namespace, **{"budget_ms": 2000, **(redis_options or {})})
+    redis = RedisClient(url, namespace, **{"budget_ms": 2000, **(redis_options or {})})
     extra = {} if wall is None else {"wall": wall}
     sync = DecisionSync(MemoryIndex(), redis, ReplicatedIndexConfig(**config), replica, **extra)
     try:
@@ -499,7 +500,7 @@ async def test_a_malformed_decision_never_becomes_a_record(
 async def test_a_new_snapshot_writer_keeps_fresh_snapshots_and_drops_stale_ones(
     redis_url: str, redis_namespace: str
 ) -> None:
-    redis = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    redis = RedisClient(redis_url, redis_namespace, budget_ms=2000)
     clock = [1_000_000.0]
     states = []
     for n in range(2):

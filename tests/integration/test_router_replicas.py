@@ -40,6 +40,7 @@ from router.index import Match
 from router.index.redis import RedisIndex
 from router.index.replicated import decode_decisions, unpack_keys
 from router.indexer import Indexer
+from router.redis.client import RedisClient
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey
 
@@ -201,6 +202,7 @@ async def test_kvroute_serve_selects_redis_from_the_index_section_of_its_config(
         env=env, start_new_session=True,
     )  # fmt: skip
     index = RedisIndex(redis_url, redis_namespace, budget_ms=2000)
+    redis = index.redis
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -216,12 +218,12 @@ async def test_kvroute_serve_selects_redis_from_the_index_section_of_its_config(
             await poll(lambda: _holds(index, keys, engine))
         else:
             # The decision is on the stream, for every replica to record it.
-            await poll(lambda: _streamed(index, keys, engine))
-        replicas = await index.client.hkeys(f"{{{redis_namespace}}}:load")
+            await poll(lambda: _streamed(redis, keys, engine))
+        replicas = await redis.client.hkeys(f"{{{redis_namespace}}}:load")
         assert len(replicas) == 1  # it shares its load
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        assert await index.client.hkeys(f"{{{redis_namespace}}}:load") == []  # withdrawn
+        assert await redis.client.hkeys(f"{{{redis_namespace}}}:load") == []  # withdrawn
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -233,8 +235,8 @@ async def _holds(index: RedisIndex, keys: list[int], engine: EngineKey) -> bool:
     return (await index.lookup(keys, [engine])).get(engine) == Match(len(keys))
 
 
-async def _streamed(index: RedisIndex, keys: list[int], engine: EngineKey) -> bool:
-    entries = await index.client.xrange(index.key("decisions"))
+async def _streamed(redis: RedisClient, keys: list[int], engine: EngineKey) -> bool:
+    entries = await redis.client.xrange(redis.key("decisions"))
     return any(
         (endpoint, rank) == (engine.endpoint, engine.rank) and list(unpack_keys(packed)) == keys
         for _, fields in entries
@@ -435,7 +437,7 @@ async def test_event_writes_redis_refused_are_made_good_once_it_accepts_them(
     try:
         # Reachable, but refusing writes (NOREPLICAS, here; out of memory in the wild):
         # no outage is announced.
-        await admin.client.config_set("min-replicas-to-write", 1)
+        await admin.redis.client.config_set("min-replicas-to-write", 1)
         prompt = words("refused", 320) + " end"
         failures = app.event_writer.stats.failures
         status, _ = await post(
@@ -444,12 +446,12 @@ async def test_event_writes_redis_refused_are_made_good_once_it_accepts_them(
         assert status == 200
         await poll(lambda: app.event_writer.stats.failures > failures)
         assert app.redis.available
-        await admin.client.config_set("min-replicas-to-write", 0)
+        await admin.redis.client.config_set("min-replicas-to-write", 0)
         keys = block_keys(words_tokens(prompt), 16, seed_for(MODEL))
         await poll(lambda: _holds(admin, keys, key_of(engine)), timeout=10)
         assert app.event_writer.stats.resnapshots >= 1
     finally:
-        await admin.client.config_set("min-replicas-to-write", 0)
+        await admin.redis.client.config_set("min-replicas-to-write", 0)
         await admin.close()
 
 

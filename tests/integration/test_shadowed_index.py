@@ -17,6 +17,7 @@ from router.index import Match
 from router.index.base import IndexUnavailable
 from router.index.redis import RedisIndex
 from router.index.shadow import ShadowedIndex
+from router.redis.client import RedisClient
 from router.types import EngineKey
 
 A, B, C = EngineKey("10.0.0.1:8000"), EngineKey("10.0.0.2:8000"), EngineKey("10.0.0.3:8000")
@@ -94,7 +95,8 @@ async def test_a_burst_sharing_a_prefix_writes_it_once(
     for i in range(8):  # no await suspends between them: one flush takes all eight
         await shadowed.add(A, [*prefix, 20_000 + i], ttl=30)
     await shadowed.drain()
-    adds = await shadowed.remote.client.zrange(shadowed.remote.key("expiring-adds"), 0, -1)
+    redis = shadowed.remote.redis
+    adds = await redis.client.zrange(redis.key("expiring-adds"), 0, -1)
     # The newest decision records all 101 blocks, each older one only its last block.
     assert sorted(len(member) // 8 for member in adds) == [1] * 7 + [101]
     for i in range(8):
@@ -125,12 +127,12 @@ async def test_firm_records_are_written_before_add_returns(
 async def test_a_frozen_redis_is_routed_around_with_the_shadow_and_reconciled(
     own_server: RedisServer,
 ) -> None:
-    redis = RedisIndex(own_server.url, "frozen", budget_ms=100, retry_interval=0.05)
-    index = ShadowedIndex(redis)
+    remote = RedisIndex(own_server.url, "frozen", budget_ms=100, retry_interval=0.05)
+    index = ShadowedIndex(remote)
     events: list[tuple[bool, bool]] = []
-    redis.listeners.append(lambda up, lost: events.append((up, lost)))
+    remote.listeners.append(lambda up, lost: events.append((up, lost)))
     try:
-        await redis.check_incarnation()
+        await remote.redis.check_incarnation()
         await index.add(A, KEYS, ttl=30)
         await until(lambda: redis_sees(own_server.url, "frozen", KEYS, {A: Match(40)}))
         own_server.pause()
@@ -158,13 +160,13 @@ async def test_a_frozen_redis_is_routed_around_with_the_shadow_and_reconciled(
 async def test_a_redis_that_restarted_empty_gets_every_live_decision_back(
     own_server: RedisServer,
 ) -> None:
-    redis = RedisIndex(own_server.url, "restarted", budget_ms=200, retry_interval=0.05)
-    index = ShadowedIndex(redis)
+    remote = RedisIndex(own_server.url, "restarted", budget_ms=200, retry_interval=0.05)
+    index = ShadowedIndex(remote)
     events: list[tuple[bool, bool]] = []
-    redis.listeners.append(lambda up, lost: events.append((up, lost)))
+    remote.listeners.append(lambda up, lost: events.append((up, lost)))
     replacement = None
     try:
-        await redis.check_incarnation()
+        await remote.redis.check_incarnation()
         await index.add(A, KEYS, ttl=30)
         await index.add(C, KEYS[:5], ttl=0.01)  # expires before Redis returns
         await until(lambda: redis_sees(own_server.url, "restarted", KEYS, {A: Match(40)}))
@@ -206,8 +208,8 @@ async def test_no_call_after_a_restart_trips_on_a_connection_to_the_old_server(
 async def test_the_incarnation_tells_a_fresh_redis_from_the_same_one(
     redis_url: str, redis_namespace: str
 ) -> None:
-    one = RedisIndex(redis_url, redis_namespace)
-    two = RedisIndex(redis_url, redis_namespace)
+    one = RedisClient(redis_url, redis_namespace)
+    two = RedisClient(redis_url, redis_namespace)
     try:
         assert await one.check_incarnation()  # nothing seen before
         assert await two.check_incarnation()
@@ -227,10 +229,10 @@ async def test_the_incarnation_tells_a_fresh_redis_from_the_same_one(
 async def test_replicas_exchange_load_in_one_round_trip_and_withdraw_it(
     redis_url: str, redis_namespace: str
 ) -> None:
-    index = RedisIndex(redis_url, redis_namespace)
+    redis = RedisClient(redis_url, redis_namespace)
     trackers = [LoadTracker(16), LoadTracker(16)]
     shared = [
-        SharedLoad(index, t, lambda engine: engine != C, replica=f"r{i}")
+        SharedLoad(redis, t, lambda engine: engine != C, replica=f"r{i}")
         for i, t in enumerate(trackers)
     ]
     try:
@@ -252,18 +254,18 @@ async def test_replicas_exchange_load_in_one_round_trip_and_withdraw_it(
         await shared[1].exchange()
         assert shared[1].peers == 0 and trackers[1].view[A].requests == 0
     finally:
-        await index.close()
+        await redis.close()
 
 
 async def test_a_dead_replicas_load_stops_counting_after_its_ttl(
     redis_url: str, redis_namespace: str
 ) -> None:
-    index = RedisIndex(redis_url, redis_namespace)
+    redis = RedisClient(redis_url, redis_namespace)
     dead, alive = LoadTracker(16), LoadTracker(16)
     try:
         dead.begin(A, 160, 0, 1)
-        await SharedLoad(index, dead, lambda e: True, replica="dead", ttl=0.2).exchange()
-        watcher = SharedLoad(index, alive, lambda e: True, replica="alive", ttl=0.2)
+        await SharedLoad(redis, dead, lambda e: True, replica="dead", ttl=0.2).exchange()
+        watcher = SharedLoad(redis, alive, lambda e: True, replica="alive", ttl=0.2)
         await watcher.exchange()
         assert alive.view[A].peer_requests == 1
 
@@ -273,18 +275,18 @@ async def test_a_dead_replicas_load_stops_counting_after_its_ttl(
 
         await until(forgotten)
     finally:
-        await index.close()
+        await redis.close()
 
 
 async def test_peers_load_is_dropped_when_redis_is_gone_longer_than_the_ttl(
     own_server: RedisServer,
 ) -> None:
-    index = RedisIndex(own_server.url, "load", budget_ms=100, retry_interval=0.05)
+    redis = RedisClient(own_server.url, "load", budget_ms=100, retry_interval=0.05)
     other, mine = LoadTracker(16), LoadTracker(16)
     try:
         other.begin(A, 160, 0, 1)
-        await SharedLoad(index, other, lambda e: True, replica="other").exchange()
-        shared = SharedLoad(index, mine, lambda e: True, replica="mine", ttl=0.3)
+        await SharedLoad(redis, other, lambda e: True, replica="other").exchange()
+        shared = SharedLoad(redis, mine, lambda e: True, replica="mine", ttl=0.3)
         await shared.exchange()
         assert mine.view[A].peer_requests == 1
         own_server.kill()
@@ -300,7 +302,7 @@ async def test_peers_load_is_dropped_when_redis_is_gone_longer_than_the_ttl(
         shared.apply_changes("other", encode_load({A: InFlight(3, 0, 0, 0)}, time.time_ns()))
         assert mine.view[A].peer_requests == 0
     finally:
-        await index.close()
+        await redis.close()
 
 
 async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
@@ -312,15 +314,15 @@ async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
     from router.config import ReplicatedIndexConfig
     from router.index.replicated import DecisionSync
 
-    index = RedisIndex(redis_url, redis_namespace)
+    redis = RedisClient(redis_url, redis_namespace)
     trackers = [LoadTracker(16), LoadTracker(16)]
     # A long ttl: a busy machine's stall must not age the figures out of the test.
     shared = [
-        SharedLoad(index, t, lambda e: e != C, replica=f"p{i}", ttl=30.0)
+        SharedLoad(redis, t, lambda e: e != C, replica=f"p{i}", ttl=30.0)
         for i, t in enumerate(trackers)
     ]
     syncs = [
-        DecisionSync(None, index, ReplicatedIndexConfig(), f"p{i}", known=lambda e: e != C)
+        DecisionSync(None, redis, ReplicatedIndexConfig(), f"p{i}", known=lambda e: e != C)
         for i in range(2)
     ]
     for tracker, load, sync in zip(trackers, shared, syncs, strict=True):
@@ -361,7 +363,7 @@ async def test_load_changes_reach_a_peer_on_the_stream_between_exchanges(
     finally:
         for sync in syncs:
             await sync.stop()
-        await index.close()
+        await redis.close()
 
 
 async def test_stale_or_malformed_load_changes_are_left_to_the_exchange(
@@ -369,9 +371,9 @@ async def test_stale_or_malformed_load_changes_are_left_to_the_exchange(
 ) -> None:
     """Figures older than the load's ttl (a stream replayed at start, a clock far
     behind) and payloads that do not decode change nothing; a replica's own are ignored."""
-    index = RedisIndex(redis_url, redis_namespace)
+    redis = RedisClient(redis_url, redis_namespace)
     tracker = LoadTracker(16)
-    shared = SharedLoad(index, tracker, lambda e: True, replica="me", ttl=1.0)
+    shared = SharedLoad(redis, tracker, lambda e: True, replica="me", ttl=1.0)
     try:
         now = time.time_ns()
         shared.apply_changes("peer", encode_load({A: InFlight(1, 10, 1, 0)}, now))
@@ -387,4 +389,4 @@ async def test_stale_or_malformed_load_changes_are_left_to_the_exchange(
         shared.apply_changes("peer", encode_load({A: InFlight(2, 10, 1, 0)}, time.time_ns()))
         assert tracker.view[A].peer_requests == 2 and shared.applied == 1
     finally:
-        await index.close()
+        await redis.close()

@@ -22,7 +22,7 @@ async def test_the_redis_backend_gives_a_router_a_shadowed_index_as_configured()
     try:
         assert isinstance(index, ShadowedIndex)
         assert (index.shadow.window, index.shadow.max_keys) == (5, 123)
-        assert index.remote.namespace == "cfg"
+        assert index.remote.redis.namespace == "cfg"
     finally:
         await index.close()
     assert isinstance(build_index(config()), MemoryIndex)

@@ -146,7 +146,7 @@ def test_a_redis_password_prints_masked_but_reaches_the_client() -> None:
     assert config.index.redis.url == url
     assert config.model_dump()["index"]["redis"]["url"] == url
     assert Config.model_validate(config.model_dump()).index.redis.url == url
-    assert RedisIndex.from_config(config.index.redis).url == url
+    assert RedisIndex.from_config(config.index.redis).redis.url == url
     assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redacted("redis://:pw@[::1") == "***"  # unparseable: nothing of it is shown
 
