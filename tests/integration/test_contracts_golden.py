@@ -36,7 +36,7 @@ Golden files (``tests/fixtures/golden/``):
 A change to either is a change of contract. When it is meant, rewrite the files and
 commit them with the change::
 
-    KVROUTE_REGEN_GOLDEN=1 .venv/bin/python -m pytest -q tests/integration/test_contracts_golden.py
+    REGEN_GOLDEN=1 .venv/bin/python -m pytest -q tests/integration/test_contracts_golden.py
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Golden files: text a test produces, compared byte for byte with a file under
-``tests/fixtures/golden/``, or written there when ``KVROUTE_REGEN_GOLDEN=1``."""
+``tests/fixtures/golden/``, or written there when ``REGEN_GOLDEN=1``."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
 #: The switch that rewrites the golden files instead of comparing with them. It carries
 #: kvroute's configuration prefix, so a test that runs a command reading the environment
 #: (``load_config``) removes it first: read here once, when the tests import this module.
-REGEN_VARIABLE = "KVROUTE_REGEN_GOLDEN"
+REGEN_VARIABLE = "REGEN_GOLDEN"
 REGENERATE = os.environ.get(REGEN_VARIABLE) == "1"
 
 
 def check_golden(name: str, text: str) -> None:
     """Fail with a unified diff unless ``text`` is the golden file ``name`` byte for byte;
-    with ``KVROUTE_REGEN_GOLDEN=1``, write ``text`` there instead."""
+    with ``REGEN_GOLDEN=1``, write ``text`` there instead."""
     path = GOLDEN / name
     if REGENERATE:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ these, left out:
 
 When a change of simulated behaviour is meant, rewrite the files and commit them with it::
 
-    KVROUTE_REGEN_GOLDEN=1 .venv/bin/python -m pytest -q tests/unit/test_simulate_golden.py
+    REGEN_GOLDEN=1 .venv/bin/python -m pytest -q tests/unit/test_simulate_golden.py
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.golden import REGEN_VARIABLE, check_golden
+from support.golden import check_golden
 
 from router.cli import main
 
@@ -72,10 +72,8 @@ def results(document: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_simulate_reproduces_its_outputs(
-    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The command reads every KVROUTE_* variable as configuration, and refuses this one.
-    monkeypatch.delenv(REGEN_VARIABLE, raising=False)
     flags = f"{WORKLOADS[name]} --quiet --output"
     assert main(["simulate", *shlex.split(flags), str(tmp_path)]) == 0
     printed = WALL_ROW.sub("", capsys.readouterr().out).replace(str(tmp_path), "<output>")
