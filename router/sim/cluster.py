@@ -60,8 +60,6 @@ from typing import Any
 
 import xxhash
 
-from router.bench.report import latency_stats
-from router.bench.workloads import RequestSpec, answer_tokens, ceiling_of_keys, spec_tokens
 from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
 from router.engine_model import EngineModel, EngineParams
@@ -80,6 +78,9 @@ from router.policy.latency import priors_of
 from router.tokenization.words import WordTokenizer
 from router.topology import Topology, link_between
 from router.types import EngineKey, Tier
+from router.workloads.ceilings import ceiling_of_keys
+from router.workloads.spec import RequestSpec, answer_tokens, spec_tokens
+from router.workloads.stats import latency_stats
 
 #: The model name requests carry (seeds the block keys, as in the live router).
 MODEL = "kvroute-emulated"
