@@ -5,7 +5,7 @@ Mooncake traces (JSONL: ``timestamp`` in ms, ``input_length``, ``output_length``
 prefixes) and the Azure LLM inference traces (CSV: ``TIMESTAMP, ContextTokens,
 GeneratedTokens``; arrivals and lengths, no prefix information) parse into
 :class:`TraceRequest`; a malformed line raises :class:`TraceError` naming it. The
-public traces ship in ``traces/`` beside this module (:data:`BUNDLED_TRACES`).
+public traces ship in ``bundled_traces/`` beside this module (:data:`BUNDLED_TRACES`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 #: Tokens per hash id in the Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
 
-#: Workload names that refer to the traces shipped in ``router/workloads/traces``.
+#: Workload names that refer to the traces shipped in ``router/workloads/bundled_traces``.
 BUNDLED_TRACES = {
     "mooncake-conversation": "conversation_trace.jsonl.gz",
     "mooncake-synthetic": "synthetic_trace.jsonl.gz",
@@ -194,7 +194,7 @@ def read_trace(source: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) ->
     """
     name = str(source)
     if name in BUNDLED_TRACES:
-        ref = resources.files("router.workloads") / "traces" / BUNDLED_TRACES[name]
+        ref = resources.files("router.workloads") / "bundled_traces" / BUNDLED_TRACES[name]
         with resources.as_file(ref) as path:
             return _read_path(path, name, block_tokens)
     path = Path(source)
