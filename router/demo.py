@@ -16,9 +16,10 @@ import tempfile
 import urllib.request
 from collections.abc import Sequence
 
-from router.bench.loadgen import Summary, run_load, shared_prefix_workload, summarize
+from router.bench.loadgen import Summary, run_load, summarize
 from router.policy import DEFAULT_POLICY
 from router.process import EngineProcess, ServerProcess
+from router.workloads.generated import shared_prefix_workload
 
 ENGINES = 4
 GROUPS, PER_GROUP, PREFIX, QUESTION, OUTPUT = 8, 8, 2_000, 40, 16

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.aiperf import install
-from router.bench.report import render_markdown, render_text
 from router.engine_model import EngineParams
+from router.workloads.tables import render_markdown, render_text
 
 AIC_SPEC = "aiconfigurator==0.12.0"
 BUILD = Path("build/aiconfigurator")
@@ -310,10 +310,10 @@ def plan_argv(point: Point, requests: int, rate: float, engine_flags: Sequence[s
 def run_plan(argv: Sequence[str]) -> dict[str, Any]:
     """``kvroute plan``'s search at ``argv``, in this process: every fleet's goodput,
     the colocated fleet's and the best split's."""
-    from router.bench.cli import build_workload
     from router.config import load_config
     from router.sim import plan
     from router.sim.cli import model_params, settings_for
+    from router.workloads.flags import build_workload
 
     parser = argparse.ArgumentParser()
     plan.add_arguments(parser)

@@ -36,17 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bench.report import latency_stats, render_markdown, render_text
 from router.bench.runner import EngineSnapshot, parse_engine_metrics
 from router.bench.targets import Stack, StackOptions, http_get, parse_target
-from router.bench.workloads import (
-    PromptExpander,
-    TraceRequest,
-    oracle_hit_rate,
-    read_trace,
-    select,
-)
 from router.emulator.compat import install_into
+from router.workloads.ceilings import oracle_hit_rate
+from router.workloads.expansion import PromptExpander
+from router.workloads.stats import latency_stats
+from router.workloads.tables import render_markdown, render_text
+from router.workloads.traces import TraceRequest, read_trace, select
 
 AIPERF_SPEC = "aiperf==0.13.0"
 BUILD = Path("build/aiperf")

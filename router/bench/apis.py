@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from router.bench import messages
-from router.bench.workloads import RequestSpec
+from router.workloads.spec import RequestSpec
 
 
 class Usage(Protocol):

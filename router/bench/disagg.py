@@ -26,8 +26,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from router.bench.loadgen import RequestSpec, percentile, run_load, words
+from router.bench.loadgen import run_load
 from router.process import EngineProcess, ServerProcess
+from router.workloads.generated import words
+from router.workloads.spec import RequestSpec
+from router.workloads.stats import percentile
 
 TARGETS = {
     "disagg": (["prefill", "prefill", "decode", "decode"], "kv_cost"),

@@ -30,10 +30,10 @@ from typing import Any
 import aiohttp
 
 from router.bench.gateway import Envoy, find_envoy
-from router.bench.loadgen import percentile
 from router.bench.peers import WORKLOADS, fast_engines, group_cpu_seconds, use_uvloop
 from router.bench.report import save_results
 from router.process import ServerProcess
+from router.workloads.stats import percentile
 
 HEADERS = {"Content-Type": "application/json"}
 

@@ -36,13 +36,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.api.openai import parse_completion
 from router.app import RouterApp
-from router.bench.loadgen import percentile
 from router.config import load_config
 from router.emulator import EmulatedEngine, EmulatorConfig, start_engine
 from router.engine_model import EngineParams
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.process import ServerProcess
+from router.workloads.stats import percentile
 
 GROUPS = 8
 PREFIX_WORDS = 1024

@@ -20,20 +20,8 @@ import aiohttp
 import msgspec
 
 from router.bench.apis import APIS
-from router.bench.workloads import RequestSpec, shared_prefix_workload, words
-
-__all__ = [
-    "RequestSpec",
-    "Result",
-    "Summary",
-    "percentile",
-    "request_body",
-    "run_load",
-    "shared_prefix_workload",
-    "sse_data",
-    "summarize",
-    "words",
-]
+from router.workloads.spec import RequestSpec
+from router.workloads.stats import percentile
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -198,17 +186,6 @@ async def run_load(
 
 
 # ------------------------------------------------------------------------------ summaries
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(slots=True)

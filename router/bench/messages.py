@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.bench.loadgen import Result
-    from router.bench.workloads import RequestSpec
+    from router.workloads.spec import RequestSpec
 
 PATH = "/v1/messages"
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from router.bench.loadgen import percentile
 from router.process import EngineProcess, ServerProcess
+from router.workloads.stats import percentile
 
 BODY = json.dumps({"prompt": "how fast is the router " * 8, "max_tokens": 2}).encode()
 HEADERS = {"Content-Type": "application/json"}

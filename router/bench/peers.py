@@ -37,10 +37,10 @@ from typing import Any
 
 import aiohttp
 
-from router.bench.loadgen import percentile
 from router.bench.report import save_results
 from router.emulator.compat import RouterProcess, _common_args, _ready, install
 from router.process import EngineProcess, ServerProcess
+from router.workloads.stats import percentile
 
 BUILD = Path("build/compat")
 HEADERS = {"Content-Type": "application/json"}

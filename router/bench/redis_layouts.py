@@ -34,8 +34,8 @@ from typing import Any
 
 import redis
 
-from router.bench.loadgen import percentile
 from router.bench.throwaway_redis import RedisServer
+from router.workloads.stats import percentile
 
 _KEY = struct.Struct("<Q")
 LOOKUP_BLOCKS = 512

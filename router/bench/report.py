@@ -1,11 +1,12 @@
-"""Turn runs into numbers, a side-by-side table, a JSON file and PNG plots.
+"""Turn live runs into numbers, the rows of their table, a JSON file and PNG plots.
 
 Hit rates come from the engines' own prefix-cache counters (tokens served from cache
 over tokens queried, the difference between the scrapes before and after the run);
 the client's view (``usage.prompt_tokens_details.cached_tokens``) is reported next to
 it. The ceiling is what one engine with an infinite cache would have served on the
-requests actually sent (:func:`router.bench.workloads.prefix_ceiling`, counted with
-the emulator's tokenizer). Plots need matplotlib, imported only when plotting.
+requests actually sent (:func:`router.workloads.ceilings.prefix_ceiling`, counted with
+the emulator's tokenizer). The table is drawn by :mod:`router.workloads.tables` from
+:data:`ROWS`. Plots need matplotlib, imported only when plotting.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from router.bench.loadgen import Result, percentile
+from router.bench.loadgen import Result
 from router.bench.runner import EngineSnapshot, TargetRun
-from router.bench.workloads import answer_tokens, prefix_ceiling, spec_tokens
+from router.workloads.ceilings import prefix_ceiling
+from router.workloads.spec import answer_tokens, spec_tokens
+from router.workloads.stats import latency_stats, ratio
+from router.workloads.tables import fmt
 
 #: Block size assumed when no engine advertises one (vLLM's and the emulator's default).
 DEFAULT_BLOCK_SIZE = 16
@@ -27,28 +31,10 @@ DEFAULT_BLOCK_SIZE = 16
 HIT_RATE_WINDOW_S = 5.0
 
 
-def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
-    """Mean, p50, p90 and p99 of ``values`` (None each when there are none)."""
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {
-        "mean": statistics.fmean(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-    }
-
-
 def _delta(after: EngineSnapshot, before: EngineSnapshot, field: str) -> float | None:
     if not (after.ok and before.ok):
         return None
     return float(getattr(after, field) - getattr(before, field))
-
-
-def _ratio(num: float | None, den: float | None) -> float | None:
-    if num is None or den is None or den == 0:
-        return None
-    return num / den
 
 
 def _engine_latency(run: TargetRun) -> tuple[float | None, float | None]:
@@ -62,8 +48,8 @@ def _engine_latency(run: TargetRun) -> tuple[float | None, float | None]:
             if delta is None:
                 return None, None
             sums[name] += delta
-    ttft = _ratio(sums["ttft_sum"], sums["first_tokens"])
-    e2e = _ratio(sums["e2e_sum"], sums["finished"])
+    ttft = ratio(sums["ttft_sum"], sums["first_tokens"])
+    e2e = ratio(sums["e2e_sum"], sums["finished"])
     return ttft, None if ttft is None or e2e is None else e2e - ttft
 
 
@@ -103,7 +89,7 @@ def summarize_run(run: TargetRun) -> dict[str, Any]:
                 "requests": _delta(after, before, "finished"),
                 "queried_tokens": queries,
                 "hit_tokens": hits,
-                "hit_rate": _ratio(hits, queries),
+                "hit_rate": ratio(hits, queries),
                 "prefill_tokens": None if queries is None or hits is None else queries - hits,
                 "mean_load": statistics.fmean(loads) if loads else None,
                 "peak_load": max(loads) if loads else None,
@@ -126,21 +112,21 @@ def summarize_run(run: TargetRun) -> dict[str, Any]:
         "errors": len(errors),
         "error_examples": examples,
         "duration_s": run.duration,
-        "request_throughput": _ratio(len(ok), run.duration),
-        "input_token_throughput": _ratio(prompt, run.duration),
-        "output_token_throughput": _ratio(output, run.duration),
+        "request_throughput": ratio(len(ok), run.duration),
+        "input_token_throughput": ratio(prompt, run.duration),
+        "output_token_throughput": ratio(output, run.duration),
         "ttft_s": latency_stats([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": latency_stats([gap for r in ok for gap in r.itl]),
         "e2e_s": latency_stats([r.e2e for r in ok]),
         "decode_s": latency_stats([r.e2e - r.ttft for r in ok if r.ttft is not None]),
         "engine_ttft_mean_s": engine_ttft,
         "engine_decode_mean_s": engine_decode,
-        "hit_rate": _ratio(hit, queried),
-        "hit_rate_client": _ratio(sum(r.cached_tokens for r in ok), prompt),
+        "hit_rate": ratio(hit, queried),
+        "hit_rate_client": ratio(sum(r.cached_tokens for r in ok), prompt),
         "ceiling": ceiling(run.results, block_size),
         "block_size": block_size,
-        "prefill_imbalance": _ratio(max(prefill), statistics.fmean(prefill)) if prefill else None,
-        "request_imbalance": _ratio(max(served), statistics.fmean(served)) if served else None,
+        "prefill_imbalance": ratio(max(prefill), statistics.fmean(prefill)) if prefill else None,
+        "request_imbalance": ratio(max(served), statistics.fmean(served)) if served else None,
         "preemptions": sum(e["preemptions"] or 0 for e in known) if known else None,
         "engines": engines,
         "timeseries": _timeseries(run),
@@ -183,7 +169,8 @@ def _result_record(r: Result) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ tables
 
-#: (label, key path, format, which way is better); formats: pct, ms, s, x, int, num
+#: The rows of a live run's table (:func:`router.workloads.tables.table_rows`): (label,
+#: key path, format, which way is better); formats: pct, ms, s, x, int, num
 ROWS: list[tuple[str, str, str, str]] = [
     ("requests answered", "ok", "int", "higher"),
     ("errors", "errors", "int", "lower"),
@@ -208,134 +195,6 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("preemptions", "preemptions", "int", "lower"),
     ("wall time", "duration_s", "s", ""),
 ]
-
-
-def lookup(summary: dict[str, Any], path: str) -> float | None:
-    value: Any = summary
-    for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return None
-    return float(value)
-
-
-def fmt(value: float | None, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "pct":
-        return f"{value:.1%}"
-    if kind == "ms":
-        return f"{value * 1e3:,.0f} ms" if value >= 0.1 else f"{value * 1e3:.1f} ms"
-    if kind == "s":
-        return f"{value:.2f} s"
-    if kind == "x":
-        return f"{value:.2f}"
-    if kind == "int":
-        return f"{value:,.0f}"
-    return f"{value:,.1f}"
-
-
-#: The columns of a :func:`table_rows` table that label its rows (metric, better): what a
-#: wrapped table repeats (``render_text(rows, keep=LABEL_COLUMNS)``).
-LABEL_COLUMNS = 2
-
-
-def table_rows(
-    summaries: Sequence[dict[str, Any]],
-    baseline: str,
-    spec: Sequence[tuple[str, str, str, str]] = ROWS,
-) -> list[list[str]]:
-    """Header and rows: which way each metric is better, one column per target, then
-    each target's ratio to the baseline.
-
-    ``spec`` lists the rows (label, key path, format, which way is better: ``higher``,
-    ``lower``, or empty for rows that are no score, which get no ratio). A ratio is the
-    target's value over the baseline's, so above 1 is better on a ``higher`` row and
-    worse on a ``lower`` one; the ``better`` column says which, on every row."""
-    base = next(s for s in summaries if s["name"] == baseline)
-    others = [s for s in summaries if s is not base]
-    header = [
-        "metric",
-        "better",
-        *(s["name"] for s in summaries),
-        *(f"{s['name']}/{baseline}" for s in others),
-    ]
-    rows = [header]
-    for label, path, kind, better in spec:
-        if path == "ceiling":
-            # One workload, one ceiling: show it once (targets differ only by timing noise).
-            cells = [fmt(lookup(summaries[0], path), kind)] + [""] * (len(summaries) - 1)
-            rows.append([label, better, *cells, *([""] * len(others))])
-            continue
-        values = [lookup(s, path) for s in summaries]
-        ratios = []
-        for s in others:
-            r = _ratio(lookup(s, path), lookup(base, path))
-            ratios.append("-" if r is None or not better else f"{r:.2f}x")
-        rows.append([label, better, *(fmt(v, kind) for v in values), *ratios])
-    return rows
-
-
-def ratio_note(baseline: str) -> str:
-    """The line under a comparison table that says how to read its ratios."""
-    return (
-        f"ratios: a target's value over {baseline}'s; above 1 is better on a 'higher' "
-        "row, worse on a 'lower' one"
-    )
-
-
-#: The widest a printed table may be (a terminal's width, less a margin): a wider one
-#: wraps into several tables of columns (:func:`wrap_columns`).
-TABLE_WIDTH = 100
-
-
-def _widths(rows: list[list[str]]) -> list[int]:
-    return [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-
-
-def wrap_columns(
-    rows: list[list[str]], width: int = TABLE_WIDTH, keep: int = 1
-) -> list[list[list[str]]]:
-    """A table (a header, then rows) cut into tables of columns no wider than ``width``
-    in :func:`render_text`: each repeats the first ``keep`` columns (the row labels) and
-    takes as many of the other columns, in order, as fit (one at least, however wide).
-    A table that fits is returned whole."""
-    widths = _widths(rows)
-    labels = sum(widths[:keep]) + 2 * (keep - 1)
-    groups: list[list[int]] = [[]]
-    used = labels
-    for column in range(keep, len(widths)):
-        if groups[-1] and used + 2 + widths[column] > width:
-            groups.append([])
-            used = labels
-        groups[-1].append(column)
-        used += 2 + widths[column]
-    return [[[row[i] for i in [*range(keep), *group]] for row in rows] for group in groups]
-
-
-def render_text(rows: list[list[str]], width: int = TABLE_WIDTH, keep: int = 1) -> str:
-    """An aligned text table: the first column left, the others right, a rule under the
-    header. Wider than ``width``, it wraps into several (:func:`wrap_columns`, each
-    repeating the first ``keep`` columns), a blank line apart."""
-    return "\n\n".join(_render_text(table) for table in wrap_columns(rows, width, keep))
-
-
-def _render_text(rows: list[list[str]]) -> str:
-    widths = _widths(rows)
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])]
-        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def render_markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-    return "\n".join(lines)
 
 
 def engine_lines(summary: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.bench.loadgen import Result, run_load
-from router.bench.workloads import RequestSpec
+from router.workloads.spec import RequestSpec
 
 #: Engine metric -> EngineSnapshot field. Counters are cumulative; gauges instantaneous.
 COUNTERS = {

@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.bench.loadgen import Result, percentile, run_load
-from router.bench.workloads import RequestSpec, words
+from router.bench.loadgen import Result, run_load
+from router.workloads.generated import words
+from router.workloads.spec import RequestSpec
+from router.workloads.stats import percentile
 
 DEFAULT_PROMPT_TOKENS = 200
 DEFAULT_OUTPUT_TOKENS = 32

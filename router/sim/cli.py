@@ -43,9 +43,6 @@ import yaml
 from pydantic import ValidationError
 
 from router import __version__
-from router.bench import report
-from router.bench.cli import add_workload_arguments, build_workload
-from router.bench.workloads import RequestSpec, TraceError
 from router.config import Config, ConfigError, PolicyConfig, load_config
 from router.engine_model import EngineParams
 from router.engine_model.flags import add_model_arguments, engine_params
@@ -61,6 +58,10 @@ from router.sim.cluster import (
     SimSettings,
 )
 from router.sim.matrix import MATRIX
+from router.workloads import tables as report
+from router.workloads.flags import add_workload_arguments, build_workload
+from router.workloads.spec import RequestSpec
+from router.workloads.traces import TraceError
 
 #: KV-cache capacity, in blocks, that ``--infinite-cache`` gives every engine. The block
 #: cache keeps state only for blocks in use, so this costs nothing until used.

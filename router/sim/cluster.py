@@ -61,8 +61,6 @@ from typing import Any
 
 import xxhash
 
-from router.bench.report import latency_stats
-from router.bench.workloads import RequestSpec, answer_tokens, ceiling_of_keys, spec_tokens
 from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
 from router.engine_model import EngineModel, EngineParams
@@ -83,6 +81,9 @@ from router.serving.planning import wire_planner
 from router.tokenization.words import WordTokenizer
 from router.topology import Topology, link_between
 from router.types import EngineKey, Tier
+from router.workloads.ceilings import ceiling_of_keys
+from router.workloads.spec import RequestSpec, answer_tokens, spec_tokens
+from router.workloads.stats import latency_stats
 
 #: The model name requests carry (seeds the block keys, as in the live router).
 MODEL = "kvroute-emulated"

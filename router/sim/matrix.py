@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from router import __version__
-from router.bench import report
 from router.policy import DEFAULT_POLICY
+from router.workloads import tables as report
 
 #: The slack of the rule: a row holds at up to 3% worse than the better of the two.
 SLACK = 0.03

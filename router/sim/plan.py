@@ -46,9 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from router import __version__
-from router.bench.cli import add_workload_arguments, build_workload
-from router.bench.report import render_markdown, render_text
-from router.bench.workloads import RequestSpec, TraceError
 from router.config import Config, ConfigError, load_config
 from router.engine_model import EngineParams
 from router.engine_model.flags import add_model_arguments
@@ -64,6 +61,10 @@ from router.sim.cli import (
     simulate,
 )
 from router.sim.cluster import LAYOUTS, Fleet, SimRun
+from router.workloads.flags import add_workload_arguments, build_workload
+from router.workloads.spec import RequestSpec
+from router.workloads.tables import render_markdown, render_text
+from router.workloads.traces import TraceError
 
 
 @dataclass(frozen=True, slots=True)

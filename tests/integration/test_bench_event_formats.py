@@ -12,8 +12,8 @@ from support.routers import start_router
 
 from router.bench import report
 from router.bench.runner import run_target
-from router.bench.workloads import shared_prefix_workload
 from router.engine_model import EngineParams
+from router.workloads.generated import shared_prefix_workload
 
 #: Room for about three groups' prefixes per engine: where a group goes matters.
 PARAMS = EngineParams(num_gpu_blocks=256, max_model_len=4096)

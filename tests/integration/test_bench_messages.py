@@ -15,8 +15,8 @@ from support.routers import start_router
 
 from router.app import RouterApp
 from router.bench.loadgen import run_load
-from router.bench.workloads import chat_workload, shared_prefix_workload
 from router.emulator import EmulatedEngine
+from router.workloads.generated import chat_workload, shared_prefix_workload
 
 
 @pytest_asyncio.fixture

@@ -17,16 +17,12 @@ from support.routers import start_router
 from router.bench import report
 from router.bench.loadgen import run_load
 from router.bench.runner import run_target
-from router.bench.workloads import (
-    PromptExpander,
-    chat_workload,
-    read_trace,
-    select,
-    spec_tokens,
-    trace_specs,
-)
 from router.cli import main
 from router.emulator import EmulatedEngine
+from router.workloads.expansion import PromptExpander, trace_specs
+from router.workloads.generated import chat_workload
+from router.workloads.spec import spec_tokens
+from router.workloads.traces import read_trace, select
 
 TRACE = Path(__file__).parent.parent / "fixtures" / "traces" / "mooncake-small.jsonl"
 

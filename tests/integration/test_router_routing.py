@@ -12,8 +12,9 @@ from support.clients import post, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
-from router.bench.loadgen import run_load, shared_prefix_workload, summarize
+from router.bench.loadgen import run_load, summarize
 from router.emulator import EmulatedEngine
+from router.workloads.generated import shared_prefix_workload
 
 
 @pytest_asyncio.fixture(scope="module")

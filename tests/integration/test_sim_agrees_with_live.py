@@ -16,9 +16,10 @@ from support.routers import start_router
 
 from router.bench import report
 from router.bench.runner import run_target
-from router.bench.workloads import RequestSpec, shared_prefix_workload
 from router.config import PolicyConfig
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
+from router.workloads.generated import shared_prefix_workload
+from router.workloads.spec import RequestSpec
 
 TOLERANCE = 0.05
 

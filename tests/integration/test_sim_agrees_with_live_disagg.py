@@ -24,10 +24,10 @@ import aiohttp
 from support.engines import TEST_PARAMS, poll, start_test_engine
 from support.routers import start_router
 
-from router.bench.workloads import RequestSpec
 from router.config import DisaggregationConfig, PolicyConfig
 from router.emulator import EmulatedEngine
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
+from router.workloads.spec import RequestSpec
 
 #: Share of requests whose plan (mode, decode engine, prefill engine) may differ.
 TOLERANCE = 0.1

@@ -24,8 +24,9 @@ from router.bench.aiperf import (
     word_tokenizer_files,
 )
 from router.bench.runner import EngineSnapshot
-from router.bench.workloads import PromptExpander, TraceRequest, parse_mooncake
 from router.tokenization.words import WordTokenizer
+from router.workloads.expansion import PromptExpander
+from router.workloads.traces import TraceRequest, parse_mooncake
 
 TEXT = "From fairest creatures we desire increase , That thereby beauty's rose might never die"
 

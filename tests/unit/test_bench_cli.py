@@ -7,13 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.cli import (
-    TRACE_MAX_IN_FLIGHT,
-    add_arguments,
-    build_workload,
-    median_summary,
-    round_order,
-)
+from router.bench.cli import add_arguments, median_summary, round_order
+from router.workloads.flags import TRACE_MAX_IN_FLIGHT, build_workload
 
 TRACE = Path(__file__).parent.parent / "fixtures" / "traces" / "mooncake-small.jsonl"
 

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.report import (
-    LABEL_COLUMNS,
-    fmt,
-    render_text,
-    table_rows,
-    windowed_hit_rate,
-    wrap_columns,
-)
+from router.bench.report import ROWS, windowed_hit_rate
 from router.bench.targets import Target, TargetError, command_argv, parse_target
+from router.workloads.tables import LABEL_COLUMNS, fmt, render_text, table_rows, wrap_columns
 
 
 def test_targets_are_urls_policies_or_commands() -> None:
@@ -88,7 +82,7 @@ def test_command_templates_get_kv_event_sources_and_a_spare_port() -> None:
 def test_the_table_puts_targets_side_by_side_with_ratios_to_the_baseline() -> None:
     base = {"name": "rr", "ok": 10, "hit_rate": 0.2, "ttft_s": {"p50": 0.5}, "ceiling": 0.4}
     kv = {"name": "kv", "ok": 10, "hit_rate": 0.3, "ttft_s": {"p50": 0.25}, "ceiling": 0.4}
-    rows = table_rows([base, kv], "rr")
+    rows = table_rows([base, kv], "rr", ROWS)
     assert rows[0] == ["metric", "better", "rr", "kv", "kv/rr"]
     by_label = {row[0]: row[1:] for row in rows}
     assert by_label["prefix-cache hit rate (engines)"] == ["higher", "20.0%", "30.0%", "1.50x"]
@@ -100,7 +94,7 @@ def test_the_table_puts_targets_side_by_side_with_ratios_to_the_baseline() -> No
 
 def test_every_row_with_a_ratio_says_which_way_is_better() -> None:
     summaries = [{"name": n, "ok": 1, "ceiling": 0.5} for n in ("rr", "kv")]
-    for row in table_rows(summaries, "rr")[1:]:
+    for row in table_rows(summaries, "rr", ROWS)[1:]:
         assert row[1] in ("higher", "lower") or row[-1] in ("", "-"), row
 
 
@@ -108,7 +102,7 @@ def eight_policies() -> list[list[str]]:
     names = ["kv_cost", "latency", "round_robin", "random", "least_loaded", "power_of_two",
              "session", "cache_aware_sglang"]  # fmt: skip
     summaries = [{"name": n, "ok": 100, "hit_rate": 0.25, "ttft_s": {"p50": 0.2}} for n in names]
-    return table_rows(summaries, "kv_cost")
+    return table_rows(summaries, "kv_cost", ROWS)
 
 
 def test_a_wide_table_wraps_into_tables_of_columns_within_the_width() -> None:

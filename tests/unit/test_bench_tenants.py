@@ -12,8 +12,8 @@ from router.bench.tenants import (
     summarize_tenant,
     tenant_specs,
 )
-from router.bench.workloads import RequestSpec
 from router.cli import _parser
+from router.workloads.spec import RequestSpec
 
 
 def test_a_tenant_spec_reads_every_setting() -> None:

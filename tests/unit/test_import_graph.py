@@ -167,6 +167,35 @@ def test_the_front_ends_admin_reload_metrics_and_the_grpc_server_do_not_take_the
         assert "router.app" not in found, name
 
 
+def _reachable(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """Every module importing ``start`` runs, ``start`` included."""
+    seen = set(start)
+    todo = list(start)
+    while todo:
+        for child in graph[todo.pop()] - seen:
+            seen.add(child)
+            todo.append(child)
+    return seen
+
+
+def test_the_simulator_does_not_import_the_benchmark_package() -> None:
+    """The simulator takes its workloads from ``router.workloads``: nothing it runs, and
+    no import it names (type-only ones included), is in ``router.bench``."""
+    modules = _modules()
+    sim = {name for name in modules if name == "router.sim" or name.startswith("router.sim.")}
+    reached = _reachable(import_graph(), sim)
+    assert not {m for m in reached if m == "router.bench" or m.startswith("router.bench.")}
+    for name in sim:
+        for node in ast.walk(ast.parse(modules[name].read_text())):
+            if isinstance(node, ast.ImportFrom):
+                named = {node.module or ""}
+            elif isinstance(node, ast.Import):
+                named = {alias.name for alias in node.names}
+            else:
+                continue
+            assert not {n for n in named if n.startswith("router.bench")}, name
+
+
 def test_a_cycle_is_found_and_printed_in_order() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.workloads import RequestSpec
 from router.cli import main
 from router.engine_model import EngineParams
 from router.sim.cluster import Fleet, RequestRecord, SimRun, SimSettings
 from router.sim.plan import Slo, at_rate, base_rate, candidate_fleets, poisson_arrivals, search_rate
+from router.workloads.spec import RequestSpec
 
 
 def run_of(*latencies: tuple[float, float]) -> SimRun:

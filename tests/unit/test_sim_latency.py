@@ -9,11 +9,12 @@ from collections import Counter
 
 import pytest
 
-from router.bench.workloads import RequestSpec, shared_prefix_workload, words
 from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
 from router.engine_model import EngineParams
 from router.policy.latency import LatencyPolicy
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
+from router.workloads.generated import shared_prefix_workload, words
+from router.workloads.spec import RequestSpec
 
 PARAMS = EngineParams(num_gpu_blocks=4_096, max_model_len=16_384)
 

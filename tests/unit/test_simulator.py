@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.workloads import RequestSpec, chat_workload, shared_prefix_workload
 from router.cli import main
 from router.config import DisaggregationConfig, PolicyConfig
 from router.engine_model import EngineParams
 from router.sim.cli import parse_fleet
 from router.sim.cluster import ClusterSim, Fleet, Layout, SimRun, SimSettings
+from router.workloads.generated import chat_workload, shared_prefix_workload
+from router.workloads.spec import RequestSpec
 
 PARAMS = EngineParams(num_gpu_blocks=4_096, max_model_len=16_384)
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from router.bench.loadgen import request_body
 from router.bench.soak.sender import RequestMix, send
-from router.bench.workloads import RequestSpec
+from router.workloads.spec import RequestSpec
 
 ERROR = b'{"error": {"message": "engine gone", "type": "bad_gateway", "code": 502}}'
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.bench.loadgen import percentile
+from router.workloads.stats import percentile
 
 #: Router counters the report quotes from its /metrics at the end (summed per label set).
 ROUTER_COUNTERS = (

@@ -17,9 +17,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from router.bench.loadgen import percentile, request_body, sse_data
+from router.bench.loadgen import request_body, sse_data
 from router.bench.soak.report import Outcome, RampStep
-from router.bench.workloads import RequestSpec, words
+from router.workloads.generated import words
+from router.workloads.spec import RequestSpec
+from router.workloads.stats import percentile
 
 RAMP_LEVELS = (2, 4, 8, 16, 32, 64, 128)
 

@@ -1,4 +1,5 @@
-"""Workloads for kvroute bench: trace parsing, expansion, generation and ceilings."""
+"""The workload model (router/workloads/): trace parsing, expansion, generation, ceilings
+and the statistics runs are judged by."""
 
 from __future__ import annotations
 
@@ -7,25 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.loadgen import percentile
-from router.bench.workloads import (
-    PromptExpander,
-    RequestSpec,
+from router.tokenization.words import WordTokenizer
+from router.workloads.ceilings import oracle_hit_rate, prefix_ceiling
+from router.workloads.expansion import PromptExpander, trace_specs
+from router.workloads.generated import chat_workload, next_turn, shared_prefix_workload
+from router.workloads.spec import RequestSpec, spec_tokens
+from router.workloads.stats import percentile
+from router.workloads.traces import (
     TraceError,
     TraceRequest,
-    chat_workload,
-    next_turn,
-    oracle_hit_rate,
     parse_azure,
     parse_mooncake,
-    prefix_ceiling,
     read_trace,
     select,
-    shared_prefix_workload,
-    spec_tokens,
-    trace_specs,
 )
-from router.tokenization.words import WordTokenizer
 
 TRACES = Path(__file__).parent.parent / "fixtures" / "traces"
 
