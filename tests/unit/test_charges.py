@@ -14,7 +14,6 @@ import pytest
 from router.api.context import Outcome
 from router.api.pd import PDForwarder
 from router.api.picks import PickLedger
-from router.bench.workloads import shared_prefix_workload
 from router.config import DisaggregationConfig, PolicyConfig
 from router.engine_model import EngineParams
 from router.engines.load import LoadTracker, Ticket
@@ -28,6 +27,7 @@ from router.serving.charges import Charges, LegCharge, decode_charge, prefill_ch
 from router.sim import cluster
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
 from router.types import EngineKey
+from router.workloads.generated import shared_prefix_workload
 
 D, P, ELSEWHERE = (
     EngineKey("10.0.0.1:8000", 0),
