@@ -21,7 +21,6 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     SecretStr,
@@ -32,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core.core_schema import ValidationInfo
 
+from router.config_section import Section
 from router.handoff import registry as handoff_registry
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
 from router.redaction import redacted
@@ -117,11 +117,7 @@ def _dialect(value: str | None) -> str | None:
     return value
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SGLangCacheAwareConfig(_Section):
+class SGLangCacheAwareConfig(Section):
     """sglang-router's ``cache_aware`` rule (defaults are its CLI defaults, 0.3.x)."""
 
     cache_threshold: float = Field(0.3, ge=0, le=1)
@@ -138,7 +134,7 @@ class SGLangCacheAwareConfig(_Section):
 MIN_SLO_MS = 0.001
 
 
-class SLOConfig(_Section):
+class SLOConfig(Section):
     """Latency objectives of a request (``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` override)."""
 
     ttft_ms: float | None = Field(
@@ -149,7 +145,7 @@ class SLOConfig(_Section):
     )
 
 
-class LatencyPolicyConfig(_Section):
+class LatencyPolicyConfig(Section):
     """The ``latency`` policy and the online latency model it reads (router/engines/latency.py).
 
     The model's priors are what an engine is assumed to do before the router has timed
@@ -278,7 +274,7 @@ POLICIES: dict[str, str] = {
 POLICY_NAMES = tuple(POLICIES)
 
 
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     """How the router picks an engine."""
 
     name: str = Field(
@@ -375,7 +371,7 @@ class PolicyConfig(_Section):
         return name
 
 
-class RedisIndexConfig(_Section):
+class RedisIndexConfig(Section):
     """The Redis backend of the shared index (``index.backend: redis``; docs/redis-schema.md)."""
 
     url: str = Field(
@@ -450,7 +446,7 @@ class RedisIndexConfig(_Section):
         return self
 
 
-class ReplicatedIndexConfig(_Section):
+class ReplicatedIndexConfig(Section):
     """Replicated mode (``index.backend: replicated``; docs/redis-schema.md "Replicated
     mode"): each replica keeps the index in memory, fed by the engines' KV events it
     follows itself, and the replicas share their routing decisions through a Redis stream
@@ -498,7 +494,7 @@ class ReplicatedIndexConfig(_Section):
     )
 
 
-class IndexConfig(_Section):
+class IndexConfig(Section):
     """Where the KV-block index lives."""
 
     backend: Literal["memory", "redis", "replicated"] = Field(
@@ -630,7 +626,7 @@ def _copy_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copy_tree(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
-class ServerConfig(_Section):
+class ServerConfig(Section):
     """The router's own HTTP listener."""
 
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 for all).")
@@ -690,7 +686,7 @@ class ServerConfig(_Section):
     )
 
 
-class GrpcConfig(_Section):
+class GrpcConfig(Section):
     """The gRPC API (kvroute.v1 Router and Admin, health, reflection; docs/grpc.md)."""
 
     host: str | None = Field(None, description="Address to bind (default: `server.host`).")
@@ -709,7 +705,7 @@ class GrpcConfig(_Section):
     )
 
 
-class ExtProcConfig(_Section):
+class ExtProcConfig(Section):
     """The Envoy ext_proc endpoint picker (Gateway API Inference Extension; docs/grpc.md)."""
 
     host: str | None = Field(None, description="Address to bind (default: `server.host`).")
@@ -729,7 +725,7 @@ class ExtProcConfig(_Section):
     )
 
 
-class EventEndpoints(_Section):
+class EventEndpoints(Section):
     """Where an engine publishes KV events (vLLM's ``--kv-events-config``)."""
 
     endpoint: str = Field(description="The engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557.")
@@ -737,7 +733,7 @@ class EventEndpoints(_Section):
     topic: str = Field("", description="Topic prefix to subscribe to.")
 
 
-class TopologyConfig(_Section):
+class TopologyConfig(Section):
     """Where an engine runs, for the cost of moving KV between engines
     (docs/disaggregation.md, "Topology"). Free-form names; unset parts are unknown."""
 
@@ -750,7 +746,7 @@ class TopologyConfig(_Section):
     )
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     """One engine (inference server) the router may send requests to."""
 
     bootstrap_port: int | None = Field(
@@ -802,7 +798,7 @@ class EngineConfig(_Section):
         return url.rstrip("/")
 
 
-class HealthConfig(_Section):
+class HealthConfig(Section):
     """Active probes and passive ejection of engines."""
 
     interval_s: float = Field(2.0, gt=0, description="Seconds between /health probes.")
@@ -820,14 +816,14 @@ class HealthConfig(_Section):
     )
 
 
-class ScrapeConfig(_Section):
+class ScrapeConfig(Section):
     """Background reads of the engines' /metrics (never on the request path)."""
 
     interval_s: float = Field(1.0, gt=0, description="Seconds between /metrics scrapes.")
     timeout_s: float = Field(1.0, gt=0, description="A scrape slower than this is skipped.")
 
 
-class ProxyConfig(_Section):
+class ProxyConfig(Section):
     """Forwarding to engines."""
 
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect to an engine.")
@@ -858,7 +854,7 @@ class ProxyConfig(_Section):
     )
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(Section):
     """Bounds on what the router accepts."""
 
     max_body_bytes: int = Field(16 * 2**20, gt=0, description="Largest request body (413).")
@@ -930,7 +926,7 @@ MAX_EVENT_MESSAGE_BYTES = 32 * 2**20
 hundred KB even for a long prefill chunk."""
 
 
-class EventsConfig(_Section):
+class EventsConfig(Section):
     """KV-event ingestion."""
 
     enabled: bool = Field(True, description="Subscribe to engines' KV events at all.")
@@ -1008,7 +1004,7 @@ class EventsConfig(_Section):
         return self
 
 
-class LinkConfig(_Section):
+class LinkConfig(Section):
     """One locality class of prefill-to-decode link: what moving KV over it costs."""
 
     bandwidth_gb_s: float = Field(12.5, gt=0, description="Bandwidth of one KV transfer in GB/s.")
@@ -1076,7 +1072,7 @@ class CrossZoneLink(LinkConfig):
     )
 
 
-class LinksConfig(_Section):
+class LinksConfig(Section):
     """Prefill-to-decode links by locality (docs/disaggregation.md, "Topology")."""
 
     same_node: SameNodeLink = Field(default_factory=SameNodeLink)
@@ -1085,7 +1081,7 @@ class LinksConfig(_Section):
     cross_zone: CrossZoneLink = Field(default_factory=CrossZoneLink)
 
 
-class DisaggregationConfig(_Section):
+class DisaggregationConfig(Section):
     """Prefill/decode disaggregation: when to split, and how (docs/disaggregation.md)."""
 
     handoff: str = Field(
@@ -1207,7 +1203,7 @@ class DisaggregationConfig(_Section):
     )
 
 
-class TokenizerConfig(_Section):
+class TokenizerConfig(Section):
     """How the router turns a model's prompts into token ids (docs/configuration.md)."""
 
     mode: Literal["auto", "words", "hf", "engine", "approximate"] = Field(
@@ -1286,7 +1282,7 @@ class TokenizerConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Settings of one model's pool (engines serving it, and its LoRA adapters)."""
 
     name: str = Field(min_length=1, description="Model name as requests and engines give it.")
@@ -1308,7 +1304,7 @@ class ModelConfig(_Section):
         return _dialect(value)
 
 
-class TokenizerGuardConfig(_Section):
+class TokenizerGuardConfig(Section):
     """Detects a router tokenizer that disagrees with the engine's."""
 
     window: int = Field(
@@ -1323,7 +1319,7 @@ class TokenizerGuardConfig(_Section):
     )
 
 
-class ResponsesConfig(_Section):
+class ResponsesConfig(Section):
     """The OpenAI Responses API: which engine holds each stored response."""
 
     ttl_s: float = Field(
@@ -1370,7 +1366,7 @@ class ResponsesConfig(_Section):
     )
 
 
-class KubernetesDiscoveryConfig(_Section):
+class KubernetesDiscoveryConfig(Section):
     """Engines from the pods of a Kubernetes namespace (docs/operations.md).
 
     Defaults follow llm-d's conventions: pods labelled ``llm-d.ai/inference-serving=true``,
@@ -1470,13 +1466,13 @@ class KubernetesDiscoveryConfig(_Section):
     backoff_max_s: float = Field(30.0, gt=0, description="Longest wait (doubles up to it).")
 
 
-class DiscoveryConfig(_Section):
+class DiscoveryConfig(Section):
     """Where engines come from besides the static `engines` list."""
 
     kubernetes: KubernetesDiscoveryConfig = Field(default_factory=KubernetesDiscoveryConfig)
 
 
-class TracingConfig(_Section):
+class TracingConfig(Section):
     """OpenTelemetry tracing of the request path (needs the `otel` extra)."""
 
     enabled: bool = Field(
@@ -1503,7 +1499,7 @@ class TracingConfig(_Section):
     )
 
 
-class IndexerEngineConfig(_Section):
+class IndexerEngineConfig(Section):
     """One engine stream the standalone indexer follows (connect mode: vLLM binds its PUB)."""
 
     endpoint: str = Field(
@@ -1527,7 +1523,7 @@ class IndexerEngineConfig(_Section):
     )
 
 
-class IndexerConfig(_Section):
+class IndexerConfig(Section):
     """The standalone indexer (``kvroute indexer``): engine KV events into the Redis index."""
 
     engines: list[IndexerEngineConfig] = Field(default_factory=list)
@@ -1579,7 +1575,7 @@ DEFAULT_ENGINE_CIDRS = (
 addresses such as cloud metadata services)."""
 
 
-class AuthConfig(_Section):
+class AuthConfig(Section):
     """Credentials of the client and admin APIs, and what engines are sent (docs/security.md).
 
     Keys are compared in constant time and never logged. Prefer the ``*_file`` keys
@@ -1663,7 +1659,7 @@ class AuthConfig(_Section):
         return self
 
 
-class TlsConfig(_Section):
+class TlsConfig(Section):
     """TLS on the router's listeners (docs/security.md). Certificate files are re-read
     when they change, so cert-manager rotations need no restart."""
 
@@ -1700,7 +1696,7 @@ class TlsConfig(_Section):
         return self.cert_file is not None and listener in self.listeners
 
 
-class FlowKeyConfig(_Section):
+class FlowKeyConfig(Section):
     """Flow-control settings of one client API key (``flow.keys``)."""
 
     key: SecretStr = Field(
@@ -1747,7 +1743,7 @@ class FlowKeyConfig(_Section):
     )
 
 
-class FlowTenantConfig(_Section):
+class FlowTenantConfig(Section):
     """Limits of one tenant (``flow.tenants``), whatever key its requests come with."""
 
     name: str = Field(min_length=1, max_length=64, description="The tenant's name.")
@@ -1758,7 +1754,7 @@ class FlowTenantConfig(_Section):
     )
 
 
-class FlowRateLimitConfig(_Section):
+class FlowRateLimitConfig(Section):
     """Where the token buckets of ``flow.keys`` and ``flow.tenants`` live."""
 
     backend: Literal["local", "redis"] = Field(
@@ -1797,7 +1793,7 @@ class FlowRateLimitConfig(_Section):
         return redacted(url) if url else url
 
 
-class FlowSaturationConfig(_Section):
+class FlowSaturationConfig(Section):
     """How full a pool is (``kvroute_pool_saturation``) and when the queue sheds."""
 
     shed_at: float = Field(
@@ -1833,7 +1829,7 @@ class FlowSaturationConfig(_Section):
     )
 
 
-class FlowConfig(_Section):
+class FlowConfig(Section):
     """Flow control (docs/reliability.md): priority bands, fairness across tenants,
     rate limits and saturation, on every front end. Off: the admission queue is the
     plain first-come-first-served queue of `limits`."""
@@ -1963,7 +1959,7 @@ class FlowConfig(_Section):
         return self
 
 
-class Config(_Section):
+class Config(Section):
     """Everything ``kvroute serve`` reads."""
 
     block_size: int = Field(
