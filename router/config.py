@@ -4,6 +4,9 @@ Precedence, lowest first: defaults, the YAML file (``--config``), environment va
 ``KVROUTE_<SECTION>__<KEY>`` (``__`` separates nesting levels; values are parsed as
 YAML scalars, so ``KVROUTE_POLICY__PREFILL_WEIGHT=2`` is a number), then command-line
 flags. Validation happens once at start-up and every error names its field.
+
+A plugin's own section lives beside the plugin and is nested here: each index backend's
+settings in router/index/<name>_config.py. Their names stay importable from this module.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pydantic_core.core_schema import ValidationInfo
 
 from router.config_section import Section
 from router.handoff import registry as handoff_registry
+from router.index.redis_config import RedisIndexConfig
+from router.index.replicated_config import ReplicatedIndexConfig
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
 from router.redaction import redacted
 
@@ -369,129 +374,6 @@ class PolicyConfig(Section):
         if name != "default" and name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
         return name
-
-
-class RedisIndexConfig(Section):
-    """The Redis backend of the shared index (``index.backend: redis``; docs/redis-schema.md)."""
-
-    url: str = Field(
-        "redis://127.0.0.1:6379/0", description="Redis URL (`redis://` or `rediss://`)."
-    )
-
-    @field_validator("url")
-    @classmethod
-    def _redis_scheme(cls, url: str) -> str:
-        scheme, sep, _ = url.partition("://")
-        if not sep or scheme.lower() not in ("redis", "rediss", "unix"):
-            got = f"{scheme}://" if sep else "no scheme"  # never the URL: it may hold a password
-            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, not {got}")
-        return url
-
-    # The URL's password is masked wherever the configuration is shown: repr() and JSON
-    # (model_dump_json, model_dump(mode="json"): config check). The attribute and
-    # model_dump() keep it, for the Redis client and reloads.
-    @field_serializer("url", when_used="json")
-    def _url_shown(self, url: str) -> str:
-        return redacted(url)
-
-    def __repr_args__(self) -> list[tuple[str | None, Any]]:
-        return [(k, redacted(v) if k == "url" else v) for k, v in super().__repr_args__()]
-
-    namespace: str = Field("kvroute", min_length=1, description="Prefix of every Redis key.")
-    budget_ms: float = Field(
-        5.0,
-        gt=0,
-        description="A Redis call slower than this is abandoned; routing goes on "
-        "without the index for that request.",
-    )
-    slow_calls_to_outage: int = Field(
-        3,
-        ge=1,
-        description="Consecutive calls over `budget_ms` that mark Redis unavailable (until "
-        "its probe answers). One slow answer only sends that request to the local shadow; an "
-        "error reaching Redis marks it unavailable at once.",
-    )
-    share_load: bool = Field(
-        True,
-        description="Publish this replica's in-flight work per engine and count the other "
-        "replicas' in every decision.",
-    )
-    load_interval_s: float = Field(
-        0.1,
-        gt=0,
-        description="Seconds between exchanges of in-flight load with the other replicas "
-        "(in the background, never on the request path).",
-    )
-    load_ttl_s: float = Field(
-        1.0,
-        gt=0,
-        description="A replica's published load counts this long without a refresh (a "
-        "replica that died stops counting after it).",
-    )
-    load_push: bool = Field(
-        True,
-        description="Between exchanges, send each change of this replica's in-flight work "
-        "(a request sent, its first token, its end) to the other replicas at once, on the "
-        "decision stream (paced by `index.replicated.sync_interval_s`; in the `redis` mode "
-        "every replica then follows the stream). A conversation's next turn through "
-        "another replica then no longer finds the previous turn counted on its engine for "
-        "up to `load_interval_s`. Needs `share_load`; figures from a host whose clock is "
-        "more than `load_ttl_s` behind are left to the exchange.",
-    )
-
-    @model_validator(mode="after")
-    def _ttl_outlives_interval(self) -> RedisIndexConfig:
-        if self.load_ttl_s <= self.load_interval_s:
-            raise ValueError("load_ttl_s must be longer than load_interval_s")
-        return self
-
-
-class ReplicatedIndexConfig(Section):
-    """Replicated mode (``index.backend: replicated``; docs/redis-schema.md "Replicated
-    mode"): each replica keeps the index in memory, fed by the engines' KV events it
-    follows itself, and the replicas share their routing decisions through a Redis stream
-    (``index.redis`` says which Redis; load is shared as with `redis`)."""
-
-    sync_interval_s: float = Field(
-        0.001,
-        ge=0,
-        le=1,
-        description="Least time between two rounds of appends of one replica to the "
-        "decision stream. A decision made after a quiet interval is published at once "
-        "(peers have it about a Redis round trip later); under load the decisions of one "
-        "interval share an entry (`max_batch` at most), so each replica appends about "
-        "1/interval times a second whatever the decision rate. 0: append whenever the "
-        "previous append is done.",
-    )
-    window_s: float = Field(
-        10.0,
-        gt=0,
-        description="How long the decision stream keeps entries: a replica that starts, or "
-        "comes back from a partition, replays the entries this recent (those whose records "
-        "are still live). Keep it at least `policy.provisional_ttl_s`; records of engines "
-        "without KV events (`policy.approximate_ttl_s`) older than it are not replayed. "
-        "The stream holds about decisions/s x window x 8 bytes per prompt block.",
-    )
-    max_pending: int = Field(
-        10_000,
-        ge=1,
-        description="Decisions a replica keeps for publishing while Redis is unreachable "
-        "(oldest dropped first, `kvroute_replica_sync_dropped_total`); those still live are "
-        "published when it answers again.",
-    )
-    max_batch: int = Field(
-        256,
-        ge=1,
-        description="Decisions in one stream entry at most.",
-    )
-    snapshot_interval_s: float = Field(
-        30.0,
-        ge=0,
-        description="Seconds between snapshots of what the engines hold (their event "
-        "streams' state), written to Redis by one replica (a lease elects it). A replica "
-        "that starts loads them and replays each engine's events from the snapshot's "
-        "sequence number instead of waiting for new events. 0: no snapshots.",
-    )
 
 
 class IndexConfig(Section):
