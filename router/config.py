@@ -5,8 +5,10 @@ Precedence, lowest first: defaults, the YAML file (``--config``), environment va
 YAML scalars, so ``KVROUTE_POLICY__PREFILL_WEIGHT=2`` is a number), then command-line
 flags. Validation happens once at start-up and every error names its field.
 
-A plugin's own section lives beside the plugin and is nested here: each index backend's
-settings in router/index/<name>_config.py. Their names stay importable from this module.
+A plugin's own section lives beside the plugin and is nested here: the ``policy``
+section with the policy registry in router/policy/registry.py, each policy's parameters
+in router/policy/<name>_config.py, each index backend's settings in
+router/index/<name>_config.py. Their names stay importable from this module.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ from router.handoff import registry as handoff_registry
 from router.index.redis_config import RedisIndexConfig
 from router.index.replicated_config import ReplicatedIndexConfig
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
+from router.policy.latency_config import MIN_SLO_MS as MIN_SLO_MS
+from router.policy.latency_config import LatencyPolicyConfig as LatencyPolicyConfig
+from router.policy.latency_config import SLOConfig as SLOConfig
+from router.policy.registry import POLICIES as POLICIES
+from router.policy.registry import POLICY_NAMES as POLICY_NAMES
+from router.policy.registry import PolicyConfig
+from router.policy.sglang_config import SGLangCacheAwareConfig as SGLangCacheAwareConfig
 from router.redaction import redacted
 
 ENV_PREFIX = "KVROUTE_"
@@ -120,260 +129,6 @@ def _dialect(value: str | None) -> str | None:
         known = ", ".join(handoff_registry.names())
         raise ValueError(f"unknown handoff dialect {value!r} (registered: {known})")
     return value
-
-
-class SGLangCacheAwareConfig(Section):
-    """sglang-router's ``cache_aware`` rule (defaults are its CLI defaults, 0.3.x)."""
-
-    cache_threshold: float = Field(0.3, ge=0, le=1)
-    balance_abs_threshold: int = Field(64, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1)
-    max_tree_size: int = Field(
-        2**26, gt=0, description="Tokens per engine tree before LRU eviction."
-    )
-    eviction_interval_s: float = Field(60.0, gt=0)
-
-
-#: The smallest latency objective, in milliseconds (a microsecond): below it an
-#: objective is no number a router can meet or compare against.
-MIN_SLO_MS = 0.001
-
-
-class SLOConfig(Section):
-    """Latency objectives of a request (``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` override)."""
-
-    ttft_ms: float | None = Field(
-        None, ge=MIN_SLO_MS, le=86_400_000, description="Time to first token, ms."
-    )
-    tpot_ms: float | None = Field(
-        None, ge=MIN_SLO_MS, le=86_400_000, description="Time per output token, ms."
-    )
-
-
-class LatencyPolicyConfig(Section):
-    """The ``latency`` policy and the online latency model it reads (router/engines/latency.py).
-
-    The model's priors are what an engine is assumed to do before the router has timed
-    it; the fitted lines replace them as first tokens and output pace are observed.
-    """
-
-    itl_weight: float = Field(
-        1.0,
-        ge=0,
-        description="Cost, in seconds of this request's own wait, of one second it makes "
-        "another request wait: the request's prefill time times the requests in flight on "
-        "the engine (`harm_counts`), which share its steps (those queued) or have theirs "
-        "lengthened (those decoding), is weighed by it. 1 counts everyone's time alike; "
-        'higher trades TTFT for ITL tails (docs/simulator.md, "The latency policy").',
-    )
-    queue_model: Literal["backlog", "tokens"] = Field(
-        "tokens",
-        description="How the wait for queued prefill is predicted: `backlog` (each request "
-        "sent extends the engine's predicted prefill backlog at its fitted speed; each first "
-        "token re-anchors it, so work in progress counts what is left of it) or `tokens` "
-        "(queued prefill tokens times the fitted speed, as kv_cost counts them).",
-    )
-    harm_counts: Literal["requests", "decoding"] = Field(
-        "requests",
-        description="Whose steps a prefill lengthens: `requests` (every request in flight "
-        "there: those queued ahead decode by the time its chunks run) or `decoding` (only "
-        "the sequences decoding now).",
-    )
-    idle_prefill_weight: float | None = Field(
-        None,
-        ge=0,
-        description="The weight of the request's uncached prefill on an engine with nothing "
-        "in flight from this router or its peers (null: as on any engine, 1 plus what it "
-        "costs the requests arriving behind it, measured from the engine's recent load, "
-        "which is 1 on an engine nobody has sent work to lately).",
-    )
-    slowdown_weight: float = Field(
-        0.1,
-        ge=0,
-        description="Cost, in seconds of this request's own wait, of one second its decoding "
-        "adds to the sequences decoding on the engine (its output tokens times the fitted "
-        "seconds each sequence adds to a step, per sequence there). A tenth by default: a "
-        "reader does not see a step a few percent longer as it sees a wait, and at higher "
-        "weights the matrix's shared-prefix workloads lose hit rate (docs/architecture.md, "
-        '"The default policy").',
-    )
-    tie_tolerance: float = Field(
-        0.02,
-        ge=0,
-        le=1,
-        description="Engines whose costs are within this share of the lowest are a tie "
-        "(predictions of a few percent apart are within the latency model's error), broken "
-        "toward the engine holding more of the prompt (the placement that costs the fleet "
-        "the least compute), then fewer requests in flight, then the least recently routed.",
-    )
-    speed_tolerance: float = Field(
-        1.0,
-        ge=0,
-        description="A fitted coefficient within a factor of 1 + this of the candidates' "
-        "lower median counts as that median (fits of alike engines differ by noise); an "
-        "engine further off (by default twice as slow, or fast) is priced at its own speed.",
-    )
-    prefill_us_per_token: float = Field(
-        50.0, gt=0, description="Prior: microseconds of prefill per uncached prompt token."
-    )
-    ttft_overhead_ms: float = Field(
-        20.0, ge=0, description="Prior: milliseconds to a first token with nothing to prefill."
-    )
-    tpot_base_ms: float = Field(
-        10.0, ge=0, description="Prior: milliseconds per output token of a lone sequence."
-    )
-    tpot_us_per_seq: float = Field(
-        200.0, ge=0, description="Prior: microseconds each other decoding sequence adds per token."
-    )
-    prior_weight: float = Field(
-        8.0, gt=0, description="How many observations the priors are worth (they never decay)."
-    )
-    half_life_s: float = Field(
-        60.0,
-        gt=0,
-        description="An observation weighs half as much after this many seconds (how fast "
-        "an engine that slows down is noticed).",
-    )
-    slo: dict[str, SLOConfig] = Field(
-        default_factory=dict,
-        description='Default SLOs per model (`"*"`: every model); the request headers '
-        "`x-slo-ttft-ms` and `x-slo-tpot-ms` override them.",
-    )
-    session_bonus_ms: float = Field(
-        5.0,
-        ge=0,
-        description="Cost taken off the engine that served the request's session last "
-        "(0: no session affinity in the cost).",
-    )
-    session_max_wait_ms: float = Field(
-        1000.0,
-        ge=0,
-        description="The bonus shrinks by the predicted queue wait on that engine and is "
-        "gone at this much: it never pulls a session onto a saturated engine.",
-    )
-    session_ttl_s: float = Field(
-        600.0, gt=0, description="A session's engine is forgotten after this idle time."
-    )
-    max_sessions: int = Field(100_000, gt=0, description="Sessions remembered (LRU).")
-
-    def slo_for(self, model: str) -> SLOConfig | None:
-        """The default SLOs of ``model`` (its own entry, else ``*``)."""
-        return self.slo.get(model) or self.slo.get("*")
-
-
-#: Every routing policy ``policy.name`` (``--policy``) accepts, as ``name: "module:Class"``
-#: (imported when chosen; ``default`` is an alias of ``latency``). The class builds
-#: itself from this section with ``Policy.from_config``; a policy with parameters keeps
-#: them in its own field of :class:`PolicyConfig` (as ``sglang`` below). Adding a policy
-#: is its module and one line here (tests/unit/test_policies.py builds each).
-POLICIES: dict[str, str] = {
-    "kv_cost": "router.policy.kv_cost:KVCostPolicy",
-    "latency": "router.policy.latency:LatencyPolicy",
-    "round_robin": "router.policy.baselines:RoundRobin",
-    "random": "router.policy.baselines:RandomChoice",
-    "least_loaded": "router.policy.baselines:LeastLoaded",
-    "power_of_two": "router.policy.baselines:PowerOfTwo",
-    "session": "router.policy.baselines:Session",
-    "cache_aware_sglang": "router.policy.sglang:CacheAwareSGLang",
-}
-POLICY_NAMES = tuple(POLICIES)
-
-
-class PolicyConfig(Section):
-    """How the router picks an engine."""
-
-    name: str = Field(
-        "latency",
-        description="Policy name; see `kvroute serve --help`. `default` is `latency` (and "
-        "`kv_cost` the previous default).",
-    )
-    prefill_weight: float = Field(
-        2.0,
-        ge=0,
-        description="`kv_cost`: cost per block of this prompt the engine must compute (not "
-        "cached). Counts twice by default: the request waits for it, and so does everything "
-        "queued behind it on that engine. `latency`: the most a second of prefill can cost "
-        "on a saturated engine (its own second, and what it costs the requests arriving "
-        "behind it, measured from the engine's load).",
-    )
-    queue_weight: float = Field(
-        1.0, ge=0, description="Cost per block of prefill already queued on the engine."
-    )
-    decode_weight: float = Field(
-        0.25,
-        ge=0,
-        description="`kv_cost` (and the decode choice of prefill/decode pools): cost per KV "
-        "block held by the engine's decoding requests (`latency` prices decode load with "
-        "`latency.slowdown_weight` instead). A quarter "
-        "of a prefill block: decoding shares each step with a newcomer rather than queueing "
-        "ahead of it, but it is the load a conversation keeps on its engine for every "
-        "later turn (tuned with `kvroute simulate` on chat and the Mooncake traces and "
-        "checked with `kvroute bench --workload chat`, docs/benchmarks.md).",
-    )
-    waiting_weight: float = Field(
-        0.0,
-        ge=0,
-        description="Block-equivalents of cost per engine-reported waiting request (use when "
-        "other routers share the engines without sharing load).",
-    )
-    kv_usage_weight: float = Field(
-        0.0, ge=0, description="Block-equivalents of cost at 100% engine-reported KV usage."
-    )
-    running_weight: float = Field(
-        0.0, ge=0, description="Block-equivalents of cost per engine-reported running request."
-    )
-    report_max_age_s: float = Field(
-        10.0, gt=0, description="Engine-reported values older than this are ignored."
-    )
-    offload_weight: float = Field(
-        0.8,
-        ge=0,
-        le=1,
-        description="Worth of a block held in the CPU tier (host memory) but not on GPU, "
-        "vs a GPU hit (llm-d's cpu 0.8). Before the disk tier existed this weighed every "
-        "offloaded block; it still weighs disk blocks when `disk_weight` is unset.",
-    )
-    disk_weight: float | None = Field(
-        0.25,
-        ge=0,
-        le=1,
-        description="Worth of a block held only in a disk, shared-storage or remote tier "
-        "(vLLM `STORAGE` or `REMOTE` locality, SGLang `DISK`/`EXTERNAL`) vs a GPU hit "
-        "(Dynamo's disk 0.25). null: weigh it as `offload_weight` (one offload tier).",
-    )
-    temperature: float = Field(
-        0.0, ge=0, description="0 picks the lowest cost; >0 samples softmax over normalised costs."
-    )
-    provisional_ttl_s: float = Field(
-        5.0,
-        gt=0,
-        description="How long a decision counts as holding the prompt's blocks "
-        "before the engine's KV events confirm it (about twice the p99 prefill time).",
-    )
-    approximate_ttl_s: float = Field(
-        120.0, gt=0, description="Lifetime of decision-based entries for engines without KV events."
-    )
-    sglang: SGLangCacheAwareConfig = Field(default_factory=SGLangCacheAwareConfig)
-    latency: LatencyPolicyConfig = Field(default_factory=LatencyPolicyConfig)
-    session_header: str = Field(
-        "x-session-id",
-        pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
-        description="Request header (gRPC: metadata or `headers` entry) holding the session "
-        "key of the `session` policy and of the `latency` policy's affinity; without it, "
-        "the body's `user` (Anthropic: `metadata.user_id`).",
-    )
-
-    @field_validator("session_header")
-    @classmethod
-    def _lower_header(cls, name: str) -> str:
-        return name.lower()
-
-    @field_validator("name")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        if name != "default" and name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-        return name
 
 
 class IndexConfig(Section):
@@ -2131,7 +1886,8 @@ def _type_name(annotation: Any) -> str:
     if annotation is type(None):
         return "null"
     text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("router.config.", "")
+    # Sections are named by their class, wherever they live (router.config, a plugin's).
+    return re.sub(r"\brouter(?:\.\w+)*\.", "", text.replace("typing.", ""))
 
 
 def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
