@@ -4,6 +4,12 @@ Precedence, lowest first: defaults, the YAML file (``--config``), environment va
 ``KVROUTE_<SECTION>__<KEY>`` (``__`` separates nesting levels; values are parsed as
 YAML scalars, so ``KVROUTE_POLICY__PREFILL_WEIGHT=2`` is a number), then command-line
 flags. Validation happens once at start-up and every error names its field.
+
+A plugin's own section lives beside the plugin and is nested here: the ``policy``
+section with the policy registry in router/policy/registry.py, each policy's parameters
+in router/policy/<name>_config.py, each index backend's settings in
+router/index/<name>_config.py, flow control's in router/flow/config.py, Kubernetes
+discovery's in router/engines/k8s_config.py. Their names stay importable from this module.
 """
 
 from __future__ import annotations
@@ -21,20 +27,33 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     SecretStr,
     ValidationError,
-    field_serializer,
     field_validator,
     model_validator,
 )
 from pydantic_core.core_schema import ValidationInfo
 
+from router.config_section import Section
+from router.engines.k8s_config import KubernetesDiscoveryConfig
+from router.flow.config import FlowConfig
+from router.flow.config import FlowKeyConfig as FlowKeyConfig
+from router.flow.config import FlowRateLimitConfig as FlowRateLimitConfig
+from router.flow.config import FlowSaturationConfig as FlowSaturationConfig
+from router.flow.config import FlowTenantConfig as FlowTenantConfig
 from router.handoff import registry as handoff_registry
+from router.index.redis_config import RedisIndexConfig
+from router.index.replicated_config import ReplicatedIndexConfig
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
-from router.redaction import redacted
+from router.policy.latency_config import MIN_SLO_MS as MIN_SLO_MS
+from router.policy.latency_config import LatencyPolicyConfig as LatencyPolicyConfig
+from router.policy.latency_config import SLOConfig as SLOConfig
+from router.policy.registry import POLICIES as POLICIES
+from router.policy.registry import POLICY_NAMES as POLICY_NAMES
+from router.policy.registry import PolicyConfig
+from router.policy.sglang_config import SGLangCacheAwareConfig as SGLangCacheAwareConfig
 
 ENV_PREFIX = "KVROUTE_"
 PROCESS_SWITCHES = frozenset({"KVROUTE_PURE_PYTHON"})
@@ -117,388 +136,7 @@ def _dialect(value: str | None) -> str | None:
     return value
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SGLangCacheAwareConfig(_Section):
-    """sglang-router's ``cache_aware`` rule (defaults are its CLI defaults, 0.3.x)."""
-
-    cache_threshold: float = Field(0.3, ge=0, le=1)
-    balance_abs_threshold: int = Field(64, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1)
-    max_tree_size: int = Field(
-        2**26, gt=0, description="Tokens per engine tree before LRU eviction."
-    )
-    eviction_interval_s: float = Field(60.0, gt=0)
-
-
-#: The smallest latency objective, in milliseconds (a microsecond): below it an
-#: objective is no number a router can meet or compare against.
-MIN_SLO_MS = 0.001
-
-
-class SLOConfig(_Section):
-    """Latency objectives of a request (``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` override)."""
-
-    ttft_ms: float | None = Field(
-        None, ge=MIN_SLO_MS, le=86_400_000, description="Time to first token, ms."
-    )
-    tpot_ms: float | None = Field(
-        None, ge=MIN_SLO_MS, le=86_400_000, description="Time per output token, ms."
-    )
-
-
-class LatencyPolicyConfig(_Section):
-    """The ``latency`` policy and the online latency model it reads (router/engines/latency.py).
-
-    The model's priors are what an engine is assumed to do before the router has timed
-    it; the fitted lines replace them as first tokens and output pace are observed.
-    """
-
-    itl_weight: float = Field(
-        1.0,
-        ge=0,
-        description="Cost, in seconds of this request's own wait, of one second it makes "
-        "another request wait: the request's prefill time times the requests in flight on "
-        "the engine (`harm_counts`), which share its steps (those queued) or have theirs "
-        "lengthened (those decoding), is weighed by it. 1 counts everyone's time alike; "
-        'higher trades TTFT for ITL tails (docs/simulator.md, "The latency policy").',
-    )
-    queue_model: Literal["backlog", "tokens"] = Field(
-        "tokens",
-        description="How the wait for queued prefill is predicted: `backlog` (each request "
-        "sent extends the engine's predicted prefill backlog at its fitted speed; each first "
-        "token re-anchors it, so work in progress counts what is left of it) or `tokens` "
-        "(queued prefill tokens times the fitted speed, as kv_cost counts them).",
-    )
-    harm_counts: Literal["requests", "decoding"] = Field(
-        "requests",
-        description="Whose steps a prefill lengthens: `requests` (every request in flight "
-        "there: those queued ahead decode by the time its chunks run) or `decoding` (only "
-        "the sequences decoding now).",
-    )
-    idle_prefill_weight: float | None = Field(
-        None,
-        ge=0,
-        description="The weight of the request's uncached prefill on an engine with nothing "
-        "in flight from this router or its peers (null: as on any engine, 1 plus what it "
-        "costs the requests arriving behind it, measured from the engine's recent load, "
-        "which is 1 on an engine nobody has sent work to lately).",
-    )
-    slowdown_weight: float = Field(
-        0.1,
-        ge=0,
-        description="Cost, in seconds of this request's own wait, of one second its decoding "
-        "adds to the sequences decoding on the engine (its output tokens times the fitted "
-        "seconds each sequence adds to a step, per sequence there). A tenth by default: a "
-        "reader does not see a step a few percent longer as it sees a wait, and at higher "
-        "weights the matrix's shared-prefix workloads lose hit rate (docs/architecture.md, "
-        '"The default policy").',
-    )
-    tie_tolerance: float = Field(
-        0.02,
-        ge=0,
-        le=1,
-        description="Engines whose costs are within this share of the lowest are a tie "
-        "(predictions of a few percent apart are within the latency model's error), broken "
-        "toward the engine holding more of the prompt (the placement that costs the fleet "
-        "the least compute), then fewer requests in flight, then the least recently routed.",
-    )
-    speed_tolerance: float = Field(
-        1.0,
-        ge=0,
-        description="A fitted coefficient within a factor of 1 + this of the candidates' "
-        "lower median counts as that median (fits of alike engines differ by noise); an "
-        "engine further off (by default twice as slow, or fast) is priced at its own speed.",
-    )
-    prefill_us_per_token: float = Field(
-        50.0, gt=0, description="Prior: microseconds of prefill per uncached prompt token."
-    )
-    ttft_overhead_ms: float = Field(
-        20.0, ge=0, description="Prior: milliseconds to a first token with nothing to prefill."
-    )
-    tpot_base_ms: float = Field(
-        10.0, ge=0, description="Prior: milliseconds per output token of a lone sequence."
-    )
-    tpot_us_per_seq: float = Field(
-        200.0, ge=0, description="Prior: microseconds each other decoding sequence adds per token."
-    )
-    prior_weight: float = Field(
-        8.0, gt=0, description="How many observations the priors are worth (they never decay)."
-    )
-    half_life_s: float = Field(
-        60.0,
-        gt=0,
-        description="An observation weighs half as much after this many seconds (how fast "
-        "an engine that slows down is noticed).",
-    )
-    slo: dict[str, SLOConfig] = Field(
-        default_factory=dict,
-        description='Default SLOs per model (`"*"`: every model); the request headers '
-        "`x-slo-ttft-ms` and `x-slo-tpot-ms` override them.",
-    )
-    session_bonus_ms: float = Field(
-        5.0,
-        ge=0,
-        description="Cost taken off the engine that served the request's session last "
-        "(0: no session affinity in the cost).",
-    )
-    session_max_wait_ms: float = Field(
-        1000.0,
-        ge=0,
-        description="The bonus shrinks by the predicted queue wait on that engine and is "
-        "gone at this much: it never pulls a session onto a saturated engine.",
-    )
-    session_ttl_s: float = Field(
-        600.0, gt=0, description="A session's engine is forgotten after this idle time."
-    )
-    max_sessions: int = Field(100_000, gt=0, description="Sessions remembered (LRU).")
-
-    def slo_for(self, model: str) -> SLOConfig | None:
-        """The default SLOs of ``model`` (its own entry, else ``*``)."""
-        return self.slo.get(model) or self.slo.get("*")
-
-
-#: Every routing policy ``policy.name`` (``--policy``) accepts, as ``name: "module:Class"``
-#: (imported when chosen; ``default`` is an alias of ``latency``). The class builds
-#: itself from this section with ``Policy.from_config``; a policy with parameters keeps
-#: them in its own field of :class:`PolicyConfig` (as ``sglang`` below). Adding a policy
-#: is its module and one line here (tests/unit/test_policies.py builds each).
-POLICIES: dict[str, str] = {
-    "kv_cost": "router.policy.kv_cost:KVCostPolicy",
-    "latency": "router.policy.latency:LatencyPolicy",
-    "round_robin": "router.policy.baselines:RoundRobin",
-    "random": "router.policy.baselines:RandomChoice",
-    "least_loaded": "router.policy.baselines:LeastLoaded",
-    "power_of_two": "router.policy.baselines:PowerOfTwo",
-    "session": "router.policy.baselines:Session",
-    "cache_aware_sglang": "router.policy.sglang:CacheAwareSGLang",
-}
-POLICY_NAMES = tuple(POLICIES)
-
-
-class PolicyConfig(_Section):
-    """How the router picks an engine."""
-
-    name: str = Field(
-        "latency",
-        description="Policy name; see `kvroute serve --help`. `default` is `latency` (and "
-        "`kv_cost` the previous default).",
-    )
-    prefill_weight: float = Field(
-        2.0,
-        ge=0,
-        description="`kv_cost`: cost per block of this prompt the engine must compute (not "
-        "cached). Counts twice by default: the request waits for it, and so does everything "
-        "queued behind it on that engine. `latency`: the most a second of prefill can cost "
-        "on a saturated engine (its own second, and what it costs the requests arriving "
-        "behind it, measured from the engine's load).",
-    )
-    queue_weight: float = Field(
-        1.0, ge=0, description="Cost per block of prefill already queued on the engine."
-    )
-    decode_weight: float = Field(
-        0.25,
-        ge=0,
-        description="`kv_cost` (and the decode choice of prefill/decode pools): cost per KV "
-        "block held by the engine's decoding requests (`latency` prices decode load with "
-        "`latency.slowdown_weight` instead). A quarter "
-        "of a prefill block: decoding shares each step with a newcomer rather than queueing "
-        "ahead of it, but it is the load a conversation keeps on its engine for every "
-        "later turn (tuned with `kvroute simulate` on chat and the Mooncake traces and "
-        "checked with `kvroute bench --workload chat`, docs/benchmarks.md).",
-    )
-    waiting_weight: float = Field(
-        0.0,
-        ge=0,
-        description="Block-equivalents of cost per engine-reported waiting request (use when "
-        "other routers share the engines without sharing load).",
-    )
-    kv_usage_weight: float = Field(
-        0.0, ge=0, description="Block-equivalents of cost at 100% engine-reported KV usage."
-    )
-    running_weight: float = Field(
-        0.0, ge=0, description="Block-equivalents of cost per engine-reported running request."
-    )
-    report_max_age_s: float = Field(
-        10.0, gt=0, description="Engine-reported values older than this are ignored."
-    )
-    offload_weight: float = Field(
-        0.8,
-        ge=0,
-        le=1,
-        description="Worth of a block held in the CPU tier (host memory) but not on GPU, "
-        "vs a GPU hit (llm-d's cpu 0.8). Before the disk tier existed this weighed every "
-        "offloaded block; it still weighs disk blocks when `disk_weight` is unset.",
-    )
-    disk_weight: float | None = Field(
-        0.25,
-        ge=0,
-        le=1,
-        description="Worth of a block held only in a disk, shared-storage or remote tier "
-        "(vLLM `STORAGE` or `REMOTE` locality, SGLang `DISK`/`EXTERNAL`) vs a GPU hit "
-        "(Dynamo's disk 0.25). null: weigh it as `offload_weight` (one offload tier).",
-    )
-    temperature: float = Field(
-        0.0, ge=0, description="0 picks the lowest cost; >0 samples softmax over normalised costs."
-    )
-    provisional_ttl_s: float = Field(
-        5.0,
-        gt=0,
-        description="How long a decision counts as holding the prompt's blocks "
-        "before the engine's KV events confirm it (about twice the p99 prefill time).",
-    )
-    approximate_ttl_s: float = Field(
-        120.0, gt=0, description="Lifetime of decision-based entries for engines without KV events."
-    )
-    sglang: SGLangCacheAwareConfig = Field(default_factory=SGLangCacheAwareConfig)
-    latency: LatencyPolicyConfig = Field(default_factory=LatencyPolicyConfig)
-    session_header: str = Field(
-        "x-session-id",
-        pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
-        description="Request header (gRPC: metadata or `headers` entry) holding the session "
-        "key of the `session` policy and of the `latency` policy's affinity; without it, "
-        "the body's `user` (Anthropic: `metadata.user_id`).",
-    )
-
-    @field_validator("session_header")
-    @classmethod
-    def _lower_header(cls, name: str) -> str:
-        return name.lower()
-
-    @field_validator("name")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        if name != "default" and name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-        return name
-
-
-class RedisIndexConfig(_Section):
-    """The Redis backend of the shared index (``index.backend: redis``; docs/redis-schema.md)."""
-
-    url: str = Field(
-        "redis://127.0.0.1:6379/0", description="Redis URL (`redis://` or `rediss://`)."
-    )
-
-    @field_validator("url")
-    @classmethod
-    def _redis_scheme(cls, url: str) -> str:
-        scheme, sep, _ = url.partition("://")
-        if not sep or scheme.lower() not in ("redis", "rediss", "unix"):
-            got = f"{scheme}://" if sep else "no scheme"  # never the URL: it may hold a password
-            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, not {got}")
-        return url
-
-    # The URL's password is masked wherever the configuration is shown: repr() and JSON
-    # (model_dump_json, model_dump(mode="json"): config check). The attribute and
-    # model_dump() keep it, for the Redis client and reloads.
-    @field_serializer("url", when_used="json")
-    def _url_shown(self, url: str) -> str:
-        return redacted(url)
-
-    def __repr_args__(self) -> list[tuple[str | None, Any]]:
-        return [(k, redacted(v) if k == "url" else v) for k, v in super().__repr_args__()]
-
-    namespace: str = Field("kvroute", min_length=1, description="Prefix of every Redis key.")
-    budget_ms: float = Field(
-        5.0,
-        gt=0,
-        description="A Redis call slower than this is abandoned; routing goes on "
-        "without the index for that request.",
-    )
-    slow_calls_to_outage: int = Field(
-        3,
-        ge=1,
-        description="Consecutive calls over `budget_ms` that mark Redis unavailable (until "
-        "its probe answers). One slow answer only sends that request to the local shadow; an "
-        "error reaching Redis marks it unavailable at once.",
-    )
-    share_load: bool = Field(
-        True,
-        description="Publish this replica's in-flight work per engine and count the other "
-        "replicas' in every decision.",
-    )
-    load_interval_s: float = Field(
-        0.1,
-        gt=0,
-        description="Seconds between exchanges of in-flight load with the other replicas "
-        "(in the background, never on the request path).",
-    )
-    load_ttl_s: float = Field(
-        1.0,
-        gt=0,
-        description="A replica's published load counts this long without a refresh (a "
-        "replica that died stops counting after it).",
-    )
-    load_push: bool = Field(
-        True,
-        description="Between exchanges, send each change of this replica's in-flight work "
-        "(a request sent, its first token, its end) to the other replicas at once, on the "
-        "decision stream (paced by `index.replicated.sync_interval_s`; in the `redis` mode "
-        "every replica then follows the stream). A conversation's next turn through "
-        "another replica then no longer finds the previous turn counted on its engine for "
-        "up to `load_interval_s`. Needs `share_load`; figures from a host whose clock is "
-        "more than `load_ttl_s` behind are left to the exchange.",
-    )
-
-    @model_validator(mode="after")
-    def _ttl_outlives_interval(self) -> RedisIndexConfig:
-        if self.load_ttl_s <= self.load_interval_s:
-            raise ValueError("load_ttl_s must be longer than load_interval_s")
-        return self
-
-
-class ReplicatedIndexConfig(_Section):
-    """Replicated mode (``index.backend: replicated``; docs/redis-schema.md "Replicated
-    mode"): each replica keeps the index in memory, fed by the engines' KV events it
-    follows itself, and the replicas share their routing decisions through a Redis stream
-    (``index.redis`` says which Redis; load is shared as with `redis`)."""
-
-    sync_interval_s: float = Field(
-        0.001,
-        ge=0,
-        le=1,
-        description="Least time between two rounds of appends of one replica to the "
-        "decision stream. A decision made after a quiet interval is published at once "
-        "(peers have it about a Redis round trip later); under load the decisions of one "
-        "interval share an entry (`max_batch` at most), so each replica appends about "
-        "1/interval times a second whatever the decision rate. 0: append whenever the "
-        "previous append is done.",
-    )
-    window_s: float = Field(
-        10.0,
-        gt=0,
-        description="How long the decision stream keeps entries: a replica that starts, or "
-        "comes back from a partition, replays the entries this recent (those whose records "
-        "are still live). Keep it at least `policy.provisional_ttl_s`; records of engines "
-        "without KV events (`policy.approximate_ttl_s`) older than it are not replayed. "
-        "The stream holds about decisions/s x window x 8 bytes per prompt block.",
-    )
-    max_pending: int = Field(
-        10_000,
-        ge=1,
-        description="Decisions a replica keeps for publishing while Redis is unreachable "
-        "(oldest dropped first, `kvroute_replica_sync_dropped_total`); those still live are "
-        "published when it answers again.",
-    )
-    max_batch: int = Field(
-        256,
-        ge=1,
-        description="Decisions in one stream entry at most.",
-    )
-    snapshot_interval_s: float = Field(
-        30.0,
-        ge=0,
-        description="Seconds between snapshots of what the engines hold (their event "
-        "streams' state), written to Redis by one replica (a lease elects it). A replica "
-        "that starts loads them and replays each engine's events from the snapshot's "
-        "sequence number instead of waiting for new events. 0: no snapshots.",
-    )
-
-
-class IndexConfig(_Section):
+class IndexConfig(Section):
     """Where the KV-block index lives."""
 
     backend: Literal["memory", "redis", "replicated"] = Field(
@@ -630,7 +268,7 @@ def _copy_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copy_tree(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
-class ServerConfig(_Section):
+class ServerConfig(Section):
     """The router's own HTTP listener."""
 
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 for all).")
@@ -690,7 +328,7 @@ class ServerConfig(_Section):
     )
 
 
-class GrpcConfig(_Section):
+class GrpcConfig(Section):
     """The gRPC API (kvroute.v1 Router and Admin, health, reflection; docs/grpc.md)."""
 
     host: str | None = Field(None, description="Address to bind (default: `server.host`).")
@@ -709,7 +347,7 @@ class GrpcConfig(_Section):
     )
 
 
-class ExtProcConfig(_Section):
+class ExtProcConfig(Section):
     """The Envoy ext_proc endpoint picker (Gateway API Inference Extension; docs/grpc.md)."""
 
     host: str | None = Field(None, description="Address to bind (default: `server.host`).")
@@ -729,7 +367,7 @@ class ExtProcConfig(_Section):
     )
 
 
-class EventEndpoints(_Section):
+class EventEndpoints(Section):
     """Where an engine publishes KV events (vLLM's ``--kv-events-config``)."""
 
     endpoint: str = Field(description="The engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557.")
@@ -737,7 +375,7 @@ class EventEndpoints(_Section):
     topic: str = Field("", description="Topic prefix to subscribe to.")
 
 
-class TopologyConfig(_Section):
+class TopologyConfig(Section):
     """Where an engine runs, for the cost of moving KV between engines
     (docs/disaggregation.md, "Topology"). Free-form names; unset parts are unknown."""
 
@@ -750,7 +388,7 @@ class TopologyConfig(_Section):
     )
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     """One engine (inference server) the router may send requests to."""
 
     bootstrap_port: int | None = Field(
@@ -802,7 +440,7 @@ class EngineConfig(_Section):
         return url.rstrip("/")
 
 
-class HealthConfig(_Section):
+class HealthConfig(Section):
     """Active probes and passive ejection of engines."""
 
     interval_s: float = Field(2.0, gt=0, description="Seconds between /health probes.")
@@ -820,14 +458,14 @@ class HealthConfig(_Section):
     )
 
 
-class ScrapeConfig(_Section):
+class ScrapeConfig(Section):
     """Background reads of the engines' /metrics (never on the request path)."""
 
     interval_s: float = Field(1.0, gt=0, description="Seconds between /metrics scrapes.")
     timeout_s: float = Field(1.0, gt=0, description="A scrape slower than this is skipped.")
 
 
-class ProxyConfig(_Section):
+class ProxyConfig(Section):
     """Forwarding to engines."""
 
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect to an engine.")
@@ -858,7 +496,7 @@ class ProxyConfig(_Section):
     )
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(Section):
     """Bounds on what the router accepts."""
 
     max_body_bytes: int = Field(16 * 2**20, gt=0, description="Largest request body (413).")
@@ -930,7 +568,7 @@ MAX_EVENT_MESSAGE_BYTES = 32 * 2**20
 hundred KB even for a long prefill chunk."""
 
 
-class EventsConfig(_Section):
+class EventsConfig(Section):
     """KV-event ingestion."""
 
     enabled: bool = Field(True, description="Subscribe to engines' KV events at all.")
@@ -1008,7 +646,7 @@ class EventsConfig(_Section):
         return self
 
 
-class LinkConfig(_Section):
+class LinkConfig(Section):
     """One locality class of prefill-to-decode link: what moving KV over it costs."""
 
     bandwidth_gb_s: float = Field(12.5, gt=0, description="Bandwidth of one KV transfer in GB/s.")
@@ -1076,7 +714,7 @@ class CrossZoneLink(LinkConfig):
     )
 
 
-class LinksConfig(_Section):
+class LinksConfig(Section):
     """Prefill-to-decode links by locality (docs/disaggregation.md, "Topology")."""
 
     same_node: SameNodeLink = Field(default_factory=SameNodeLink)
@@ -1085,7 +723,7 @@ class LinksConfig(_Section):
     cross_zone: CrossZoneLink = Field(default_factory=CrossZoneLink)
 
 
-class DisaggregationConfig(_Section):
+class DisaggregationConfig(Section):
     """Prefill/decode disaggregation: when to split, and how (docs/disaggregation.md)."""
 
     handoff: str = Field(
@@ -1207,7 +845,7 @@ class DisaggregationConfig(_Section):
     )
 
 
-class TokenizerConfig(_Section):
+class TokenizerConfig(Section):
     """How the router turns a model's prompts into token ids (docs/configuration.md)."""
 
     mode: Literal["auto", "words", "hf", "engine", "approximate"] = Field(
@@ -1286,7 +924,7 @@ class TokenizerConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Settings of one model's pool (engines serving it, and its LoRA adapters)."""
 
     name: str = Field(min_length=1, description="Model name as requests and engines give it.")
@@ -1308,7 +946,7 @@ class ModelConfig(_Section):
         return _dialect(value)
 
 
-class TokenizerGuardConfig(_Section):
+class TokenizerGuardConfig(Section):
     """Detects a router tokenizer that disagrees with the engine's."""
 
     window: int = Field(
@@ -1323,7 +961,7 @@ class TokenizerGuardConfig(_Section):
     )
 
 
-class ResponsesConfig(_Section):
+class ResponsesConfig(Section):
     """The OpenAI Responses API: which engine holds each stored response."""
 
     ttl_s: float = Field(
@@ -1370,113 +1008,13 @@ class ResponsesConfig(_Section):
     )
 
 
-class KubernetesDiscoveryConfig(_Section):
-    """Engines from the pods of a Kubernetes namespace (docs/operations.md).
-
-    Defaults follow llm-d's conventions: pods labelled ``llm-d.ai/inference-serving=true``,
-    their role in ``llm-d.ai/role`` (``prefill``, ``decode`` or ``both``).
-    """
-
-    enabled: bool = Field(False, description="Watch pods and route to the Ready ones.")
-    namespace: str | None = Field(
-        None,
-        description="Namespace to watch (default: the router's own, from its service "
-        "account; `default` outside a cluster).",
-    )
-    label_selector: str = Field(
-        "llm-d.ai/inference-serving=true",
-        description="Kubernetes label selector of the engine pods (`key=value,...`).",
-    )
-    port: int = Field(8000, ge=1, le=65535, description="The engines' HTTP port on each pod.")
-    port_annotation: str = Field(
-        "kvroute.io/port",
-        description="Pod annotation that overrides `port` (e.g. decode pods whose engine "
-        "sits behind a sidecar on another port).",
-    )
-    scheme: Literal["http", "https"] = Field("http", description="Scheme of engine URLs.")
-    role_label: str = Field(
-        "llm-d.ai/role",
-        description="Pod label holding the engine's role: `prefill`, `decode` or `both`.",
-    )
-    default_role: Literal["both", "prefill", "decode"] = Field(
-        "both", description="Role of pods without the role label."
-    )
-    models_annotation: str = Field(
-        "kvroute.io/models",
-        description="Pod annotation listing served models (comma-separated); without it "
-        "the engine's /v1/models says.",
-    )
-    model_label: str | None = Field(
-        None,
-        description="Pod label whose value is the served model name (llm-d's `llm-d.ai/model` "
-        "often names a deployment instead, and label values cannot hold `/`: off by default).",
-    )
-    dp_size_annotation: str = Field(
-        "kvroute.io/dp-size",
-        description="Pod annotation with the engine's data-parallel size (default 1, or what "
-        "its /server_info reports).",
-    )
-    kv_events_port: int | None = Field(
-        None,
-        ge=1,
-        le=65535,
-        description="Subscribe to KV events at tcp://<pod IP>:<this port> (llm-d uses 5557); "
-        "unset: ask each engine's /server_info.",
-    )
-    kv_events_replay_port: int | None = Field(
-        None, ge=1, le=65535, description="The engines' KV-event replay port (e.g. 5558)."
-    )
-    kv_events_annotation: str = Field(
-        "kvroute.io/kv-events",
-        description="Pod annotation that overrides KV events per pod: `none`, `auto`, or "
-        "`tcp://host:port` (`{ip}` is replaced by the pod IP).",
-    )
-    node_topology: bool = Field(
-        True,
-        description="Read each engine pod's node (`spec.nodeName`) and that node's labels "
-        "into `engines[].topology` (needs RBAC to get nodes; without it, the node name "
-        "and the pod's own labels are used).",
-    )
-    zone_label: str = Field(
-        "topology.kubernetes.io/zone",
-        description="Node (or pod) label holding the engine's zone.",
-    )
-    rack_label: str = Field(
-        "topology.kubernetes.io/rack",
-        description="Node (or pod) label holding the engine's rack. Kubernetes defines "
-        "no rack label: set the one the cluster has (GKE: "
-        "`cloud.google.com/gce-topology-subblock`, EKS: `topology.k8s.aws/network-node-layer-3`).",
-    )
-    kubeconfig: str | None = Field(
-        None,
-        description="kubeconfig file (default: the in-cluster service account, else "
-        "$KUBECONFIG or ~/.kube/config).",
-    )
-    watch_timeout_s: int = Field(
-        300,
-        gt=0,
-        description="Server-side length of one watch request; the next resumes from the "
-        "last resourceVersion.",
-    )
-    sync_timeout_s: float = Field(
-        10.0,
-        ge=0,
-        description="At start-up, wait this long for the first pod list before serving "
-        "(discovery goes on in the background after).",
-    )
-    backoff_initial_s: float = Field(
-        0.5, gt=0, description="First wait after a failed list or watch."
-    )
-    backoff_max_s: float = Field(30.0, gt=0, description="Longest wait (doubles up to it).")
-
-
-class DiscoveryConfig(_Section):
+class DiscoveryConfig(Section):
     """Where engines come from besides the static `engines` list."""
 
     kubernetes: KubernetesDiscoveryConfig = Field(default_factory=KubernetesDiscoveryConfig)
 
 
-class TracingConfig(_Section):
+class TracingConfig(Section):
     """OpenTelemetry tracing of the request path (needs the `otel` extra)."""
 
     enabled: bool = Field(
@@ -1503,7 +1041,7 @@ class TracingConfig(_Section):
     )
 
 
-class IndexerEngineConfig(_Section):
+class IndexerEngineConfig(Section):
     """One engine stream the standalone indexer follows (connect mode: vLLM binds its PUB)."""
 
     endpoint: str = Field(
@@ -1527,7 +1065,7 @@ class IndexerEngineConfig(_Section):
     )
 
 
-class IndexerConfig(_Section):
+class IndexerConfig(Section):
     """The standalone indexer (``kvroute indexer``): engine KV events into the Redis index."""
 
     engines: list[IndexerEngineConfig] = Field(default_factory=list)
@@ -1579,7 +1117,7 @@ DEFAULT_ENGINE_CIDRS = (
 addresses such as cloud metadata services)."""
 
 
-class AuthConfig(_Section):
+class AuthConfig(Section):
     """Credentials of the client and admin APIs, and what engines are sent (docs/security.md).
 
     Keys are compared in constant time and never logged. Prefer the ``*_file`` keys
@@ -1663,7 +1201,7 @@ class AuthConfig(_Section):
         return self
 
 
-class TlsConfig(_Section):
+class TlsConfig(Section):
     """TLS on the router's listeners (docs/security.md). Certificate files are re-read
     when they change, so cert-manager rotations need no restart."""
 
@@ -1700,270 +1238,7 @@ class TlsConfig(_Section):
         return self.cert_file is not None and listener in self.listeners
 
 
-class FlowKeyConfig(_Section):
-    """Flow-control settings of one client API key (``flow.keys``)."""
-
-    key: SecretStr = Field(
-        description="The API key (as sent in `Authorization: Bearer KEY`); it must also be "
-        "one of `auth.api_keys` when those are set."
-    )
-    name: str | None = Field(
-        None,
-        min_length=1,
-        max_length=64,
-        description="The tenant this key's requests belong to (metrics, logs, fairness, "
-        "`flow.tenants` limits), whatever `x-kvroute-tenant` or the body's `user` say "
-        "(unless `may_set_tenant`); unset: a digest of the key.",
-    )
-    may_set_tenant: bool = Field(
-        False,
-        description="Let this key's requests name their tenant (`x-kvroute-tenant`, the "
-        "body's `user`, as `flow.tenant_from` says), e.g. the key of a gateway that "
-        "serves several tenants. Off: the key's own tenant (`name`) binds its requests, "
-        "so a client cannot dodge its tenant's limits or spend another's by naming one.",
-    )
-    priority: int | None = Field(
-        None,
-        ge=-1000,
-        le=1000,
-        description="Priority of this key's requests that send no `x-kvroute-priority`; "
-        "unset: `flow.default_priority`.",
-    )
-    max_priority: int | None = Field(
-        None,
-        ge=-1000,
-        le=1000,
-        description="Highest priority this key's requests may ask for with "
-        "`x-kvroute-priority` (a higher one is lowered to it); unset: no cap.",
-    )
-    rpm: int | None = Field(
-        None, gt=0, description="Requests per rate window (`flow.rate_limit.window_s`)."
-    )
-    tpm: int | None = Field(
-        None,
-        gt=0,
-        description="Tokens (prompt + output) per rate window; output tokens are estimated "
-        "from `max_tokens` at admission and corrected from the answer's usage.",
-    )
-
-
-class FlowTenantConfig(_Section):
-    """Limits of one tenant (``flow.tenants``), whatever key its requests come with."""
-
-    name: str = Field(min_length=1, max_length=64, description="The tenant's name.")
-    rpm: int | None = Field(None, gt=0, description="Requests per rate window.")
-    tpm: int | None = Field(None, gt=0, description="Tokens per rate window.")
-    priority: int | None = Field(
-        None, ge=-1000, le=1000, description="Default priority of the tenant's requests."
-    )
-
-
-class FlowRateLimitConfig(_Section):
-    """Where the token buckets of ``flow.keys`` and ``flow.tenants`` live."""
-
-    backend: Literal["local", "redis"] = Field(
-        "local",
-        description="`local`: each router replica limits on its own; `redis`: replicas "
-        "share the buckets (one atomic script per admission), falling back to local "
-        "buckets while Redis is unavailable (`kvroute_rate_limit_fallbacks_total`).",
-    )
-    redis_url: str | None = Field(
-        None,
-        description="Redis for `backend: redis`; unset: `index.redis.url`.",
-    )
-    namespace: str = Field("kvroute", min_length=1, description="Prefix of the bucket keys.")
-    window_s: float = Field(
-        60.0,
-        gt=0,
-        le=86_400,
-        description="The rate window `rpm` and `tpm` count in (60: per minute; tests and "
-        "benchmarks may shorten it).",
-    )
-    timeout_s: float = Field(
-        0.05,
-        gt=0,
-        description="Longest wait for Redis per admission before the local bucket decides.",
-    )
-    burst: float = Field(
-        0.05,
-        gt=0,
-        le=1,
-        description="Share of a window's limit a bucket holds, so may pass at once (at "
-        "least one request); over a window at most `limit * (1 + burst)` pass.",
-    )
-
-    @field_serializer("redis_url", when_used="json")
-    def _url_shown(self, url: str | None) -> str | None:
-        return redacted(url) if url else url
-
-
-class FlowSaturationConfig(_Section):
-    """How full a pool is (``kvroute_pool_saturation``) and when the queue sheds."""
-
-    shed_at: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="At this saturation, sheddable requests (negative priority) are "
-        "refused with 429 instead of queued, and queued ones are evicted first.",
-    )
-    engine_waiting: float = Field(
-        8.0,
-        gt=0,
-        description="Engine-reported waiting requests (`vllm:num_requests_waiting`) at "
-        "which an engine counts as saturated.",
-    )
-    engine_queued_tokens: int = Field(
-        32_768,
-        gt=0,
-        description="Queued prefill tokens the router has sent an engine at which it "
-        "counts as saturated.",
-    )
-    engine_inflight: int = Field(
-        64,
-        gt=0,
-        description="Requests in flight on an engine at which it counts as saturated "
-        "(`limits.max_inflight_per_engine` when that is set).",
-    )
-    queue_waiting: int = Field(
-        16,
-        gt=0,
-        description="Requests of a pool waiting in the admission queue at which the pool "
-        "counts as saturated.",
-    )
-
-
-class FlowConfig(_Section):
-    """Flow control (docs/reliability.md): priority bands, fairness across tenants,
-    rate limits and saturation, on every front end. Off: the admission queue is the
-    plain first-come-first-served queue of `limits`."""
-
-    enabled: bool = Field(
-        False,
-        description="Queue by priority band and tenant, apply rate limits and shed by "
-        "saturation; off: one FIFO admission queue (`limits.*`).",
-    )
-    default_priority: int = Field(
-        0,
-        ge=-1000,
-        le=1000,
-        description="Priority of a request that sends none and whose key or tenant sets "
-        "none. Negative priorities are sheddable.",
-    )
-    max_priority: int = Field(
-        1000,
-        ge=-1000,
-        le=1000,
-        description="Highest priority a request may ask for with `x-kvroute-priority` (a "
-        "higher one is lowered to it; a key's `max_priority` caps its own requests "
-        "further). Gateway metadata and configured defaults are not capped.",
-    )
-    tenant_from: list[Literal["header", "api_key", "user"]] = Field(
-        default_factory=lambda: ["header", "api_key", "user"],
-        min_length=1,
-        description="Where a request's tenant comes from, first found wins: "
-        "`x-kvroute-tenant`, the API key (`flow.keys[].name` or a digest), the body's "
-        "OpenAI `user` field. None found: tenant `default`. A key listed in `flow.keys` "
-        "is its own tenant whatever this says, unless its `may_set_tenant` is on.",
-    )
-    fairness: Literal["vtc", "round_robin"] = Field(
-        "vtc",
-        description="Which tenant's request a band serves next: `vtc` the tenant with the "
-        "fewest tokens served (prompt + output; virtual token counter), `round_robin` "
-        "tenants in turn.",
-    )
-    ordering: Literal["fifo", "deadline"] = Field(
-        "fifo",
-        description="Order within a tenant: `fifo`, or `deadline`: the earliest deadline "
-        "first (`x-kvroute-deadline-ms`, a gRPC deadline), then arrival.",
-    )
-    band_queue: int = Field(
-        1_000, ge=0, description="Requests that may wait in one priority band (429 beyond)."
-    )
-    tenant_share: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="Most of `limits.max_inflight` one tenant may hold; a tenant at its "
-        "share waits even when a slot is free, which is kept for other tenants' requests "
-        "(isolation at the cost of idle slots). 1: no cap.",
-    )
-    max_wait_s: dict[int, float] = Field(
-        default_factory=dict,
-        description="Longest wait per band (`{priority: seconds}`); a band not named "
-        "waits `limits.admission_timeout_s`.",
-    )
-    max_wait_status: Literal[429, 503] = Field(
-        429, description="Answer to a request that waited its band's longest wait."
-    )
-    prefill_isolation: bool = Field(
-        True,
-        description="Route a request away from engines where a request that outranks it "
-        "(a higher band; within a band, when its tenant has a backlog or holds its "
-        "whole `flow.tenant_share`, a tenant with fewer requests in flight and waiting) is "
-        "still prefilling, so that it does not share that prefill's engine steps; with "
-        "no other engine it waits for such a prefill to end, up to "
-        "`flow.prefill_isolation_wait_s`. gRPC `Pick` and ext_proc only steer.",
-    )
-    prefill_isolation_wait_s: float = Field(
-        1.0,
-        ge=0,
-        description="Longest a request waits for outranking prefills to end before it "
-        "is routed beside them (counts in its TTFT, shown as `yielded=` in "
-        "`x-kvroute-reason`).",
-    )
-    prefill_reserve: int = Field(
-        1,
-        ge=0,
-        description="With prefill isolation, while requests that outrank a request were "
-        "routed within `flow.prefill_reserve_window_s`: prefills of its rank and below "
-        "run one an engine, on all but this many engines of the pool (or all but as "
-        "many as outranking requests are prefilling and waiting for, if more), so that "
-        "the next higher-ranked request finds an engine with no prefill to share (lower "
-        "ranks lose that prefill capacity meanwhile). A pool of one engine is never "
-        "reserved. 0: off.",
-    )
-    prefill_reserve_window_s: float = Field(
-        10.0,
-        gt=0,
-        description="How long after its last request a class of requests (priority "
-        "band, tenant) keeps engines reserved for itself (`flow.prefill_reserve`).",
-    )
-    objectives: dict[str, int] = Field(
-        default_factory=dict,
-        description="Priority of a request by its InferenceObjective (the gateway's "
-        "`x-gateway-inference-objective` header), when it sends no `x-kvroute-priority`.",
-    )
-    keys: list[FlowKeyConfig] = Field(
-        default_factory=list, description="Per API key: tenant name, priority, rate limits."
-    )
-    tenants: list[FlowTenantConfig] = Field(
-        default_factory=list, description="Per tenant: rate limits and default priority."
-    )
-    rate_limit: FlowRateLimitConfig = Field(default_factory=FlowRateLimitConfig)
-    saturation: FlowSaturationConfig = Field(default_factory=FlowSaturationConfig)
-
-    @field_validator("max_wait_s")
-    @classmethod
-    def _waits_positive(cls, waits: dict[int, float]) -> dict[int, float]:
-        for band, seconds in waits.items():
-            if seconds < 0:
-                raise ValueError(f"band {band}: a wait cannot be negative ({seconds})")
-        return waits
-
-    @model_validator(mode="after")
-    def _unique_names(self) -> FlowConfig:
-        names = [t.name for t in self.tenants]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"flow.tenants names a tenant twice: {', '.join(sorted(dup))}")
-        keys = [k.key.get_secret_value() for k in self.keys]
-        if len(set(keys)) != len(keys):
-            raise ValueError("flow.keys lists one key twice")
-        return self
-
-
-class Config(_Section):
+class Config(Section):
     """Everything ``kvroute serve`` reads."""
 
     block_size: int = Field(
@@ -2253,7 +1528,8 @@ def _type_name(annotation: Any) -> str:
     if annotation is type(None):
         return "null"
     text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("router.config.", "")
+    # Sections are named by their class, wherever they live (router.config, a plugin's).
+    return re.sub(r"\brouter(?:\.\w+)*\.", "", text.replace("typing.", ""))
 
 
 def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:

@@ -40,9 +40,9 @@ from router.config import (
     ConfigError,
     EngineConfig,
     EventEndpoints,
-    KubernetesDiscoveryConfig,
     TopologyConfig,
 )
+from router.engines.k8s_config import KubernetesDiscoveryConfig
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
 from router.security import engine_refused
 

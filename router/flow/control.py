@@ -28,9 +28,10 @@ from router.flow.ticket import FlowTicket, Identities
 
 if TYPE_CHECKING:
     from router.admission import Admission
-    from router.config import Config, FlowConfig
+    from router.config import Config
     from router.engines.load import LoadTracker
     from router.engines.registry import Registry
+    from router.flow.config import FlowConfig
 
 SHED_RETRY_AFTER_S = 1.0
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from router.api.errors import ApiError
 
 if TYPE_CHECKING:
-    from router.config import FlowRateLimitConfig
+    from router.flow.config import FlowRateLimitConfig
 
 log = logging.getLogger("kvroute.flow")
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from router.engines.load import load_of
 
 if TYPE_CHECKING:
-    from router.config import FlowSaturationConfig
     from router.engines.load import LoadTracker
     from router.engines.registry import Registry
+    from router.flow.config import FlowSaturationConfig
 
 ALL_ROLES = ("both", "prefill", "decode")
 

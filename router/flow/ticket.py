@@ -19,7 +19,7 @@ import msgspec
 from router.security import bearer, key_digest
 
 if TYPE_CHECKING:
-    from router.config import FlowConfig, FlowKeyConfig, FlowTenantConfig
+    from router.flow.config import FlowConfig, FlowKeyConfig, FlowTenantConfig
 
 PRIORITY_HEADER = "x-kvroute-priority"
 TENANT_HEADER = "x-kvroute-tenant"

@@ -32,8 +32,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from router.config import RedisIndexConfig
 from router.index.base import IndexStats, Match
+from router.index.redis_config import RedisIndexConfig
 from router.index.remote import (
     AddOp,
     AvailabilityListener,

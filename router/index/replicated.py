@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from router.config import ReplicatedIndexConfig
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
+from router.index.replicated_config import ReplicatedIndexConfig
 from router.redis.client import RedisClient
 from router.redis.decision_stream import DecisionStream
 from router.redis.schema import pack_keys

@@ -5,16 +5,20 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from router.config import POLICIES, POLICY_NAMES, DisaggregationConfig, PolicyConfig
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest, Score
 from router.policy.kv_cost import DecodeCostPolicy
+from router.policy.registry import POLICIES, POLICY_NAMES, PolicyConfig
+
+if TYPE_CHECKING:
+    from router.config import DisaggregationConfig
 
 DEFAULT_POLICY = "latency"
 
 
 def make_policy(config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> Policy:
-    """Build the policy ``config.name`` names (``router.config.POLICIES``)."""
+    """Build the policy ``config.name`` names (``router.policy.registry.POLICIES``)."""
     name = DEFAULT_POLICY if config.name == "default" else config.name
     if name not in POLICIES:
         raise ValueError(f"unknown policy {config.name!r}; choose one of {', '.join(POLICIES)}")

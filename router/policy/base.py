@@ -24,8 +24,8 @@ from router.index.base import Match
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.config import PolicyConfig
     from router.flow.ticket import FlowTicket
+    from router.policy.registry import PolicyConfig
 
 
 @dataclass(slots=True)

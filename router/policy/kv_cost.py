@@ -48,7 +48,6 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
-from router.config import PolicyConfig
 from router.engines.load import EngineLoad, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
@@ -61,6 +60,7 @@ from router.policy.base import (
     request_seed,
     tiebreak,
 )
+from router.policy.registry import PolicyConfig
 from router.types import EngineKey
 
 _TOTAL = attrgetter("total")

@@ -70,7 +70,6 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from router.config import PolicyConfig
 from router.engines.latency import LatencyPriors
 from router.engines.load import OFFERED_HALF_LIFE_S, LoadView
 from router.hashing import cacheable_blocks, native_helper
@@ -83,6 +82,7 @@ from router.policy.kv_cost import (
     reported_load,
     tier_discounts,
 )
+from router.policy.registry import PolicyConfig
 from router.sessions import SessionMap, session_key
 from router.types import EngineKey
 

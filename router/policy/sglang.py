@@ -24,10 +24,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from router.config import PolicyConfig, SGLangCacheAwareConfig
 from router.engines.load import LoadView, load_of
 from router.index.base import Match
 from router.policy.base import Decision, Policy, RouteRequest
+from router.policy.registry import PolicyConfig
+from router.policy.sglang_config import SGLangCacheAwareConfig
 from router.types import EngineKey
 
 

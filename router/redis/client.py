@@ -31,10 +31,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from router.availability import AvailabilityListener, IndexUnavailable, RemoteCounters
+from router.redaction import redacted
 from router.redis.schema import Keys
 
 if TYPE_CHECKING:
-    from router.config import RedisIndexConfig
+    from router.index.redis_config import RedisIndexConfig
 
 # The name operators' log filters know from when the index held the connection.
 log = logging.getLogger("kvroute.index.redis")
@@ -181,8 +182,6 @@ class RedisClient:
 
     def describe(self) -> str:
         """Where the namespace lives, for log lines (never with credentials)."""
-        from router.security import redacted
-
         return f"{redacted(self.url)} namespace {self.namespace}"
 
     # ------------------------------------------------------------------ calls

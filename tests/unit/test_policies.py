@@ -8,15 +8,15 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 from pydantic import BaseModel, Field
 
-from router import config as router_config
-from router.config import PolicyConfig, SGLangCacheAwareConfig
 from router.engines.load import EngineLoad, LoadTracker, LoadView
 from router.index.base import Match
-from router.policy import POLICY_NAMES, make_policy
+from router.policy import POLICY_NAMES, make_policy, registry
 from router.policy.base import Decision, Policy, RouteRequest
 from router.policy.baselines import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, Session
 from router.policy.kv_cost import KVCostPolicy
+from router.policy.registry import PolicyConfig
 from router.policy.sglang import CacheAwareSGLang
+from router.policy.sglang_config import SGLangCacheAwareConfig
 from router.types import EngineKey
 
 ENGINES = [EngineKey(f"127.0.0.1:{8000 + i}") for i in range(4)]
@@ -230,7 +230,7 @@ class EveryNthParams(BaseModel):
 
 
 class ToyPolicyConfig(PolicyConfig):
-    """``PolicyConfig`` with the toy's section, as router/config.py would hold it."""
+    """``PolicyConfig`` with the toy's section, as router/policy/registry.py would hold it."""
 
     every_nth: EveryNthParams = Field(default_factory=EveryNthParams)
 
@@ -262,11 +262,11 @@ class EveryNth(Policy):
 def test_a_policy_with_parameters_is_its_module_and_its_config_section(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Adding a policy is its class and one line of ``router.config.POLICIES`` beside its
+    """Adding a policy is its class and one line of ``router.policy.registry.POLICIES`` beside its
     parameters; the configuration accepts the name and ``make_policy`` builds it."""
     with pytest.raises(ValueError, match="unknown policy 'every_nth'"):
         PolicyConfig(name="every_nth")
-    monkeypatch.setitem(router_config.POLICIES, "every_nth", f"{__name__}:EveryNth")
+    monkeypatch.setitem(registry.POLICIES, "every_nth", f"{__name__}:EveryNth")
     config = ToyPolicyConfig(name="every_nth", every_nth=EveryNthParams(nth=3))
     policy = make_policy(config)
     assert isinstance(policy, EveryNth) and policy.params.nth == 3
