@@ -127,15 +127,18 @@ class RouterApp:
         """The replicated mode's writer of engine stream snapshots."""
         self.shared_load: SharedLoad | None = None
         """The exchange of in-flight load with the other replicas (Redis)."""
-        loads = LoadTracker(config.block_size, latency=LatencyModel(priors_of(config.policy)))
+        loads = self.loads = LoadTracker(
+            config.block_size, latency=LatencyModel(priors_of(config.policy))
+        )
         registry = self.registry = Registry(config.health)
         for engine_cfg in config.engines:
             registry.add(Engine.from_config(engine_cfg))
-        self.loads, self.block_sizes = loads, BlockSizes(live, registry, loads)
+        self.block_sizes = BlockSizes(live, registry, loads)
         self.block_size_for = self.block_sizes.of
         """The KV block size of a (base) model's pool."""
         events = EventFollowing(live, registry, index, self.block_sizes, spawn, remote, replicated)
-        self.events, self.event_writer, self.ingestor = events, events.writer, events.ingestor
+        self.events = events
+        self.event_writer, self.ingestor = events.writer, events.ingestor
         self.subscribes = events.subscribes  # the events section needs a restart
         """Whether this router follows the engines' KV events itself."""
         self.subscriber: KVEventSubscriber | None = None
@@ -146,7 +149,8 @@ class RouterApp:
         make_core = RoutingCore if self.tracing is None else self.tracing.core
         policy = make_policy(config.policy)
         core = make_core(index, policy, config.policy, loads, has_events=events.has_events)
-        self.core, core.max_per_engine = core, config.limits.max_inflight_per_engine
+        self.core = core
+        core.max_per_engine = config.limits.max_inflight_per_engine
         admission = self.admission = Admission(config.limits)
         loads.on_end = admission.engine_freed
         self.flow: FlowControl | None = None
