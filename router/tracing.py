@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from router.config import ConfigError, TracingConfig
+from router.config import ConfigError, ProxyConfig, TracingConfig
 from router.core import RoutingCore
 from router.http1 import Response
 from router.policy.base import Decision, Policy, RouteRequest
@@ -68,6 +68,34 @@ def tracer_of(provider: Any) -> Any:
     from router import __version__
 
     return trace.get_tracer("kvroute", __version__, tracer_provider=provider)
+
+
+class Tracing:
+    """One router's tracing: its tracer, and the traced routing core and engine client."""
+
+    def __init__(self, cfg: TracingConfig, provider: Any = None) -> None:
+        """``provider``: a TracerProvider to use (tests), else one made from ``cfg``,
+        which the router then owns (flushes and shuts down)."""
+        self.owned = provider is None
+        self.provider = provider if provider is not None else tracer_provider(cfg)
+        self.tracer = tracer_of(self.provider)
+
+    def core(self, *args: Any, **kwargs: Any) -> RoutingCore:
+        """A :class:`RoutingCore` (same arguments) with a span around each decision."""
+        core = TracedRoutingCore(*args, **kwargs)
+        core.tracer = self.tracer
+        return core
+
+    def upstream(self, cfg: ProxyConfig) -> Upstream:
+        """The engine client, its calls in client spans."""
+        upstream = TracedUpstream(cfg)
+        upstream.tracer = self.tracer
+        return upstream
+
+    def shutdown(self) -> None:
+        """Flush the spans not exported yet, if the provider is the router's."""
+        if self.owned:
+            self.provider.shutdown()
 
 
 class TracedRoutingCore(RoutingCore):

@@ -3,13 +3,13 @@
 A small informer over ``kubernetes-asyncio``: list the pods (keeping the list's
 ``resourceVersion``), then watch from that version. What each event does:
 
-* a pod that is Ready and has an IP becomes an engine (``RouterApp.add_engine``); its
+* a pod that is Ready and has an IP becomes an engine (``EngineFleet.add_engine``); its
   role, models, data-parallel size and KV-event endpoint come from labels and
   annotations (:func:`engine_of_pod`, defaults after llm-d's conventions);
 * a registered pod that stops being Ready, or starts terminating, is drained: no new
   requests, in-flight ones finish, its index entries stay for when it is Ready again;
 * a deleted pod's engine goes, with its index entries, KV-event streams and load
-  (``RouterApp.remove_engine``);
+  (``EngineFleet.remove_engine``);
 * ``BOOKMARK`` events only move the resourceVersion forward.
 
 A watch that ends (the server's ``timeoutSeconds``) or breaks (connection lost) resumes
@@ -54,7 +54,7 @@ _decode = msgspec.json.decode
 
 
 class Fleet(Protocol):
-    """What discovery changes: a running router (``RouterApp``)."""
+    """What discovery changes: a running router's engines (``EngineFleet``)."""
 
     registry: Registry
     config: Config

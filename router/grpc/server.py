@@ -41,7 +41,9 @@ from router.security import AuthError, grpc_credentials
 
 if TYPE_CHECKING:
     from router.api.picks import PickLedger
+    from router.api.services import Services
     from router.config import Config
+    from router.drain import Drain
     from router.engines.registry import Engine, EngineState, Registry
     from router.metrics import RouterMetrics
     from router.security import Credentials
@@ -314,6 +316,28 @@ class GrpcServers:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refresher: asyncio.Task[None] | None = None
         self._expirer: asyncio.Task[None] | None = None
+
+    @classmethod
+    def serving(cls, services: Services, drain: Drain) -> GrpcServers:
+        """A router's listeners: the ``kvroute.v1`` and ext_proc servicers over its
+        ``services``, their health following its ``drain``."""
+        from router.api.extproc import ExtProcService
+        from router.api.grpc import AdminService, RouterService
+
+        return cls(
+            services.config,
+            Servicers(
+                router=lambda: RouterService(services),
+                admin=lambda: AdminService(services),
+                extproc=lambda: ExtProcService(services),
+            ),
+            registry=services.registry,
+            picks=services.picks,
+            credentials=services.credentials,
+            metrics=services.metrics,
+            draining=lambda: drain.draining,
+            drain_listeners=drain.listeners,
+        )
 
     def _ready(self) -> bool:
         return not self.draining() and self.registry.healthy_count() > 0

@@ -329,7 +329,7 @@ async def test_every_reloadable_key_reaches_what_reads_it(
         await other.stop()
     assert unread == [], (
         f"reloadable keys with no known reader: {unread}; subscribe the component that "
-        "uses each (RouterApp._follow_config) and add it to READS, or list it in "
+        "uses each (router/reconfigure.py, follow_config) and add it to READS, or list it in "
         "router.reload.RESTART_ONLY"
     )
     assert unchanged == [], f"reloaded, but what the router reads did not change: {unchanged}"
