@@ -13,7 +13,6 @@ registry, index and connections.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -39,7 +38,7 @@ from router.engines.registry import Engine, Registry
 from router.events.follow import EventFollowing
 from router.flow.control import FlowControl
 from router.index import KVIndex, index_from_config
-from router.index.base import IndexStats, IndexUnavailable
+from router.index.base import IndexStats
 from router.index.remote import RemoteIndex
 from router.index.shadow import DecisionShadow, ShadowedIndex
 from router.live_config import LiveConfig
@@ -48,6 +47,7 @@ from router.policy import make_policy
 from router.policy.latency import priors_of
 from router.proxy import Upstream
 from router.reconfigure import follow_config
+from router.redis.replicas import ReplicaSharing
 from router.response_store import ResponseStore
 from router.security import Credentials
 from router.session_sharing import SessionSharing
@@ -59,15 +59,13 @@ if TYPE_CHECKING:
     from router.engines.k8s import KubernetesDiscovery
     from router.engines.monitor import EngineMonitor
     from router.engines.shared_load import SharedLoad
-    from router.events.ingest import StreamState
-    from router.events.snapshots import Snapshot, SnapshotWriter
+    from router.events.snapshots import SnapshotWriter
     from router.events.subscriber import KVEventSubscriber
     from router.grpc.server import GrpcServers
     from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.redis.client import RedisClient
     from router.reload import Reloader
     from router.tracing import Tracing
-    from router.types import EngineKey
 
 log = logging.getLogger("kvroute")
 
@@ -125,10 +123,6 @@ class RouterApp:
         """The in-memory index of the replicated mode (None in the other modes)."""
         self.redis = _redis_of(remote) or (replicated.redis if replicated is not None else None)
         """The Redis of either mode (load sharing, incarnation checks, stored responses)."""
-        self.snapshots: SnapshotWriter | None = None
-        """The replicated mode's writer of engine stream snapshots."""
-        self.shared_load: SharedLoad | None = None
-        """The exchange of in-flight load with the other replicas (Redis)."""
         loads = self.loads = LoadTracker(
             config.block_size, latency=LatencyModel(priors_of(config.policy))
         )
@@ -189,6 +183,12 @@ class RouterApp:
         )
         self.metrics.watch_picks(self.picks)
         sources = self.metrics.state.sources
+        self.replica_sharing = (
+            ReplicaSharing(live, self.redis, loads, self.fleet.serves, replicated, events, sources)
+            if self.redis is not None
+            else None
+        )
+        """The load exchange and the replicated mode's snapshots (with Redis)."""
         self.session_sharing = SessionSharing(
             live,
             core,
@@ -281,15 +281,14 @@ class RouterApp:
         return self.state.draining
 
     @property
-    def _warm(self) -> dict[EngineKey, Snapshot]:
-        return self.events.warm
+    def shared_load(self) -> SharedLoad | None:
+        """The exchange of in-flight load with the other replicas (Redis), once started."""
+        return self.replica_sharing.shared_load if self.replica_sharing else None
 
-    @_warm.setter
-    def _warm(self, snapshots: dict[EngineKey, Snapshot]) -> None:
-        self.events.warm = snapshots
-
-    def _stream_states(self) -> list[tuple[StreamState, int | None]]:
-        return self.events.stream_states()
+    @property
+    def snapshots(self) -> SnapshotWriter | None:
+        """The replicated mode's writer of engine stream snapshots, once started."""
+        return self.replica_sharing.snapshots if self.replica_sharing else None
 
     def web_app(self) -> web.Application:
         return self.http.app()
@@ -325,8 +324,8 @@ class RouterApp:
         self.services.upstream = self.pool_client.upstream = self.upstream
         if self.remote is not None:
             self.remote.listeners.append(self.events.on_index_availability)
-        if self.redis is not None:
-            await self._start_redis(self.redis)
+        if self.replica_sharing is not None:
+            await self.replica_sharing.start()
         self.subscriber = await self.events.start()
         if self.subscriber is not None:
             self.metrics.state.sources.subscriber = self.subscriber.stats
@@ -337,8 +336,8 @@ class RouterApp:
         if self.discovery is not None:
             await self.discovery.start()
         self.session_sharing.share()  # before the replicated catch-up: it replays peers' pins
-        if self.replicated is not None and self.redis is not None:
-            await self._start_replicated(self.replicated, self.redis)
+        if self.replica_sharing is not None:
+            await self.replica_sharing.catch_up()
         self._tasks.append(asyncio.ensure_future(self._refresh_index_stats()))
         if self.http.tls is not None:
             self._spawn(self.http.tls.watch())
@@ -355,59 +354,6 @@ class RouterApp:
         self.grpc = GrpcServers.serving(self.services, self.drain_state)
         await self.grpc.start()
         self.grpc_port, self.extproc_port = self.grpc.grpc_port, self.grpc.extproc_port
-
-    async def _start_redis(self, redis: RedisClient) -> None:
-        from router.engines.shared_load import SharedLoad
-
-        # Learn Redis's incarnation now, so that after an outage the router can tell a
-        # Redis that kept its data from one that restarted empty.
-        with contextlib.suppress(IndexUnavailable):
-            await redis.check_incarnation(timeout=max(redis.budget, 1.0))
-        cfg = self.config.index.redis
-        if cfg.share_load:
-            self.shared_load = SharedLoad(
-                redis,
-                self.loads,
-                lambda key: self.registry.engine_of(key) is not None,
-                replica=self.replicated.replica if self.replicated is not None else None,
-                interval=cfg.load_interval_s,
-                ttl=cfg.load_ttl_s,
-            )
-            self.shared_load.start()
-            self.metrics.state.sources.shared_load = self.shared_load
-        if self.replicated is not None:
-            await self._load_snapshots(redis)
-
-    async def _load_snapshots(self, redis: RedisClient) -> None:
-        """Replicated mode, before any engine is subscribed: the engine streams'
-        snapshots, taken as each engine is subscribed during start."""
-        from router.events.snapshots import load_snapshots
-
-        if not self.subscribes or self.config.index.replicated.snapshot_interval_s <= 0:
-            return
-        try:
-            self._warm = await load_snapshots(redis)
-        except Exception as exc:  # no snapshot is no reason not to start: start cold
-            log.warning("replicated index: no engine snapshots to start from (%s)", exc)
-        else:
-            log.info("replicated index: %d engine snapshot(s) to start from", len(self._warm))
-
-    async def _start_replicated(self, index: ReplicatedIndex, redis: RedisClient) -> None:
-        """Once the engines are subscribed (and known, for peers' decisions about them):
-        read the peers' decisions still live, then follow the decision stream and write
-        snapshots in the background. Snapshots not taken by now are dropped: a later
-        engine starts from its own events, not from a snapshot of unknown age."""
-        from router.events.snapshots import SnapshotWriter
-
-        self._warm.clear()
-        await index.sync.start(catch_up_timeout=max(redis.admin_timeout, 1.0))
-        cfg = self.config.index.replicated
-        if self.subscribes and cfg.snapshot_interval_s > 0:
-            self.snapshots = SnapshotWriter(
-                redis, index.replica, cfg.snapshot_interval_s, self._stream_states
-            )
-            self.snapshots.start()
-            self.metrics.state.sources.snapshots = self.snapshots
 
     async def _refresh_index_stats(self) -> None:
         while True:
@@ -428,10 +374,8 @@ class RouterApp:
 
     async def stop(self) -> None:
         self.begin_drain()
-        if self.snapshots is not None:
-            # First, while every stream is still followed: a writer stopped later would
-            # see none.
-            await self.snapshots.stop()
+        if self.replica_sharing is not None:
+            await self.replica_sharing.stop_snapshots()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -451,9 +395,8 @@ class RouterApp:
         await self.events.close()
         if self.upstream is not None:
             await self.upstream.close()
-        if self.shared_load is not None:
-            self.session_sharing.stop_load_pushes(self.shared_load)
-            await self.shared_load.stop()
+        if self.replica_sharing is not None:
+            await self.replica_sharing.stop_load_exchange(self.session_sharing.stop_load_pushes)
         await self.session_sharing.stop()
         await self.index.close()
         if self.flow is not None:
