@@ -186,7 +186,7 @@ class RoutingCore:
         policy."""
         counters = self.counters
         yield DECISIONS.labelled(sorted(counters.decisions.items()))
-        errors = counters.index_errors + (shadowed.counters.errors if shadowed else 0)
+        errors = counters.index_errors + (shadowed.counters.errors if shadowed is not None else 0)
         yield INDEX_ERRORS.value(errors)
         yield INDEX_AVAILABLE.value(1.0 if shadowed is None or shadowed.available else 0.0)
         yield INFLIGHT_REQUESTS.value(self.loads.in_flight)
