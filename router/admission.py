@@ -27,12 +27,22 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from router.api.errors import ApiError
 from router.config import LimitsConfig
 from router.flow.queue import BandedQueue, Waiter
 from router.flow.ticket import FlowTicket
+from router.metric_catalogue import (
+    ADMISSION_INFLIGHT,
+    ADMISSION_READING_BODY,
+    ADMISSION_REJECTED,
+    ADMISSION_WAITING,
+)
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 
 class Overloaded(ApiError):
@@ -250,3 +260,12 @@ class Admission:
         finally:
             if waiter in self._capacity:
                 self._capacity.remove(waiter)
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Slots held, bodies being read, requests waiting, and refusals by reason."""
+        yield ADMISSION_INFLIGHT.value(self.in_flight)
+        yield ADMISSION_READING_BODY.value(self.reading_body)
+        yield ADMISSION_WAITING.value(self.waiting)
+        yield ADMISSION_REJECTED.labelled(
+            ((reason,), n) for reason, n in sorted(self.rejected.items())
+        )

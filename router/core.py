@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.config import PolicyConfig
 from router.engines.load import LoadTracker
 from router.index.base import FallbackMatches, IndexUnavailable, KVIndex, Match
+from router.metric_catalogue import (
+    DECISIONS,
+    INDEX_AVAILABLE,
+    INDEX_ERRORS,
+    INFLIGHT_REQUESTS,
+    SLO_REQUESTS,
+    SLO_UNMET,
+)
 from router.policy import make_policy
 from router.policy.base import Decision, NoCandidates, Policy, RouteRequest
 from router.policy.kv_cost import KVCostPolicy
@@ -35,6 +43,8 @@ from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.flow.isolation import PrefillIsolation
+    from router.index.shadow import ShadowedIndex
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.core")
 
@@ -169,6 +179,21 @@ class RoutingCore:
         """An engine left the fleet: drop policy state and load about it."""
         self.policy.forget(engine)
         self.loads.forget(engine)
+
+    def metric_families(self, shadowed: ShadowedIndex | None = None) -> Iterator[StateFamily]:
+        """Decisions, index errors (with those of the Redis index's ``shadowed`` calls),
+        requests in flight, and the ``latency`` policy's objectives when it is the
+        policy."""
+        counters = self.counters
+        yield DECISIONS.labelled(sorted(counters.decisions.items()))
+        errors = counters.index_errors + (shadowed.counters.errors if shadowed is not None else 0)
+        yield INDEX_ERRORS.value(errors)
+        yield INDEX_AVAILABLE.value(1.0 if shadowed is None or shadowed.available else 0.0)
+        yield INFLIGHT_REQUESTS.value(self.loads.in_flight)
+        checked = getattr(self.policy, "slo_checked", None)
+        if checked is not None:
+            yield SLO_REQUESTS.value(checked)
+            yield SLO_UNMET.value(getattr(self.policy, "slo_unmet", 0))
 
 
 __all__ = ["NoCandidates", "RoutingCore", "Saturated"]

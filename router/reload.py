@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router.config import Config, ConfigError
+from router.metric_catalogue import CONFIG_RELOADS
 from router.redaction import redacted
 
 if TYPE_CHECKING:
     from router.live_config import LiveConfig
+    from router.metric_catalogue import StateFamily
     from router.security import Credentials
 
 log = logging.getLogger("kvroute.reload")
@@ -172,14 +174,6 @@ class ReloadCollector:
     def __init__(self, reloader: Reloader) -> None:
         self.reloader = reloader
 
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily
-
-        family = CounterMetricFamily(
-            "kvroute_config_reloads",
-            "Configuration reloads (SIGHUP or a changed file) by outcome",
-            labels=["outcome"],
-        )
-        for outcome, n in sorted(self.reloader.counts.items()):
-            family.add_metric([outcome], n)
-        yield family
+    def collect(self) -> Iterator[StateFamily]:
+        counts = sorted(self.reloader.counts.items())
+        yield CONFIG_RELOADS.labelled(((outcome,), n) for outcome, n in counts)

@@ -36,13 +36,22 @@ import os
 import resource
 import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from router.api.errors import ApiError, shape_for
+from router.metric_catalogue import (
+    HTTP_CONNECTIONS,
+    HTTP_CONNECTIONS_REFUSED,
+    HTTP_MALFORMED_REQUESTS,
+    HTTP_TIMEOUTS,
+)
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.http")
 
@@ -135,6 +144,13 @@ class ConnectionGuard:
                 "until some end",
                 self.max_connections,
             )
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Connections open and refused, timeouts by phase, malformed requests."""
+        yield HTTP_CONNECTIONS.value(self.open)
+        yield HTTP_CONNECTIONS_REFUSED.value(self.refused)
+        yield HTTP_TIMEOUTS.labelled(((p,), n) for p, n in sorted(self.timeouts.items()))
+        yield HTTP_MALFORMED_REQUESTS.value(self.malformed)
 
 
 class _Guarded(asyncio.Protocol):

@@ -18,14 +18,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.api.decide import Plan
 from router.engines.load import LoadTracker, Ticket
+from router.metric_catalogue import PICKS_ENDED
 from router.policy.base import RouteRequest
 from router.serving.charges import Charges
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 
 @dataclass(slots=True, eq=False)
@@ -179,3 +184,8 @@ class PickLedger:
         while self._deadlines and self._deadlines[0][2].ended:
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Picks ended, by how (every way, ended so or not)."""
+        ways = ("released", "expired", "stream_end")
+        yield PICKS_ENDED.labelled(((how,), self.counters.ended.get(how, 0)) for how in ways)

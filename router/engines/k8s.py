@@ -27,10 +27,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import msgspec
@@ -44,7 +44,17 @@ from router.config import (
 )
 from router.engines.k8s_config import KubernetesDiscoveryConfig
 from router.engines.registry import Engine, EngineState, Registry, endpoint_of
+from router.metric_catalogue import (
+    DISCOVERY_ENGINES,
+    DISCOVERY_ERRORS,
+    DISCOVERY_EVENTS,
+    DISCOVERY_EXPIRED,
+    DISCOVERY_LISTS,
+)
 from router.security import engine_refused
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -565,35 +575,13 @@ class DiscoveryCollector:
     def __init__(self, discovery: KubernetesDiscovery) -> None:
         self.discovery = discovery
 
-    def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+    def collect(self) -> Iterator[StateFamily]:
         stats = self.discovery.stats
-        engines = GaugeMetricFamily(
-            "kvroute_discovery_engines",
-            "Engines registered from Kubernetes pods, by pod readiness",
-            labels=["state"],
-        )
         ready = list(self.discovery.engines().values())
-        engines.add_metric(["ready"], sum(ready))
-        engines.add_metric(["not_ready"], len(ready) - sum(ready))
-        yield engines
-        events = CounterMetricFamily(
-            "kvroute_discovery_events", "Pod watch events by type", labels=["type"]
+        yield DISCOVERY_ENGINES.labelled(
+            [(("ready",), sum(ready)), (("not_ready",), len(ready) - sum(ready))]
         )
-        for kind, n in sorted(stats.events.items()):
-            events.add_metric([kind], n)
-        yield events
-        yield CounterMetricFamily(
-            "kvroute_discovery_lists", "Full pod lists (start-up and relists)", value=stats.lists
-        )
-        yield CounterMetricFamily(
-            "kvroute_discovery_expired",
-            "Watches whose resourceVersion had expired (410 Gone): relisted",
-            value=stats.expired,
-        )
-        yield CounterMetricFamily(
-            "kvroute_discovery_errors",
-            "Failed or broken pod list and watch requests (retried after a backoff)",
-            value=stats.errors,
-        )
+        yield DISCOVERY_EVENTS.labelled(((kind,), n) for kind, n in sorted(stats.events.items()))
+        yield DISCOVERY_LISTS.value(stats.lists)
+        yield DISCOVERY_EXPIRED.value(stats.expired)
+        yield DISCOVERY_ERRORS.value(stats.errors)

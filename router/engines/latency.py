@@ -26,9 +26,22 @@ from :attr:`EngineLoad.latency <router.engines.load.EngineLoad.latency>`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from router.metric_catalogue import (
+    ENGINE_LATENCY_OBSERVATIONS,
+    ENGINE_PREFILL_SECONDS_PER_TOKEN,
+    ENGINE_PREFILL_UTILIZATION,
+    ENGINE_TPOT_BASE_SECONDS,
+    ENGINE_TPOT_SECONDS_PER_SEQUENCE,
+    ENGINE_TTFT_OVERHEAD_SECONDS,
+)
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +225,37 @@ class LatencyModel:
 
     def forget(self, engine: EngineKey) -> None:
         self.engines.pop(engine, None)
+
+    def metric_families(
+        self, engines: Sequence[EngineKey], offered: Callable[[EngineKey], float]
+    ) -> Iterator[StateFamily]:
+        """The fitted lines of each of ``engines`` that has some, its prefill utilization
+        (``offered``: its uncached prompt tokens per second lately) and the observations
+        behind them."""
+        prefill = ENGINE_PREFILL_SECONDS_PER_TOKEN.labelled()
+        overhead = ENGINE_TTFT_OVERHEAD_SECONDS.labelled()
+        tpot_base = ENGINE_TPOT_BASE_SECONDS.labelled()
+        tpot_per_seq = ENGINE_TPOT_SECONDS_PER_SEQUENCE.labelled()
+        utilization = ENGINE_PREFILL_UTILIZATION.labelled()
+        observed = ENGINE_LATENCY_OBSERVATIONS.labelled()
+        for key in engines:
+            fit = self.engines.get(key)
+            if fit is None:
+                continue
+            label = [key.label]
+            prefill.add_metric(label, fit.prefill_s_per_token)
+            overhead.add_metric(label, fit.ttft_overhead_s)
+            tpot_base.add_metric(label, fit.tpot_base_s)
+            tpot_per_seq.add_metric(label, fit.tpot_s_per_seq)
+            utilization.add_metric(label, fit.prefill_s_per_token * offered(key))
+            observed.add_metric([key.label, "ttft"], fit.ttft.observations)
+            observed.add_metric([key.label, "tpot"], fit.tpot.observations)
+        yield prefill
+        yield overhead
+        yield tpot_base
+        yield tpot_per_seq
+        yield utilization
+        yield observed
 
 
 __all__ = ["EngineLatency", "LatencyModel", "LatencyPriors", "LineFit"]

@@ -18,15 +18,22 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from router.engines.latency import EngineLatency, LatencyModel
+from router.metric_catalogue import (
+    ENGINE_INFLIGHT_REQUESTS,
+    ENGINE_PEER_INFLIGHT_REQUESTS,
+    ENGINE_PEER_QUEUED_PREFILL_TOKENS,
+    ENGINE_QUEUED_PREFILL_TOKENS,
+)
 from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.flow.ticket import FlowTicket
+    from router.metric_catalogue import StateFamily
 
 
 #: What a request is expected to generate before an engine's answers have been counted:
@@ -443,3 +450,34 @@ class LoadTracker:
     @property
     def in_flight(self) -> int:
         return len(self._open)
+
+    def metric_families(
+        self, engines: Sequence[EngineKey], peers: bool = False
+    ) -> Iterator[StateFamily]:
+        """This router's in-flight requests and queued prefill tokens on each of
+        ``engines`` (the fleet's: a series goes with its engine), the other replicas'
+        too when ``peers`` (load is shared), then the latency model's lines."""
+        inflight = ENGINE_INFLIGHT_REQUESTS.labelled()
+        prefill = ENGINE_QUEUED_PREFILL_TOKENS.labelled()
+        peer_inflight = ENGINE_PEER_INFLIGHT_REQUESTS.labelled()
+        peer_prefill = ENGINE_PEER_QUEUED_PREFILL_TOKENS.labelled()
+        for key in engines:
+            load = self._loads.get(key)
+            own = load.own() if load else None
+            inflight.add_metric([key.label], own.requests if own else 0)
+            prefill.add_metric([key.label], own.prefill_tokens if own else 0)
+            peer_inflight.add_metric([key.label], load.peer_requests if load else 0)
+            peer_prefill.add_metric([key.label], load.peer_prefill_tokens if load else 0)
+        yield inflight
+        yield prefill
+        if peers:
+            yield peer_inflight
+            yield peer_prefill
+        if self.latency is not None:
+            now = self.clock()
+
+            def offered(key: EngineKey) -> float:
+                load = self._loads.get(key)
+                return load.offered_tokens_per_s(now) if load is not None else 0.0
+
+            yield from self.latency.metric_families(engines, offered)

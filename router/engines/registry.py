@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from router.config import EngineConfig, EventEndpoints, HealthConfig
+from router.metric_catalogue import ENGINE_EJECTIONS, ENGINE_HEALTHY, ENGINE_REFUSED
 from router.topology import Topology
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.engines")
 
@@ -182,6 +186,10 @@ class Registry:
     def get(self, endpoint: str) -> Engine | None:
         return self._engines.get(endpoint)
 
+    def engine_keys(self) -> list[EngineKey]:
+        """Every routing target (one per DP rank), engine by engine."""
+        return [key for engine in self._engines.values() for key in engine.keys]
+
     def engine_of(self, key: EngineKey) -> Engine | None:
         return self._engines.get(key.endpoint)
 
@@ -258,6 +266,17 @@ class Registry:
 
     def healthy_count(self) -> int:
         return sum(1 for e in self._engines.values() if e.state is EngineState.HEALTHY)
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Each engine's health, refusal and ejections (its series go with it)."""
+        engines = list(self._engines.values())
+        yield ENGINE_HEALTHY.labelled(
+            ((e.endpoint,), 1.0 if e.state is EngineState.HEALTHY else 0.0) for e in engines
+        )
+        yield ENGINE_REFUSED.labelled(
+            ((e.endpoint,), 1.0 if e.state is EngineState.REFUSED else 0.0) for e in engines
+        )
+        yield ENGINE_EJECTIONS.labelled(((e.endpoint,), e.ejections) for e in engines)
 
     # ---------------------------------------------------------------- health
 

@@ -31,16 +31,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from router.engines.load import NO_PEERS, InFlight, LoadTracker
 from router.index.base import IndexUnavailable
+from router.metric_catalogue import LOAD_CHANGES_APPLIED, LOAD_CHANGES_SENT, LOAD_PEERS
 from router.redis.client import RedisClient, replica_id
 from router.redis.load_exchange import LoadExchange
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.load")
 
@@ -284,3 +289,9 @@ class SharedLoad:
                     total = total.plus(seen[1])
             self.tracker.set_peer(engine, total)
         self.applied += len(touched)
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Peers counted, and the in-flight changes sent to them and applied from them."""
+        yield LOAD_PEERS.value(self.peers)
+        yield LOAD_CHANGES_SENT.value(self.pushed)
+        yield LOAD_CHANGES_APPLIED.value(self.applied)

@@ -28,15 +28,25 @@ longer apply; a later removal of a forgotten hash is counted as ``unknown_hash``
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.events.vllm import SGLANG_SALT_PREFIX
 from router.hashing import ExtraKey, block_keys, native_helper, seed_for
 from router.index.base import KVIndex, pop_oldest, store_newest, trimmed_size
+from router.metric_catalogue import (
+    KV_EVENT_HASHES_FORGOTTEN,
+    KV_EVENT_UNKNOWN_FIELDS,
+    KV_EVENTS,
+    KV_EVENTS_BLOCK_SIZE_MISMATCH,
+    KV_EVENTS_SKIPPED,
+)
 from router.types import EngineKey, Tier
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 
 def _entries(event: BlockStored) -> list[list[Any]]:
@@ -157,6 +167,20 @@ class IngestCounters:
     block_size_mismatches: Counter[EngineKey] = field(default_factory=Counter)
     """BlockStored events dropped per engine stream because their block size is not the
     engine's."""
+
+    def metric_families(self, fleet: Container[str] | None = None) -> Iterator[StateFamily]:
+        """Events applied and skipped, hashes forgotten, fields ignored, and block-size
+        mismatches of the engines in ``fleet`` (their endpoints; None: every engine's)."""
+        types = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+        yield KV_EVENTS.labelled(((t,), self.events.get(t, 0)) for t in types)
+        yield KV_EVENTS_SKIPPED.labelled(((r,), n) for r, n in sorted(self.skipped.items()))
+        yield KV_EVENT_HASHES_FORGOTTEN.value(self.forgotten_hashes)
+        yield KV_EVENT_UNKNOWN_FIELDS.value(self.unknown_fields)
+        yield KV_EVENTS_BLOCK_SIZE_MISMATCH.labelled(
+            ((key.label,), n)
+            for key, n in sorted(self.block_size_mismatches.items())
+            if fleet is None or key.endpoint in fleet
+        )
 
 
 BlockSizeListener = Callable[[EngineKey, int, int], None]

@@ -38,8 +38,9 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 import zmq
@@ -57,7 +58,20 @@ from router.events.vllm import (
     encode_seq,
     replay_reply,
 )
+from router.metric_catalogue import (
+    KV_EVENT_BATCHES,
+    KV_EVENT_GAPS,
+    KV_EVENT_GARBAGE,
+    KV_EVENT_LAG_SECONDS,
+    KV_EVENT_PUBLISHERS_REFUSED,
+    KV_EVENT_REPLAYS,
+    KV_EVENT_RESTARTS,
+    KV_EVENTS_ADDRESS_MISMATCH,
+)
 from router.types import EngineKey
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.events")
 
@@ -104,6 +118,21 @@ class SubscriberStats:
     publishers_refused: int = 0
     """Bind mode with CURVE: publisher handshakes refused for an unknown key."""
     lag: dict[EngineKey, float] = field(default_factory=dict)
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Batches, gaps, replays by outcome, restarts, frames dropped, handshakes
+        refused, and each stream's lag."""
+        yield KV_EVENT_BATCHES.value(self.batches)
+        yield KV_EVENT_GAPS.value(self.gaps)
+        outcomes = ("ok", "uncovered", "failed")
+        yield KV_EVENT_REPLAYS.labelled(((o,), self.replays.get(o, 0)) for o in outcomes)
+        yield KV_EVENT_RESTARTS.value(self.restarts)
+        yield KV_EVENT_GARBAGE.value(self.garbage)
+        yield KV_EVENTS_ADDRESS_MISMATCH.value(self.address_mismatches)
+        yield KV_EVENT_PUBLISHERS_REFUSED.value(self.publishers_refused)
+        yield KV_EVENT_LAG_SECONDS.labelled(
+            ((engine.label,), seconds) for engine, seconds in sorted(self.lag.items())
+        )
 
 
 TopicResolver = Callable[[str, int | None], EventSource | None]

@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.events.ingest import BlockSizeListener, EventIngestor, IngestCounters, StreamState
 from router.events.types import EventBatch
@@ -43,7 +44,11 @@ from router.index.remote import (
     WriteResult,
     take_for_write,
 )
+from router.metric_catalogue import KV_EVENT_RESNAPSHOTS
 from router.types import EngineKey, Tier
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.events.writer")
 
@@ -70,6 +75,10 @@ class WriterStats:
     """Writes that failed (the index unavailable or slower than the write timeout)."""
     resnapshots: int = 0
     """Engine streams rewritten whole from their state (after writes were lost)."""
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Engine streams rewritten into Redis."""
+        yield KV_EVENT_RESNAPSHOTS.value(self.resnapshots)
 
 
 class _Recorder(KVIndex):

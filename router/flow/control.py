@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from router.admission import Overloaded
@@ -25,6 +25,14 @@ from router.flow.queue import BandedQueue
 from router.flow.ratelimit import Limit, RateLimited, RateLimiter
 from router.flow.saturation import Saturation
 from router.flow.ticket import FlowTicket, Identities
+from router.metric_catalogue import (
+    FLOW_ADMITTED,
+    FLOW_REFUSED,
+    FLOW_WAIT_SECONDS,
+    FLOW_WAITING,
+    POOL_SATURATION,
+    RATE_LIMIT_FALLBACKS,
+)
 
 if TYPE_CHECKING:
     from router.admission import Admission
@@ -32,6 +40,7 @@ if TYPE_CHECKING:
     from router.engines.load import LoadTracker
     from router.engines.registry import Registry
     from router.flow.config import FlowConfig
+    from router.metric_catalogue import StateFamily
 
 SHED_RETRY_AFTER_S = 1.0
 
@@ -278,3 +287,20 @@ class FlowControl:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.limiter.close()
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Pool saturation, the banded queue, admissions and refusals by band, rate-limit
+        fallbacks, and prefill isolation's counters when it is on."""
+        saturation = self.saturation.all()
+        yield POOL_SATURATION.labelled(((m,), v) for m, v in sorted(saturation.items()))
+        waiting: dict[tuple[str, str], int] = {}
+        for (band, tenant), n in self.queue.counts().items():
+            key = (str(band), self.tenant_label(tenant))
+            waiting[key] = waiting.get(key, 0) + n
+        yield FLOW_WAITING.labelled(sorted(waiting.items()))
+        yield FLOW_ADMITTED.labelled(((b,), n) for b, n in sorted(self.admitted.items()))
+        yield FLOW_WAIT_SECONDS.labelled(((b,), s) for b, s in sorted(self.wait_sum.items()))
+        yield FLOW_REFUSED.labelled(sorted(self.refused.items()))
+        yield RATE_LIMIT_FALLBACKS.value(self.limiter.fallbacks)
+        if self.isolation is not None:
+            yield from self.isolation.metric_families()

@@ -35,15 +35,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.core import Saturated
+from router.metric_catalogue import FLOW_PREFILL_ISOLATION, FLOW_PREFILL_ISOLATION_WAIT_SECONDS
 
 if TYPE_CHECKING:
     from router.engines.load import LoadTracker, Ticket
     from router.flow.ticket import FlowTicket
+    from router.metric_catalogue import StateFamily
     from router.policy.base import RouteRequest
     from router.types import EngineKey
 
@@ -248,3 +250,15 @@ class PrefillIsolation:
             self.counters.wait_s += now - flow.yield_started
             flow.yield_started = None
         flow.yield_until = now
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Decisions and requests by outcome, and the seconds requests waited."""
+        c = self.counters
+        outcomes = {
+            "avoided": c.avoided,
+            "reserved": c.reserved,
+            "waited": c.waited,
+            "overridden": c.overridden,
+        }
+        yield FLOW_PREFILL_ISOLATION.labelled(((o,), n) for o, n in sorted(outcomes.items()))
+        yield FLOW_PREFILL_ISOLATION_WAIT_SECONDS.value(c.wait_s)

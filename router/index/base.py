@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 # Defined below the index: the Redis client (router/redis/) raises it too.
 from router.availability import IndexUnavailable as IndexUnavailable
+from router.metric_catalogue import INDEX_BLOCKS, INDEX_BYTES, INDEX_ENTRIES, INDEX_EVICTIONS
 from router.types import EngineKey, Tier
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -66,6 +70,15 @@ class IndexStats:
     bytes: int | None = None
     """Bytes the index's own structures hold, where the backend counts them cheaply
     (the compiled in-memory table; None otherwise)."""
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """The sizes, and evictions by cause (every cause, evicted or not)."""
+        yield INDEX_BLOCKS.value(self.blocks)
+        yield INDEX_ENTRIES.value(self.entries)
+        if self.bytes is not None:
+            yield INDEX_BYTES.value(self.bytes)
+        causes = ("engine_cap", "index_cap")
+        yield INDEX_EVICTIONS.labelled(((c,), self.evicted.get(c, 0)) for c in causes)
 
 
 def trimmed_size(cap: int) -> int:

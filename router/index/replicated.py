@@ -40,7 +40,7 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,19 @@ import msgspec
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
 from router.index.replicated_config import ReplicatedIndexConfig
+from router.metric_catalogue import (
+    REPLICA_SNAPSHOTS_WRITTEN,
+    REPLICA_SYNC_APPLIED,
+    REPLICA_SYNC_DELAY_SECONDS,
+    REPLICA_SYNC_DROPPED,
+    REPLICA_SYNC_ENTRIES,
+    REPLICA_SYNC_ERRORS,
+    REPLICA_SYNC_EXPIRED,
+    REPLICA_SYNC_PENDING,
+    REPLICA_SYNC_PUBLISHED,
+    SESSION_PINS_LEARNT,
+    SESSION_PINS_PUBLISHED,
+)
 from router.redis.client import RedisClient
 from router.redis.decision_stream import DecisionStream
 from router.redis.schema import pack_keys
@@ -57,6 +70,8 @@ from router.types import EngineKey, Tier
 
 if TYPE_CHECKING:
     from router.engines.shared_load import SharedLoad
+    from router.events.snapshots import SnapshotWriter
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.index.replicated")
 
@@ -140,6 +155,16 @@ class SyncCounters:
     delay_s: float = 0.0
     """How long the last applied peer decision took from its decision to this index (wall
     clocks of two hosts: as good as their synchronization)."""
+
+    def errors_family(self) -> StateFamily:
+        """Failed stream calls by operation, and entries that could not be decoded."""
+        return REPLICA_SYNC_ERRORS.labelled(
+            [
+                (("publish",), self.publish_errors),
+                (("read",), self.read_errors),
+                (("malformed",), self.malformed),
+            ]
+        )
 
 
 class DecisionSync:
@@ -234,6 +259,14 @@ class DecisionSync:
     def pending(self) -> int:
         """Own decisions waiting to be published."""
         return len(self._pending)
+
+    def session_families(self, errors: bool = True) -> Iterator[StateFamily]:
+        """Session pins shared and learnt, and with ``errors`` the failed calls (unless
+        the replicated index reports them with its own families)."""
+        yield SESSION_PINS_PUBLISHED.value(self.counters.sessions_published)
+        yield SESSION_PINS_LEARNT.value(self.counters.sessions_applied)
+        if errors:
+            yield self.counters.errors_family()
 
     def _on_availability(self, available: bool, data_lost: bool) -> None:
         if available:
@@ -528,6 +561,22 @@ class ReplicatedIndex(MemoryIndex):
 
     def describe(self) -> str:
         return f"replicated (in memory; decisions through {self.redis.describe()})"
+
+    def metric_families(self, snapshots: SnapshotWriter | None = None) -> Iterator[StateFamily]:
+        """Decision sharing: published, applied, expired, dropped, failed, pending, the
+        last peer decision's delay, and the ``snapshots`` writer's count (0 without one)."""
+        sync = self.sync
+        c = sync.counters
+        yield REPLICA_SYNC_PUBLISHED.value(c.published)
+        yield REPLICA_SYNC_ENTRIES.value(c.entries)
+        yield REPLICA_SYNC_APPLIED.value(c.applied)
+        yield REPLICA_SYNC_EXPIRED.value(c.expired)
+        reasons = ("queue_full", "expired")
+        yield REPLICA_SYNC_DROPPED.labelled(((r,), c.dropped.get(r, 0)) for r in reasons)
+        yield c.errors_family()
+        yield REPLICA_SYNC_PENDING.value(sync.pending)
+        yield REPLICA_SNAPSHOTS_WRITTEN.value(snapshots.written if snapshots is not None else 0)
+        yield REPLICA_SYNC_DELAY_SECONDS.value(c.delay_s)
 
     async def close(self) -> None:
         await self.sync.stop()

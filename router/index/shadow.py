@@ -31,12 +31,23 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.index.base import FallbackMatches, IndexStats, IndexUnavailable, KVIndex, Match
 from router.index.remote import ExpireOp, RemoteIndex, WriteBatch, take_for_write
+from router.metric_catalogue import (
+    INDEX_FALLBACKS,
+    INDEX_OUTAGES,
+    INDEX_REPLAYED_RECORDS,
+    INDEX_SLOW_CALLS,
+    INDEX_UNWRITTEN_RECORDS,
+)
 from router.types import EngineKey, Tier
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.index.shadow")
 
@@ -246,6 +257,15 @@ class ShadowedIndex(KVIndex):
     def available(self) -> bool:
         """Whether lookups are answered by the remote index (else by the shadow)."""
         return self.remote.available
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """The remote index's outages and slow calls, and what the shadow answered,
+        could not write and wrote back."""
+        yield INDEX_OUTAGES.value(self.remote.counters.outages)
+        yield INDEX_SLOW_CALLS.value(self.remote.counters.slow_calls)
+        yield INDEX_FALLBACKS.value(self.counters.fallbacks)
+        yield INDEX_UNWRITTEN_RECORDS.value(self.counters.unwritten)
+        yield INDEX_REPLAYED_RECORDS.value(self.counters.replayed)
 
     # ------------------------------------------------------------------ KVIndex
 

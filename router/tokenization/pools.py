@@ -34,13 +34,19 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from router.config import Config, TokenizerConfig
+from router.metric_catalogue import (
+    TOKENIZER_CHARS_PER_TOKEN,
+    TOKENIZER_MISMATCHES,
+    TOKENIZER_MODE,
+    TOKENIZER_SOURCE,
+)
 from router.tokenization.base import PromptTokenizer, TokenizeError
 from router.tokenization.locate import (
     Reported,
@@ -57,6 +63,9 @@ from router.tokenization.modes import (
     WordsTokenizer,
 )
 from router.tokenization.words import WordTokenizer
+
+if TYPE_CHECKING:
+    from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.tokenizer")
 
@@ -539,6 +548,17 @@ class Tokenizers:
                 }
             )
         return out
+
+    def metric_families(self) -> Iterator[StateFamily]:
+        """Each pool's guard mismatches, tokenizer mode and source, and the characters
+        per token of approximate ones."""
+        yield TOKENIZER_MISMATCHES.labelled(((m,), n) for m, n in sorted(self.mismatches().items()))
+        yield TOKENIZER_MODE.labelled(((m, mode), 1) for m, mode in sorted(self.modes().items()))
+        pools = self.describe()
+        yield TOKENIZER_SOURCE.labelled(((p["model"], p["source"]), 1) for p in pools)
+        yield TOKENIZER_CHARS_PER_TOKEN.labelled(
+            ((p["model"],), p["chars_per_token"]) for p in pools if p["chars_per_token"] is not None
+        )
 
 
 def _first_line(exc: BaseException) -> str:
