@@ -73,8 +73,9 @@ def _group(item: pytest.Item) -> str:
     return path
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups in the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "dist", "no") != "loadgroup":
+    if not getattr(config.option, "loadgroup", False):  # set in workers of --dist loadgroup
         return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     for item in items:
