@@ -19,12 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,7 +37,7 @@ from router.api.anthropic import (
 )
 from router.api.body import read_body
 from router.api.context import AnswerWatch, Outcome, RequestContext
-from router.api.downstream import Downstream
+from router.api.downstream import HttpDownstream
 from router.api.engine_routes import ENGINE_ROUTES, EngineRoute, unknown_route
 from router.api.errors import ApiError, shape_for
 from router.api.headers import REQUEST_ID, check_headers
@@ -61,32 +59,18 @@ from router.engines.load import Ticket
 from router.http1 import HTTPError, Response
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.proxy import Deadline, UpstreamError
+from router.serving.downstream import Downstream
+from router.serving.relay import SSE_HEADERS, RelayHooks, first_chunk, relay
 from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.api.services import Services
+    from router.engines.registry import Engine, Registry
 
 log = logging.getLogger("kvroute.http")
 
 _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
-_SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
-"""What an event of a server-sent event stream starts with."""
-_STREAM_END = re.compile(
-    rb"\n(?:data: ?\[DONE\]|event: ?(?:message_stop|response\.(?:completed|incomplete|failed)))"
-)
-"""The last event of an OpenAI, Anthropic or Responses stream, after a line break (a
-JSON string holds no raw newline, so generated text cannot fake one)."""
-_SEAM = 48
-"""Bytes of the stream before a chunk searched with it: longer than any end marker."""
-
-
-def _ends_stream(before: bytes, chunk: bytes) -> bool:
-    """Whether ``chunk`` holds the stream's last event, also when its marker began in
-    ``before`` (what the stream sent before it; a line break for the first chunk)."""
-    return _STREAM_END.search(before[-_SEAM:] + chunk) is not None
-
-
 _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -103,7 +87,6 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], ParsedRequest]] = {
 }
 BeforePlan = Callable[[RequestContext], Awaitable[None]]
 """A front end's own step between preparing a request and planning it."""
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 #: Serves a request whose body has been read: (sink, route label, request id, body,
 #: start time, outcome, admission deadline), as :meth:`HttpApi.handle`.
@@ -128,48 +111,6 @@ def error_response(
         headers["Retry-After"] = str(max(int(err.retry_after), 1))
     body = shape_for(path).body(err)
     return web.Response(body=body, status=err.status, content_type=_JSON, headers=headers)
-
-
-class HttpDownstream:
-    """An aiohttp client as the :class:`Downstream` of a request."""
-
-    __slots__ = ("request", "response")
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response: web.StreamResponse | None = None
-
-    @property
-    def headers(self) -> Any:
-        return self.request.headers
-
-    @property
-    def peer(self) -> str | None:
-        return self.request.remote
-
-    async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.response = web.Response(body=body, status=status, headers=headers)
-
-    async def begin(self, status: int, headers: dict[str, str]) -> None:
-        out = web.StreamResponse(status=status, headers=headers)
-        await out.prepare(self.request)
-        self.response = out
-
-    async def write(self, chunk: bytes) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write(chunk)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            raise asyncio.CancelledError from None  # the client left while we wrote
-
-    async def end(self) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            # The client left before the stream's closing bytes: many close as they read
-            # the last event (data: [DONE]), so the relay decides what it means.
-            raise asyncio.CancelledError from None
 
 
 @web.middleware
@@ -643,88 +584,34 @@ class HttpApi:
     ) -> None:
         """Stream the engine's SSE answer through, chunk by chunk."""
         app = self.app
-        parsed, outcome = ctx.parsed, ctx.outcome
-        deadlines = app.upstream.deadlines
-        try:
-            first = await upstream.readany()
-        except HTTPError as exc:
-            app.registry.record_failure(engine)
-            if deadline.expired:
-                raise UpstreamError("timeout", "no first token in time", accepted=True) from None
-            raise UpstreamError(
-                "protocol", f"the stream broke before its first byte: {exc}"
-            ) from None
-        if not first:
-            app.registry.record_failure(engine)
-            raise UpstreamError("protocol", "the engine closed the stream without a byte")
-        if not first.startswith(_SSE_FIELDS):
-            app.registry.record_failure(engine)
-            raise UpstreamError("protocol", "the engine's stream is not server-sent events")
-        deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
+        parsed = ctx.parsed
+        health = EngineHealth(app.registry, engine)
+        first = await first_chunk(upstream, deadline, health)
+        idle = app.config.proxy.idle_timeout_s
+        app.upstream.deadlines.touch(deadline, idle)
         if ctx.path == MESSAGES_PATH and (engine_tokens := stream_input_tokens(first)) is not None:
             self._observe_tokens(parsed, engine_tokens)
         app.core.loads.prefilled(ticket)
         app.metrics.ttft_seconds.observe(time.perf_counter() - ctx.started)
-        if watch is not None:
-            await watch.chunk(first)
-        events = first.count(b"data:")  # about one token each: the pace the model learns
-        ended = _ends_stream(b"\n", first)
-        if ended:  # a short answer, whole in its first chunk
-            self._done(ctx, ticket, events, first)
-        tail = first
-        delivered = False  # the client has the last event, so the whole answer
-        try:
-            await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
-            await sink.write(tap.chunk(first) if tap is not None else first)
-            delivered = ended
-            while True:
-                chunk = await upstream.readany()
-                if not chunk:
-                    break
-                events += chunk.count(b"data:")
-                deadlines.touch(deadline)
-                # An event starts where the last one ended: it must start with a field.
-                if tail.endswith(b"\n\n") and not chunk.startswith(_SSE_FIELDS):
-                    raise HTTPError(
-                        "the engine sent bytes that are not server-sent events",
-                        before_response=False,
-                    )
-                if watch is not None:
-                    await watch.chunk(chunk)
-                if not ended and _ends_stream(tail, chunk):
-                    ended = True
-                    if not ticket.released:
-                        self._done(ctx, ticket, events, chunk)
-                await sink.write(tap.chunk(chunk) if tap is not None else chunk)
-                delivered = ended
-                tail = chunk
-            app.registry.record_success(engine)
-            outcome.set("ok", upstream.status)
-            if not ticket.released:  # no end event seen: the stream's end is the answer's
-                self._done(ctx, ticket, events, tail)
-            await sink.end()
-        except asyncio.CancelledError:
-            if delivered:  # what the client missed is the stream's framing
-                outcome.set("ok", upstream.status)
-                self._gone_at_end(ctx)
-            raise
-        except HTTPError as exc:
-            app.registry.record_failure(engine)
-            err = (
-                ApiError(504, "the engine went quiet mid-stream")
-                if deadline.expired
-                else ApiError(502, f"the engine's stream broke: {exc}")
-            )
-            outcome.set("stream_error", err.status)
-            app.core.loads.end(ticket)  # the engine is done with it, before the client
-            await sink.write(shape_for(ctx.path).sse(err))
-            await sink.end()
-            return
-        if parsed.include_usage:
+        hooks = _Generation(self, ctx, upstream.status, deadline, health, ticket)
+        head = {**ours, **SSE_HEADERS}
+        tail = await relay(
+            app.upstream.deadlines,
+            upstream,
+            deadline,
+            idle,
+            sink,
+            head,
+            hooks,
+            first=first,
+            tap=tap,
+            watch=watch,
+        )
+        if tail is not None and parsed.include_usage:
             usage_at = tail.rfind(b'data: {"id"')
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
                 usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
-                self._check_tokenizer(parsed, usage, outcome)
+                self._check_tokenizer(parsed, usage, ctx.outcome)
 
     def _gone_at_end(self, ctx: RequestContext) -> None:
         """The client left after the stream's last event, before its closing bytes: many
@@ -752,6 +639,72 @@ class HttpApi:
         if path == _PATHS["chat"]:
             tokens -= n
         return max(tokens // max(n, 1), 0)
+
+
+class EngineHealth:
+    """An engine's :class:`~router.serving.relay.Health`: the registry's failures and
+    successes of it."""
+
+    __slots__ = ("engine", "registry")
+
+    def __init__(self, registry: Registry, engine: Engine) -> None:
+        self.registry = registry
+        self.engine = engine
+
+    def failed(self) -> None:
+        self.registry.record_failure(self.engine)
+
+    def succeeded(self) -> None:
+        self.registry.record_success(self.engine)
+
+
+class _Generation(RelayHooks):
+    """A generation's stream: its ticket leaves the engine's load at the last event, its
+    outcome is counted, a break ends the client's stream with an error event in the
+    route's form."""
+
+    checked = True
+
+    def __init__(
+        self,
+        api: HttpApi,
+        ctx: RequestContext,
+        status: int,
+        deadline: Deadline,
+        health: EngineHealth,
+        ticket: Ticket,
+    ) -> None:
+        self.api = api
+        self.ctx = ctx
+        self.status = status
+        self.deadline = deadline
+        self.health = health
+        self.ticket = ticket
+
+    def ended(self, events: int, tail: bytes) -> None:
+        if not self.ticket.released:
+            self.api._done(self.ctx, self.ticket, events, tail)
+
+    def finished(self, events: int, tail: bytes) -> None:
+        self.health.succeeded()
+        self.ctx.outcome.set("ok", self.status)
+        if not self.ticket.released:  # no end event seen: the stream's end is the answer's
+            self.api._done(self.ctx, self.ticket, events, tail)
+
+    def broke(self, exc: HTTPError) -> bytes:
+        self.health.failed()
+        err = (
+            ApiError(504, "the engine went quiet mid-stream")
+            if self.deadline.expired
+            else ApiError(502, f"the engine's stream broke: {exc}")
+        )
+        self.ctx.outcome.set("stream_error", err.status)
+        self.api.app.core.loads.end(self.ticket)  # the engine is done with it, before the client
+        return shape_for(self.ctx.path).sse(err)
+
+    def gone_at_end(self) -> None:  # what the client missed is the stream's framing
+        self.ctx.outcome.set("ok", self.status)
+        self.api._gone_at_end(self.ctx)
 
 
 class _WithUsage(msgspec.Struct):

@@ -39,6 +39,7 @@ import msgspec
 from aiohttp import web
 
 from router.api.context import Outcome, RequestContext
+from router.api.downstream import HttpDownstream
 from router.api.errors import ApiError, bad_request
 from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int
 from router.engines.registry import Engine, EngineState
@@ -47,6 +48,7 @@ from router.http1 import HTTPError
 from router.plan import SERVING_ROLES
 from router.proxy import UpstreamError
 from router.response_store import RESPONSE_ID, ResponseStore
+from router.serving.relay import RelayHooks, relay
 from router.tokenization.responses import InvalidInput, responses_messages
 from router.types import EngineKey
 
@@ -374,29 +376,28 @@ class ResponsesApi:
             upstream.deadlines.stop(deadline)
             app.registry.record_failure(engine)
             raise ApiError(502, f"engine failed: {url}: {exc}") from None
+        sink = HttpDownstream(request, gone_at_end=app.metrics.client_gone_at_end.inc)
         try:
             ctype = answer.headers.get("content-type", _JSON)
             if not ctype.startswith("text/event-stream"):
-                data = await answer.read()
-                return web.Response(
-                    body=data, status=answer.status, headers={**ours, "Content-Type": ctype}
+                await sink.whole(
+                    answer.status, {**ours, "Content-Type": ctype}, await answer.read()
                 )
-            out = web.StreamResponse(status=answer.status, headers={**ours, "Content-Type": ctype})
-            await out.prepare(request)
-            upstream.deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
-            try:
-                while chunk := await answer.readany():
-                    upstream.deadlines.touch(deadline)
-                    await out.write(chunk)
-            except HTTPError:
-                pass  # the engine's stream broke: end ours where it stopped
-            except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
-                raise asyncio.CancelledError from None  # the client left midway
-            try:
-                await out.write_eof()
-            except ConnectionResetError:  # it left after the last byte: a whole answer
-                app.metrics.client_gone_at_end.inc()
-            return out
+            else:
+                # A stored response's stream as it is: one that breaks ends where it stopped.
+                idle = app.config.proxy.idle_timeout_s
+                upstream.deadlines.touch(deadline, idle)
+                await relay(
+                    upstream.deadlines,
+                    answer,
+                    deadline,
+                    idle,
+                    sink,
+                    {**ours, "Content-Type": ctype},
+                    RelayHooks(),
+                )
+            assert sink.response is not None
+            return sink.response
         except HTTPError as exc:
             raise ApiError(502, f"engine failed: {url}: {exc}") from None
         finally:
