@@ -41,7 +41,8 @@ from router.handoff import sidecar as sidecar_dialect
 from router.handoff.fields import strip_owned
 from router.http1 import HTTPError
 from router.proxy import Upstream, UpstreamError
-from router.serving.relay import RelayHooks, relay
+from router.serving.forward import EngineCall
+from router.serving.relay import RelayHooks
 
 log = logging.getLogger("kvroute.sidecar")
 HEADER = sidecar_dialect.HEADER
@@ -224,32 +225,22 @@ class Sidecar:
     ) -> web.StreamResponse:
         assert self.upstream is not None
         try:
-            response, deadline = await self.upstream.open(url, body, headers)
+            call = await EngineCall.open(self.upstream, url, body, headers)
         except UpstreamError as exc:
             raise ApiError(exc.http_status, f"local engine: {exc}") from None
         sink = HttpDownstream(request, gone_at_end=lambda: log.debug(_GONE, url))
-        try:
-            ctype = response.headers.get("content-type", "application/json")
+        with call:
+            ctype = call.content_type
             if not ctype.startswith("text/event-stream"):
-                data = await self.upstream.read(response, deadline, url)
-                if tap is not None and response.status == 200:
+                data = await call.read()
+                if tap is not None and call.status == 200:
                     data = tap.answer(data)
-                await sink.whole(response.status, {"Content-Type": ctype}, data)
+                await sink.whole(call.status, {"Content-Type": ctype}, data)
             else:
-                await relay(
-                    self.upstream.deadlines,
-                    response,
-                    deadline,
-                    self.proxy.idle_timeout_s,
-                    sink,
-                    {"Content-Type": ctype},
-                    _LOCAL_STREAM,
-                    tap=tap,
-                )
-            assert sink.response is not None
-            return sink.response
-        finally:
-            self.upstream.finish(response, deadline)
+                head = {"Content-Type": ctype}
+                await call.relay(sink, head, _LOCAL_STREAM, self.proxy.idle_timeout_s, tap=tap)
+        assert sink.response is not None
+        return sink.response
 
 
 def _without_owned_fields(body: bytes) -> tuple[bytes, dict[str, Any]]:

@@ -10,7 +10,7 @@ rest. The answer is relayed untouched: JSON, or Anthropic's events (``message_st
 ... ``message_stop``). ``usage.input_tokens`` does not count cached tokens when the
 engine reports them (vLLM's ``--enable-prompt-tokens-details``): the engine's prompt is
 ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
-(:func:`engine_input_tokens`).
+(:func:`router.api.usage.engine_input_tokens`).
 
 ``/v1/messages/count_tokens`` (:class:`CountTokens`) goes to an engine serving the model
 by load alone: a count costs the engine a tokenization, never a prefill, so which
@@ -47,7 +47,6 @@ MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _ROLES = ("user", "assistant", "system")
 _JSON = "application/json"
-_decode = msgspec.json.decode
 
 
 def _required_str(payload: Mapping[str, Any], name: str) -> str:
@@ -128,33 +127,6 @@ def parse_messages(payload: dict[str, Any]) -> ParsedRequest:
     return parsed
 
 
-def engine_input_tokens(usage: Mapping[str, Any]) -> int | None:
-    """The prompt tokens an engine's Anthropic ``usage`` reports, cached ones included."""
-    total = 0
-    for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
-        value = usage.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            return None
-        total += value
-    return total if "input_tokens" in usage else None
-
-
-def stream_input_tokens(first: bytes) -> int | None:
-    """The prompt tokens in a stream's ``message_start`` event (its first), if there."""
-    start = first.find(b"data:")
-    if not first.startswith(b"event: message_start") or start == -1:
-        return None
-    try:
-        event = _decode(first[start + 5 :].split(b"\n", 1)[0])
-    except msgspec.DecodeError:
-        return None
-    message = event.get("message") if isinstance(event, dict) else None
-    usage = message.get("usage") if isinstance(message, dict) else None
-    return engine_input_tokens(usage) if isinstance(usage, dict) else None
-
-
 class CountTokens:
     """``POST /v1/messages/count_tokens``: to the least loaded engine serving the model,
     retried once on another before the first byte; the engine's answer as it is."""
@@ -186,7 +158,7 @@ class CountTokens:
     async def _forward(
         self, request: web.Request, model: str, body: bytes, outcome: Outcome
     ) -> web.Response:
-        app, api = self.app, self.api
+        app, forwarder = self.app, self.api.forwarder
         planner = app.decider.planner
         given = request.headers.get("x-request-id")
         request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
@@ -203,32 +175,29 @@ class CountTokens:
             engine = app.registry.engine_of(decision.engine)
             assert engine is not None
             url = engine.url + COUNT_TOKENS_PATH
-            headers = api.upstream_headers(
+            headers = forwarder.upstream_headers(
                 request.headers, request_id, engine, decision.engine, COUNT_TOKENS_PATH
             )
             try:
-                upstream, deadline = await app.upstream.open(url, body, headers)
+                call = await forwarder.open(engine, url, body, headers, None)
             except UpstreamError as err:
-                if err.engine_fault:
-                    app.registry.record_failure(engine)
                 if err.accepted:
                     raise ApiError(504, f"engine failed: {err}") from None
                 last = err
                 exclude.add(decision.engine.endpoint)
                 continue
-            try:
-                data = await api._read_all(upstream, deadline, engine, url)
-            except UpstreamError as err:
-                raise ApiError(err.http_status, f"engine failed: {err}") from None
-            finally:
-                app.upstream.finish(upstream, deadline)
-            app.registry.record_success(engine)
-            outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
+            with call:
+                try:
+                    data = await call.read()
+                except UpstreamError as err:
+                    raise ApiError(err.http_status, f"engine failed: {err}") from None
+            call.succeeded()
+            outcome.set("ok" if call.status < 400 else "client_error", call.status)
             return web.Response(
                 body=data,
-                status=upstream.status,
+                status=call.status,
                 headers={
-                    "Content-Type": upstream.headers.get("content-type", _JSON),
+                    "Content-Type": call.content_type,
                     "x-request-id": request_id,
                     "x-kvroute-engine": decision.engine.label,
                     "x-kvroute-reason": decision.summary(),

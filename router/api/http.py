@@ -2,13 +2,14 @@
 
 The request path: read and decode the body, tokenize the prompt, compute its block
 keys, ask the routing core for an engine (:mod:`router.api.decide`, shared with the gRPC
-and ext_proc front ends), forward the original bytes unchanged, and relay the answer.
-The answer goes through a :class:`~router.api.downstream.Downstream`, so gRPC
-``Generate`` runs this same forwarding code (:meth:`HttpApi.handle`).
+and ext_proc front ends), forward the original bytes unchanged, and relay the answer
+(:mod:`router.serving.forward`, :mod:`router.serving.relay`). The answer goes through a
+:class:`~router.serving.downstream.Downstream`, so gRPC ``Generate`` runs this same
+forwarding code (:meth:`HttpApi.handle`).
 
 A failure before the first byte reaches the client (connection refused or timed out,
 5xx, 429) is retried on another engine; a first-byte timeout after the engine had the
-request is not (504: it had the work queued, see :meth:`HttpApi.not_retried`). After the
+request is not (504: it had the work queued, see :meth:`Forwarder.not_retried`). After the
 first byte, a stream ends with an SSE error event and ``[DONE]``. A client that leaves
 cancels the handler, which closes the upstream connection (the engine aborts) and
 releases the load it held.
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -31,12 +32,10 @@ from router.api.anthropic import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
     CountTokens,
-    engine_input_tokens,
     parse_messages,
-    stream_input_tokens,
 )
 from router.api.body import read_body
-from router.api.context import AnswerWatch, Outcome, RequestContext
+from router.api.context import Outcome, RequestContext
 from router.api.downstream import HttpDownstream
 from router.api.engine_routes import ENGINE_ROUTES, EngineRoute, unknown_route
 from router.api.errors import ApiError, shape_for
@@ -53,19 +52,14 @@ from router.api.openai import (
     parse_completion,
 )
 from router.api.responses import ResponsesApi, parse_responses
-from router.api.usage import UsageTap
 from router.api.validate import check_prompt_tokens, check_request
-from router.engines.load import Ticket
-from router.http1 import HTTPError, Response
-from router.policy.base import Decision, NoCandidates, RouteRequest
-from router.proxy import Deadline, UpstreamError
+from router.policy.base import Decision, NoCandidates
+from router.proxy import UpstreamError
 from router.serving.downstream import Downstream
-from router.serving.relay import SSE_HEADERS, RelayHooks, first_chunk, relay
-from router.types import EngineKey
+from router.serving.forward import Forwarder
 
 if TYPE_CHECKING:
     from router.api.services import Services
-    from router.engines.registry import Engine, Registry
 
 log = logging.getLogger("kvroute.http")
 
@@ -77,8 +71,6 @@ _PATHS = {
     "messages": MESSAGES_PATH,
     "responses": "/v1/responses",
 }
-_TIMED_PATHS = frozenset((_PATHS["chat"], _PATHS["completions"], MESSAGES_PATH))
-"""Paths whose streamed answer's first event comes with the first token (vLLM's)."""
 _PARSERS: dict[str, Callable[[dict[str, Any]], ParsedRequest]] = {
     "chat": parse_chat,
     "completions": parse_completion,
@@ -154,7 +146,8 @@ class HttpApi:
         from router.api.pd import PDForwarder
 
         self.app = app
-        self.pd = PDForwarder(self)
+        self.forwarder = Forwarder(app)
+        self.pd = PDForwarder(self.forwarder)
         self.passthrough = Passthrough(self)
         self.responses = ResponsesApi(self)
 
@@ -336,35 +329,6 @@ class HttpApi:
         else:
             await self._forward(ctx)
 
-    def _check_tokenizer(
-        self, parsed: ParsedRequest, answer: bytes, outcome: Outcome | None = None
-    ) -> bool:
-        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer),
-        which ``outcome`` keeps; False if ``answer`` is not JSON at all."""
-        try:
-            usage = _decode_usage(answer).usage
-        except msgspec.ValidationError:  # JSON of another shape: not ours to judge
-            return True
-        except msgspec.DecodeError:
-            return False
-        if isinstance(usage, dict):
-            if outcome is not None:
-                outcome.usage = usage
-            prompt_tokens = usage.get("prompt_tokens")
-            if prompt_tokens is None:  # Anthropic's usage, or the Responses API's
-                prompt_tokens = engine_input_tokens(usage)
-            if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool):
-                self._observe_tokens(parsed, prompt_tokens)
-        return True
-
-    def _observe_tokens(self, parsed: ParsedRequest, engine_tokens: int) -> None:
-        # A continued Responses conversation's prompt holds what the engine stored.
-        if parsed.model and parsed.previous_response_id is None:
-            base = self.app.registry.base_of(parsed.model)
-            self.app.tokenizers.observe(
-                base, parsed.prompt_tokens, engine_tokens, media=bool(parsed.media)
-            )
-
     async def _forward(self, ctx: RequestContext) -> None:
         """An aggregated pool: the planned engine, then (on a failure before the first
         byte) the plan again without the engines that failed."""
@@ -385,7 +349,8 @@ class HttpApi:
                     log.debug("request %s: %s", route_request.request_id, decision.describe())
             return decision
 
-        await self.with_retries(ctx, choose, lambda decision: self.attempt(ctx, decision))
+        attempt = self.forwarder.attempt
+        await self.with_retries(ctx, choose, lambda decision: attempt(ctx, decision))
 
     async def with_retries(
         self,
@@ -418,7 +383,7 @@ class HttpApi:
                 last_error = err
                 exclude.add(decision.engine.endpoint)
                 if err.accepted:
-                    raise self.not_retried(err, ctx.request, decision) from None
+                    raise self.forwarder.not_retried(err, ctx.request, decision) from None
                 retrying = tries < app.config.proxy.retries
                 if retrying:
                     app.metrics.retries.labels(err.kind).inc()
@@ -431,287 +396,6 @@ class HttpApi:
                 )
         assert last_error is not None
         raise ApiError(last_error.http_status, f"engine failed: {last_error}")
-
-    def not_retried(
-        self, err: UpstreamError, route_request: RouteRequest, decision: Decision
-    ) -> ApiError:
-        """The 504 of an engine that accepted the request but sent no first byte in time.
-
-        Not resent elsewhere: the engine had it queued or running (its connection is
-        closed, so it aborts), and the request's own size may be why it was slow, so
-        another engine would make the client wait as long again.
-        """
-        self.app.metrics.first_byte_timeouts.labels(decision.engine.label).inc()
-        log.warning(
-            "request %s: %s accepted it but sent no first byte within %.1f s; aborted "
-            "there and not retried on another engine",
-            route_request.request_id,
-            decision.engine.label,
-            self.app.config.proxy.first_byte_timeout_s,
-        )
-        return ApiError(504, f"engine failed: {err} (not retried: the engine had accepted it)")
-
-    def upstream_headers(
-        self,
-        client: Mapping[str, str],
-        request_id: str,
-        engine: Any,
-        key: EngineKey,
-        path: str = "",
-    ) -> dict[str, str]:
-        """Headers every request to an engine carries (``client``: the client's headers,
-        ``path``: the route it called, for where ``x-api-key`` is its key)."""
-        headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
-        if engine.dp_size > 1:
-            headers["X-data-parallel-rank"] = str(key.rank)
-        auth = self.app.credentials.upstream_authorization_of(client, path)
-        if auth:
-            headers["Authorization"] = auth
-        return headers
-
-    async def attempt(
-        self,
-        ctx: RequestContext,
-        decision: Decision,
-        body: bytes | None = None,
-        *,
-        sink: Downstream | None = None,
-        cached_tokens: int | None = None,
-        tap: UsageTap | None = None,
-        headers: dict[str, str] | None = None,
-        upstream_headers: dict[str, str] | None = None,
-    ) -> None:
-        """One try on one engine. Raises UpstreamError while nothing reached the client.
-
-        ``body`` (default: the client's request) goes to the engine, with
-        ``upstream_headers``; the answer goes into ``sink`` (default: the client's) with
-        ``headers``. ``cached_tokens`` overrides the decision's estimate in the load
-        accounting (a decode leg whose KV is pulled prefills almost nothing); ``tap``
-        sees and may rewrite the answer's usage.
-        """
-        app = self.app
-        parsed, route_request, outcome = ctx.parsed, ctx.request, ctx.outcome
-        sink = sink or ctx.sink
-        body = ctx.body if body is None else body
-        engine = app.registry.engine_of(decision.engine)
-        assert engine is not None
-        watch = ctx.watch(decision.engine) if ctx.watch is not None else None
-        ticket = app.core.loads.begin(
-            decision.engine,
-            sum(len(p) for p in parsed.prompts) * parsed.n,
-            decision.cached_tokens if cached_tokens is None else cached_tokens,
-            route_request.max_tokens,
-            route_request.flow if cached_tokens is None else None,  # not a decode leg
-            sees_first_token=parsed.stream,
-            # The first token of a decode leg is another engine's prefill; a Responses
-            # stream's first bytes come before the prefill: neither times this engine.
-            timed=parsed.stream and cached_tokens is None and ctx.path in _TIMED_PATHS,
-        )
-        sent = self.upstream_headers(
-            sink.headers, route_request.request_id, engine, decision.engine, ctx.path
-        )
-        if upstream_headers:
-            sent.update(upstream_headers)
-        ours = {
-            "x-request-id": route_request.request_id,
-            "x-kvroute-engine": decision.engine.label,
-            "x-kvroute-reason": outcome.reason(decision.summary()),
-            **(headers or {}),
-        }
-        url = engine.url + ctx.path
-        if engine.sglang and engine.dp_size > 1:
-            body = with_dp_rank(body, decision.engine.rank)
-        try:
-            upstream, deadline = await app.upstream.open(url, body, sent)
-        except UpstreamError as err:
-            app.core.loads.end(ticket)
-            if err.engine_fault:
-                app.registry.record_failure(engine)
-            raise
-        except BaseException:
-            app.core.loads.end(ticket)
-            raise
-        try:
-            if upstream.status >= 400 or not parsed.stream:
-                data = await self._read_all(upstream, deadline, engine, url)
-                # The engine is done with a request once its answer is read: the ticket
-                # ends before the client has the last byte, or a client that sends its
-                # next turn at once could find this one still counted on the engine.
-                app.core.loads.end(ticket)
-            if upstream.status >= 400:  # the engine refused the request itself: pass it on
-                app.registry.record_success(engine)
-                outcome.set("client_error", upstream.status)
-                ctype = upstream.headers.get("content-type", _JSON)
-                await sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
-                return
-            if not parsed.stream:
-                if not self._check_tokenizer(parsed, data, outcome):
-                    app.registry.record_failure(engine)
-                    raise ApiError(502, f"the engine {engine.url} answered with invalid JSON")
-                app.registry.record_success(engine)
-                outcome.set("ok", upstream.status)
-                if tap is not None:
-                    data = tap.answer(data)
-                if watch is not None:
-                    await watch.answer(data)
-                await sink.whole(upstream.status, {**ours, "Content-Type": _JSON}, data)
-                return
-            await self._relay(ctx, sink, upstream, deadline, engine, ticket, ours, tap, watch)
-        finally:
-            app.upstream.finish(upstream, deadline)
-            app.core.loads.end(ticket)
-
-    async def _read_all(
-        self, upstream: Response, deadline: Deadline, engine: Any, url: str
-    ) -> bytes:
-        try:
-            return await self.app.upstream.read(upstream, deadline, url)
-        except UpstreamError:
-            self.app.registry.record_failure(engine)
-            raise
-
-    async def _relay(
-        self,
-        ctx: RequestContext,
-        sink: Downstream,
-        upstream: Response,
-        deadline: Deadline,
-        engine: Any,
-        ticket: Ticket,
-        ours: dict[str, str],
-        tap: UsageTap | None = None,
-        watch: AnswerWatch | None = None,
-    ) -> None:
-        """Stream the engine's SSE answer through, chunk by chunk."""
-        app = self.app
-        parsed = ctx.parsed
-        health = EngineHealth(app.registry, engine)
-        first = await first_chunk(upstream, deadline, health)
-        idle = app.config.proxy.idle_timeout_s
-        app.upstream.deadlines.touch(deadline, idle)
-        if ctx.path == MESSAGES_PATH and (engine_tokens := stream_input_tokens(first)) is not None:
-            self._observe_tokens(parsed, engine_tokens)
-        app.core.loads.prefilled(ticket)
-        app.metrics.ttft_seconds.observe(time.perf_counter() - ctx.started)
-        hooks = _Generation(self, ctx, upstream.status, deadline, health, ticket)
-        head = {**ours, **SSE_HEADERS}
-        tail = await relay(
-            app.upstream.deadlines,
-            upstream,
-            deadline,
-            idle,
-            sink,
-            head,
-            hooks,
-            first=first,
-            tap=tap,
-            watch=watch,
-        )
-        if tail is not None and parsed.include_usage:
-            usage_at = tail.rfind(b'data: {"id"')
-            if usage_at != -1 and b'"usage"' in tail[usage_at:]:
-                usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
-                self._check_tokenizer(parsed, usage, ctx.outcome)
-
-    def _gone_at_end(self, ctx: RequestContext) -> None:
-        """The client left after the stream's last event, before its closing bytes: many
-        clients close as they read ``data: [DONE]``. The answer was whole; counted, and
-        logged at debug level only."""
-        self.app.metrics.client_gone_at_end.inc()
-        log.debug("client left after the last event of %s (%s)", ctx.path, ctx.request_id)
-
-    def _done(self, ctx: RequestContext, ticket: Ticket, events: int, tail: bytes) -> None:
-        """The engine has sent a stream's last event: the request leaves its load now,
-        before the client has the event (a client may stop reading and send its next
-        turn there; see :meth:`attempt`), with the output tokens its pace is learnt by."""
-        ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, ctx.parsed.n)
-        self.app.core.loads.end(ticket)
-
-    @staticmethod
-    def _stream_tokens(path: str, events: int, tail: bytes, n: int) -> int | None:
-        """About how many tokens each sequence of a streamed completion or chat answer
-        had, from its ``data:`` events (one token each, as vLLM streams): less the
-        closing ``[DONE]``, a usage-only event, and a chat answer's role event per
-        choice. None for other paths (their streams carry events that are no tokens)."""
-        if path not in (_PATHS["chat"], _PATHS["completions"]):
-            return None
-        tokens = events - (b"[DONE]" in tail) - (b'"usage":{' in tail)
-        if path == _PATHS["chat"]:
-            tokens -= n
-        return max(tokens // max(n, 1), 0)
-
-
-class EngineHealth:
-    """An engine's :class:`~router.serving.relay.Health`: the registry's failures and
-    successes of it."""
-
-    __slots__ = ("engine", "registry")
-
-    def __init__(self, registry: Registry, engine: Engine) -> None:
-        self.registry = registry
-        self.engine = engine
-
-    def failed(self) -> None:
-        self.registry.record_failure(self.engine)
-
-    def succeeded(self) -> None:
-        self.registry.record_success(self.engine)
-
-
-class _Generation(RelayHooks):
-    """A generation's stream: its ticket leaves the engine's load at the last event, its
-    outcome is counted, a break ends the client's stream with an error event in the
-    route's form."""
-
-    checked = True
-
-    def __init__(
-        self,
-        api: HttpApi,
-        ctx: RequestContext,
-        status: int,
-        deadline: Deadline,
-        health: EngineHealth,
-        ticket: Ticket,
-    ) -> None:
-        self.api = api
-        self.ctx = ctx
-        self.status = status
-        self.deadline = deadline
-        self.health = health
-        self.ticket = ticket
-
-    def ended(self, events: int, tail: bytes) -> None:
-        if not self.ticket.released:
-            self.api._done(self.ctx, self.ticket, events, tail)
-
-    def finished(self, events: int, tail: bytes) -> None:
-        self.health.succeeded()
-        self.ctx.outcome.set("ok", self.status)
-        if not self.ticket.released:  # no end event seen: the stream's end is the answer's
-            self.api._done(self.ctx, self.ticket, events, tail)
-
-    def broke(self, exc: HTTPError) -> bytes:
-        self.health.failed()
-        err = (
-            ApiError(504, "the engine went quiet mid-stream")
-            if self.deadline.expired
-            else ApiError(502, f"the engine's stream broke: {exc}")
-        )
-        self.ctx.outcome.set("stream_error", err.status)
-        self.api.app.core.loads.end(self.ticket)  # the engine is done with it, before the client
-        return shape_for(self.ctx.path).sse(err)
-
-    def gone_at_end(self) -> None:  # what the client missed is the stream's framing
-        self.ctx.outcome.set("ok", self.status)
-        self.api._gone_at_end(self.ctx)
-
-
-class _WithUsage(msgspec.Struct):
-    usage: dict[str, Any] | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_WithUsage).decode
 
 
 def openapi_document() -> dict[str, Any]:
@@ -877,18 +561,3 @@ def openapi_document() -> dict[str, Any]:
         },
         "components": {"schemas": schemas},
     }
-
-
-def with_dp_rank(body: bytes, rank: int) -> bytes:
-    """``body`` (a JSON object) with SGLang's ``data_parallel_rank`` set to ``rank``: an
-    SGLang server with data-parallel ranks picks the rank from the body (vLLM reads the
-    ``X-data-parallel-rank`` header, which is sent too). A body that is not a JSON
-    object is sent as it is."""
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body
-    if not isinstance(payload, dict):
-        return body
-    payload["data_parallel_rank"] = rank
-    return msgspec.json.encode(payload)

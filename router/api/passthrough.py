@@ -33,7 +33,6 @@ from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
 from router.plan import SERVING_ROLES
 from router.policy.base import Decision, RouteRequest
-from router.proxy import UpstreamError
 
 if TYPE_CHECKING:
     from router.api.downstream import Downstream
@@ -128,12 +127,12 @@ class Passthrough:
     async def _attempt(self, ctx: RequestContext, decision: Decision) -> None:
         """One try on one engine; its answer goes to the client as it is. Raises
         UpstreamError while nothing reached the client."""
-        app, api = self.app, self.api
+        app, forwarder = self.app, self.api.forwarder
         engine = app.registry.engine_of(decision.engine)
         assert engine is not None
         route_request = ctx.request
         ticket = app.core.loads.begin(decision.engine, route_request.prompt_tokens, 0, 0)
-        sent = api.upstream_headers(
+        sent = forwarder.upstream_headers(
             ctx.sink.headers, ctx.request_id, engine, decision.engine, ctx.path
         )
         ours = {
@@ -142,26 +141,9 @@ class Passthrough:
             "x-kvroute-reason": ctx.outcome.reason(decision.summary()),
         }
         url = engine.url + ctx.path
-        try:
-            upstream, deadline = await app.upstream.open(url, ctx.body, sent)
-        except UpstreamError as err:
-            app.core.loads.end(ticket)
-            if err.engine_fault:
-                app.registry.record_failure(engine)
-            raise
-        except BaseException:
-            app.core.loads.end(ticket)
-            raise
-        try:
-            ctype = upstream.headers.get("content-type", "application/json")
-            if ctx.parsed.stream and upstream.status < 400 and "event-stream" in ctype:
-                await api._relay(ctx, ctx.sink, upstream, deadline, engine, ticket, ours)
-                return
-            data = await api._read_all(upstream, deadline, engine, url)
-            app.core.loads.end(ticket)  # done at the engine: before the client's last byte
-            app.registry.record_success(engine)
-            ctx.outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
-            await ctx.sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
-        finally:
-            app.upstream.finish(upstream, deadline)
-            app.core.loads.end(ticket)
+        with await forwarder.open(engine, url, ctx.body, sent, ticket) as call:
+            streams = call.status < 400 and "event-stream" in call.content_type
+            if ctx.parsed.stream and streams:
+                await forwarder.stream(ctx, call, ctx.sink, ours)
+            else:
+                await forwarder.pass_on(call, ctx.outcome, ctx.sink, ours)

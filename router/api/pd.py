@@ -34,11 +34,11 @@ from router.serving.charges import prefill_charge
 if TYPE_CHECKING:
     from router.api.context import RequestContext
     from router.api.downstream import Downstream
-    from router.api.http import HttpApi
     from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.registry import Engine
     from router.plan import Plan
+    from router.serving.forward import Forwarder
     from router.types import EngineKey
 
 log = logging.getLogger("kvroute.pd")
@@ -50,11 +50,11 @@ class PDForwarder:
     """Serves requests of models whose engines are split into prefill and decode pools;
     the :class:`~router.handoff.base.Legs` every dialect runs on."""
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
-        self.metrics = api.app.metrics
-        self.loads = api.app.core.loads
+    def __init__(self, forwarder: Forwarder) -> None:
+        self.forwarder = forwarder
+        self.app = forwarder.app
+        self.metrics = forwarder.app.metrics
+        self.loads = forwarder.app.core.loads
 
     @property
     def disaggregation(self) -> DisaggregationConfig:
@@ -84,7 +84,7 @@ class PDForwarder:
                 last_error = err
                 failed_decode.add(plan.decode.engine.endpoint)
                 if err.accepted:
-                    raise self.api.not_retried(err, ctx.request, plan.decode) from None
+                    raise self.forwarder.not_retried(err, ctx.request, plan.decode) from None
                 app.metrics.retries.labels(err.kind).inc()
                 log.info(
                     "request %s: decode engine %s failed before the first byte (%s)",
@@ -108,7 +108,7 @@ class PDForwarder:
         return await planner.prefill(ctx.request, ctx.model, exclude, plan.transfers)
 
     async def local(self, ctx: RequestContext, decode: Decision, reason: str) -> None:
-        await self.api.attempt(ctx, decode, headers={"x-kvroute-mode": f"local:{reason}"})
+        await self.forwarder.attempt(ctx, decode, headers={"x-kvroute-mode": f"local:{reason}"})
 
     async def refused(self, ctx: RequestContext, status: int, answer: dict[str, Any]) -> None:
         ctx.outcome.set("client_error", status)
@@ -127,7 +127,7 @@ class PDForwarder:
         headers: dict[str, str] | None = None,
         upstream_headers: dict[str, str] | None = None,
     ) -> None:
-        await self.api.attempt(
+        await self.forwarder.attempt(
             ctx,
             decode,
             body,
@@ -146,31 +146,20 @@ class PDForwarder:
         engine = app.registry.engine_of(prefill.engine)
         assert engine is not None
         ticket = prefill_charge(ctx.request, prefill).begin(self.loads)
-        headers = self.api.upstream_headers(
+        headers = self.forwarder.upstream_headers(
             ctx.sink.headers, ctx.request_id, engine, prefill.engine, ctx.path
         )
         url = engine.url + ctx.path
         sent = time.perf_counter()
-        try:
-            try:
-                response, deadline = await app.upstream.open(url, body, headers)
-            except UpstreamError as err:
-                if err.engine_fault:
-                    app.registry.record_failure(engine)
-                raise
-            try:
-                data = await self.api._read_all(response, deadline, engine, url)
-            finally:
-                app.upstream.finish(response, deadline)
-        finally:
-            self.loads.end(ticket)
+        with await self.forwarder.open(engine, url, body, headers, ticket) as call:
+            data = await call.read()
         self.metrics.prefill_leg_seconds.observe(time.perf_counter() - sent)
         try:
             answer = _decode(data)
         except msgspec.DecodeError:
-            app.registry.record_failure(engine)
+            call.failed()
             raise UpstreamError("protocol", f"{url} answered a prefill with bad JSON") from None
         if not isinstance(answer, dict):
             raise UpstreamError("protocol", f"{url} answered a prefill with a non-object")
-        app.registry.record_success(engine)
-        return response.status, answer
+        call.succeeded()
+        return call.status, answer
