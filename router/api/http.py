@@ -53,8 +53,6 @@ from router.api.openai import (
 )
 from router.api.responses import ResponsesApi, parse_responses
 from router.api.validate import check_prompt_tokens, check_request
-from router.policy.base import Decision, NoCandidates
-from router.proxy import UpstreamError
 from router.serving.downstream import Downstream
 from router.serving.forward import Forwarder
 
@@ -143,11 +141,9 @@ class HttpApi:
 
     def __init__(self, app: Services) -> None:
         from router.api.passthrough import Passthrough
-        from router.api.pd import PDForwarder
 
         self.app = app
         self.forwarder = Forwarder(app)
-        self.pd = PDForwarder(self.forwarder)
         self.passthrough = Passthrough(self)
         self.responses = ResponsesApi(self)
 
@@ -324,78 +320,7 @@ class HttpApi:
         )
         if before_plan is not None:
             await before_plan(ctx)
-        if app.registry.is_disaggregated(model):
-            await self.pd.forward(ctx)
-        else:
-            await self._forward(ctx)
-
-    async def _forward(self, ctx: RequestContext) -> None:
-        """An aggregated pool: the planned engine, then (on a failure before the first
-        byte) the plan again without the engines that failed."""
-        planner = self.app.decider.planner
-        route_request = ctx.request
-
-        async def choose(exclude: set[str]) -> Decision:
-            plan = await planner.plan(
-                ctx.model, route_request, ctx.load_tokens, ctx.subset, exclude
-            )
-            decision = plan.decode
-            if not exclude:  # the first choice
-                if route_request.prompt_tokens:
-                    self.app.metrics.prefix_match.observe(
-                        decision.cached_tokens / route_request.prompt_tokens
-                    )
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("request %s: %s", route_request.request_id, decision.describe())
-            return decision
-
-        attempt = self.forwarder.attempt
-        await self.with_retries(ctx, choose, lambda decision: attempt(ctx, decision))
-
-    async def with_retries(
-        self,
-        ctx: RequestContext,
-        choose: Callable[[set[str]], Awaitable[Decision]],
-        attempt: Callable[[Decision], Awaitable[None]],
-    ) -> None:
-        """``attempt`` on the engine ``choose`` picks; when it fails before the first byte
-        (UpstreamError), again on one picked without the engines that failed, up to
-        ``proxy.retries`` times. An engine that accepted the request and sent nothing in
-        time is not retried (:meth:`not_retried`); no engine left is the last failure's
-        status, or 503 if none was tried."""
-        app = self.app
-        exclude: set[str] = set()
-        last_error: UpstreamError | None = None
-        for tries in range(1 + app.config.proxy.retries):
-            try:
-                decision = await choose(exclude)
-            except NoCandidates:
-                if last_error is not None:
-                    raise ApiError(last_error.http_status, f"engine failed: {last_error}") from None
-                raise ApiError(
-                    503, f"no healthy engine serves model '{ctx.model}'", retry_after=1
-                ) from None
-            if tries == 0:
-                app.metrics.routing_seconds.observe(time.perf_counter() - ctx.started)
-            try:
-                return await attempt(decision)
-            except UpstreamError as err:
-                last_error = err
-                exclude.add(decision.engine.endpoint)
-                if err.accepted:
-                    raise self.forwarder.not_retried(err, ctx.request, decision) from None
-                retrying = tries < app.config.proxy.retries
-                if retrying:
-                    app.metrics.retries.labels(err.kind).inc()
-                log.info(
-                    "request %s: %s failed before the first byte (%s); %s",
-                    ctx.request_id,
-                    decision.engine.label,
-                    err,
-                    "retrying" if retrying else "giving up",
-                )
-        assert last_error is not None
-        raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+        await self.forwarder.forward(ctx)
 
 
 def openapi_document() -> dict[str, Any]:

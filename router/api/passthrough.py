@@ -31,8 +31,7 @@ from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, Not
 from router.api.errors import bad_request
 from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
-from router.plan import SERVING_ROLES
-from router.policy.base import Decision, RouteRequest
+from router.policy.base import RouteRequest
 
 if TYPE_CHECKING:
     from router.api.downstream import Downstream
@@ -112,38 +111,4 @@ class Passthrough:
         ctx = RequestContext(
             sink, route.path, parsed, route_request, payload, body, started, outcome
         )
-        await self._forward(ctx)
-
-    async def _forward(self, ctx: RequestContext) -> None:
-        """An engine by load, then (on a failure before the first byte) another."""
-        planner = self.app.decider.planner
-
-        async def choose(exclude: set[str]) -> Decision:
-            candidates = planner.candidates(ctx.model, SERVING_ROLES, exclude)
-            return await planner.choose(ctx.request, candidates)
-
-        await self.api.with_retries(ctx, choose, lambda decision: self._attempt(ctx, decision))
-
-    async def _attempt(self, ctx: RequestContext, decision: Decision) -> None:
-        """One try on one engine; its answer goes to the client as it is. Raises
-        UpstreamError while nothing reached the client."""
-        app, forwarder = self.app, self.api.forwarder
-        engine = app.registry.engine_of(decision.engine)
-        assert engine is not None
-        route_request = ctx.request
-        ticket = app.core.loads.begin(decision.engine, route_request.prompt_tokens, 0, 0)
-        sent = forwarder.upstream_headers(
-            ctx.sink.headers, ctx.request_id, engine, decision.engine, ctx.path
-        )
-        ours = {
-            "x-request-id": ctx.request_id,
-            "x-kvroute-engine": decision.engine.label,
-            "x-kvroute-reason": ctx.outcome.reason(decision.summary()),
-        }
-        url = engine.url + ctx.path
-        with await forwarder.open(engine, url, ctx.body, sent, ticket) as call:
-            streams = call.status < 400 and "event-stream" in call.content_type
-            if ctx.parsed.stream and streams:
-                await forwarder.stream(ctx, call, ctx.sink, ours)
-            else:
-                await forwarder.pass_on(call, ctx.outcome, ctx.sink, ours)
+        await self.api.forwarder.by_load(ctx)

@@ -19,15 +19,13 @@ the engine's hold timeout, which is counted.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from router.api.errors import ApiError
 from router.handoff import registry as dialects
-from router.policy.base import Decision, NoCandidates
+from router.policy.base import Decision
 from router.proxy import UpstreamError
 from router.serving.charges import prefill_charge
 
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
     from router.serving.forward import Forwarder
     from router.types import EngineKey
 
-log = logging.getLogger("kvroute.pd")
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
@@ -65,36 +62,22 @@ class PDForwarder:
         return self.app.config.auth.engine_cidrs
 
     async def forward(self, ctx: RequestContext) -> None:
-        app = self.app
-        planner = app.decider.planner
-        failed_decode: set[str] = set()
-        last_error: UpstreamError | None = None
-        for _attempt in range(1 + app.config.proxy.retries):
-            try:
-                plan = await planner.plan(
-                    ctx.model, ctx.request, ctx.load_tokens, ctx.subset, failed_decode
-                )
-            except NoCandidates:
-                break
-            try:
-                if plan.prefill is None or plan.dialect is None:
-                    return await self.local(ctx, plan.decode, plan.reason)
-                return await dialects.get(plan.dialect).serve(ctx, plan, self)
-            except UpstreamError as err:
-                last_error = err
-                failed_decode.add(plan.decode.engine.endpoint)
-                if err.accepted:
-                    raise self.forwarder.not_retried(err, ctx.request, plan.decode) from None
-                app.metrics.retries.labels(err.kind).inc()
-                log.info(
-                    "request %s: decode engine %s failed before the first byte (%s)",
-                    ctx.request_id,
-                    plan.decode.engine.label,
-                    err,
-                )
-        if last_error is not None:
-            raise ApiError(last_error.http_status, f"engine failed: {last_error}")
-        raise ApiError(503, f"no healthy decode engine serves model '{ctx.model}'", retry_after=1)
+        """Serve a request by its plan: the decode engine alone, or split in the plan's
+        dialect; planned again without a decode engine that failed before the first
+        byte."""
+        planner = self.app.decider.planner
+
+        async def plan(exclude: set[str]) -> Plan:
+            return await planner.plan(ctx.model, ctx.request, ctx.load_tokens, ctx.subset, exclude)
+
+        async def serve(plan: Plan) -> None:
+            if plan.prefill is None or plan.dialect is None:
+                return await self.local(ctx, plan.decode, plan.reason)
+            return await dialects.get(plan.dialect).serve(ctx, plan, self)
+
+        await self.forwarder.with_retries(
+            ctx, plan, serve, lambda plan: plan.decode, role="decode", count_last_failure=True
+        )
 
     # ------------------------------------------------------------------ Legs
 

@@ -1,32 +1,37 @@
-"""A planned request on its way to its engine: the engine call.
+"""A prepared request on its way to its engines: the engine call and its retries.
 
 :class:`EngineCall` is one request to one engine, from opening it to the end of its load
 ticket: the engine's health is told what the call showed (:class:`EngineHealth`), and
 the answer is read whole (:func:`~router.serving.relay.read_all`) or relayed
 (:func:`~router.serving.relay.relay`). Every caller that talks to an engine for a
 client goes through it: a generation (:meth:`Forwarder.attempt`), a split's prefill
-leg (:mod:`router.api.pd`), an engine route passed through (:mod:`router.api.passthrough`),
+leg (:mod:`router.api.pd`), an engine route passed through (:meth:`Forwarder.by_load`),
 ``count_tokens`` and the sidecar (which has no ticket and reports no health).
 
-:class:`Forwarder` is what the front ends that forward (HTTP, gRPC ``Generate``) share
-of it: the headers every request to an engine carries (``X-Request-Id``, the DP rank,
-the client's credentials), the one try of a generation with its load charge, its
-relay and the tokenizer check against the engine's ``usage``, and the 504 of an engine
-that accepted a request and went quiet.
+:class:`Forwarder` is what the front ends that forward (HTTP, gRPC ``Generate``) share:
+a prepared generation served by its plan (:meth:`Forwarder.forward`: an aggregated
+pool's engine, or a split's handoff), an engine route's request by load, and the one
+retry rule of them all (:meth:`Forwarder.with_retries`: a failure before the first byte
+is tried again elsewhere, an engine that accepted the request and went quiet is a 504);
+with the headers every request to an engine carries (``X-Request-Id``, the DP rank, the
+client's credentials), the load charge of a generation's try, its relay, and the
+tokenizer check against the engine's ``usage``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
 from router.api.errors import ApiError, shape_for
 from router.api.usage import engine_input_tokens, stream_input_tokens
 from router.http1 import HTTPError
+from router.plan import SERVING_ROLES
+from router.policy.base import NoCandidates
 from router.proxy import UpstreamError
 from router.serving.relay import SSE_HEADERS, RelayHooks, first_chunk, read_all, relay
 
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
     from router.types import EngineKey
 
 log = logging.getLogger("kvroute.http")
+T = TypeVar("T")
 
 _JSON = "application/json"
 _CHAT, _COMPLETIONS, _MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
@@ -196,55 +202,120 @@ class EngineCall:
 
 
 class Forwarder:
-    """What the front ends that forward a request share of talking to its engine."""
+    """What the front ends that forward a request share of talking to its engines."""
 
     def __init__(self, app: Services) -> None:
+        from router.api.pd import PDForwarder
+
         self.app = app
+        self.split = PDForwarder(self)
+        """Serves the models whose engines are split into prefill and decode pools."""
 
-    def upstream_headers(
+    async def forward(self, ctx: RequestContext) -> None:
+        """Serve a prepared generation into ``ctx.sink``: by its plan's handoff for
+        prefill and decode pools (:mod:`router.api.pd`), else on the planned engine;
+        either retried elsewhere before the first byte (:meth:`with_retries`). Raises
+        :class:`ApiError` while nothing has reached the sink."""
+        if self.app.registry.is_disaggregated(ctx.model):
+            await self.split.forward(ctx)
+        else:
+            await self.aggregated(ctx)
+
+    async def aggregated(self, ctx: RequestContext) -> None:
+        """An aggregated pool: the planned engine, then (on a failure before the first
+        byte) the plan again without the engines that failed."""
+        planner = self.app.decider.planner
+        route_request = ctx.request
+
+        async def choose(exclude: set[str]) -> Decision:
+            plan = await planner.plan(
+                ctx.model, route_request, ctx.load_tokens, ctx.subset, exclude
+            )
+            decision = plan.decode
+            if not exclude:  # the first choice
+                self._routed(ctx)
+                if route_request.prompt_tokens:
+                    self.app.metrics.prefix_match.observe(
+                        decision.cached_tokens / route_request.prompt_tokens
+                    )
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s: %s", route_request.request_id, decision.describe())
+            return decision
+
+        await self.with_retries(ctx, choose, lambda decision: self.attempt(ctx, decision))
+
+    async def by_load(self, ctx: RequestContext) -> None:
+        """An engine route's request (nothing tokenized): an engine serving its model by
+        the policy on load alone, then (on a failure before the first byte) another; the
+        engine's answer goes to the client as it is."""
+        planner = self.app.decider.planner
+
+        async def choose(exclude: set[str]) -> Decision:
+            candidates = planner.candidates(ctx.model, SERVING_ROLES, exclude)
+            decision = await planner.choose(ctx.request, candidates)
+            if not exclude:  # the first choice
+                self._routed(ctx)
+            return decision
+
+        await self.with_retries(ctx, choose, lambda decision: self._as_is(ctx, decision))
+
+    def _routed(self, ctx: RequestContext) -> None:
+        """The first engine is chosen: the router's part of the request is done."""
+        self.app.metrics.routing_seconds.observe(time.perf_counter() - ctx.started)
+
+    async def with_retries(
         self,
-        client: Mapping[str, str],
-        request_id: str,
-        engine: Any,
-        key: EngineKey,
-        path: str = "",
-    ) -> dict[str, str]:
-        """Headers every request to an engine carries (``client``: the client's headers,
-        ``path``: the route it called, for where ``x-api-key`` is its key)."""
-        headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
-        if engine.dp_size > 1:
-            headers["X-data-parallel-rank"] = str(key.rank)
-        auth = self.app.credentials.upstream_authorization_of(client, path)
-        if auth:
-            headers["Authorization"] = auth
-        return headers
-
-    async def open(
-        self,
-        engine: Engine,
-        url: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        ticket: Ticket | None,
-    ) -> EngineCall:
-        """An :class:`EngineCall` to ``engine`` under ``ticket`` (None: the request puts
-        nothing on the engine's load), its health the registry's."""
-        upstream = self.app.upstream
-        assert upstream is not None, "the router forwards once it has started"
-        health = EngineHealth(self.app.registry, engine)
-        return await EngineCall.open(
-            upstream, url, body, headers, health=health, loads=self.app.core.loads, ticket=ticket
-        )
-
-    async def pass_on(
-        self, call: EngineCall, outcome: Outcome, sink: Downstream, ours: dict[str, str]
+        ctx: RequestContext,
+        choose: Callable[[set[str]], Awaitable[T]],
+        attempt: Callable[[T], Awaitable[None]],
+        serving: Callable[[T], Decision] | None = None,
+        *,
+        role: str | None = None,
+        count_last_failure: bool = False,
     ) -> None:
-        """Read the engine's answer whole and pass it on as it is, status included (an
-        engine's own refusal goes to the client as the engine wrote it)."""
-        data = await call.read()
-        call.succeeded()
-        outcome.set("ok" if call.status < 400 else "client_error", call.status)
-        await sink.whole(call.status, {**ours, "Content-Type": call.content_type}, data)
+        """``attempt`` what ``choose`` picks; when it fails before the first byte
+        (UpstreamError), again on what it picks without the engines that failed, up to
+        ``proxy.retries`` times. An engine that accepted the request and sent nothing in
+        time is not retried (:meth:`not_retried`); no engine left is the last failure's
+        status, or 503 if none was tried.
+
+        ``choose`` picks a :class:`Decision`, or something ``serving`` names the serving
+        engine's decision of (a split's plan: its decode engine). ``role``: the engines'
+        role in the 503 and the log (``decode``). ``count_last_failure``: a failure
+        that is not retried counts in ``kvroute_retries_total`` too (a split's decode
+        engine's always has).
+        """
+        app = self.app
+        retries = app.config.proxy.retries
+        exclude: set[str] = set()
+        last_error: UpstreamError | None = None
+        for tries in range(1 + retries):
+            try:
+                chosen = await choose(exclude)
+            except NoCandidates:
+                break
+            decision = serving(chosen) if serving is not None else cast("Decision", chosen)
+            try:
+                return await attempt(chosen)
+            except UpstreamError as err:
+                last_error = err
+                exclude.add(decision.engine.endpoint)
+                if err.accepted:
+                    raise self.not_retried(err, ctx.request, decision) from None
+                retrying = tries < retries
+                if retrying or count_last_failure:
+                    app.metrics.retries.labels(err.kind).inc()
+                log.info(
+                    "request %s: %s failed before the first byte (%s); %s",
+                    ctx.request_id,
+                    f"{role} engine {decision.engine.label}" if role else decision.engine.label,
+                    err,
+                    "retrying" if retrying else "giving up",
+                )
+        if last_error is not None:
+            raise ApiError(last_error.http_status, f"engine failed: {last_error}")
+        engines = f"{role} engine" if role else "engine"
+        raise ApiError(503, f"no healthy {engines} serves model '{ctx.model}'", retry_after=1)
 
     def not_retried(
         self, err: UpstreamError, route_request: RouteRequest, decision: Decision
@@ -337,6 +408,31 @@ class Forwarder:
                 return
             await self.stream(ctx, call, sink, ours, tap, watch)
 
+    async def _as_is(self, ctx: RequestContext, decision: Decision) -> None:
+        """One try of an engine route's request on one engine; its answer goes to the
+        client as it is, a stream relayed as a generation's. Raises UpstreamError while
+        nothing reached the client."""
+        app = self.app
+        engine = app.registry.engine_of(decision.engine)
+        assert engine is not None
+        route_request = ctx.request
+        ticket = app.core.loads.begin(decision.engine, route_request.prompt_tokens, 0, 0)
+        sent = self.upstream_headers(
+            ctx.sink.headers, ctx.request_id, engine, decision.engine, ctx.path
+        )
+        ours = {
+            "x-request-id": ctx.request_id,
+            "x-kvroute-engine": decision.engine.label,
+            "x-kvroute-reason": ctx.outcome.reason(decision.summary()),
+        }
+        url = engine.url + ctx.path
+        with await self.open(engine, url, ctx.body, sent, ticket) as call:
+            streams = call.status < 400 and "event-stream" in call.content_type
+            if ctx.parsed.stream and streams:
+                await self.stream(ctx, call, ctx.sink, ours)
+            else:
+                await self.pass_on(call, ctx.outcome, ctx.sink, ours)
+
     async def stream(
         self,
         ctx: RequestContext,
@@ -367,6 +463,51 @@ class Forwarder:
             if usage_at != -1 and b'"usage"' in tail[usage_at:]:
                 usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
                 self._check_tokenizer(parsed, usage, ctx.outcome)
+
+    async def pass_on(
+        self, call: EngineCall, outcome: Outcome, sink: Downstream, ours: dict[str, str]
+    ) -> None:
+        """Read the engine's answer whole and pass it on as it is, status included (an
+        engine's own refusal goes to the client as the engine wrote it)."""
+        data = await call.read()
+        call.succeeded()
+        outcome.set("ok" if call.status < 400 else "client_error", call.status)
+        await sink.whole(call.status, {**ours, "Content-Type": call.content_type}, data)
+
+    async def open(
+        self,
+        engine: Engine,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        ticket: Ticket | None,
+    ) -> EngineCall:
+        """An :class:`EngineCall` to ``engine`` under ``ticket`` (None: the request puts
+        nothing on the engine's load), its health the registry's."""
+        upstream = self.app.upstream
+        assert upstream is not None, "the router forwards once it has started"
+        health = EngineHealth(self.app.registry, engine)
+        return await EngineCall.open(
+            upstream, url, body, headers, health=health, loads=self.app.core.loads, ticket=ticket
+        )
+
+    def upstream_headers(
+        self,
+        client: Mapping[str, str],
+        request_id: str,
+        engine: Any,
+        key: EngineKey,
+        path: str = "",
+    ) -> dict[str, str]:
+        """Headers every request to an engine carries (``client``: the client's headers,
+        ``path``: the route it called, for where ``x-api-key`` is its key)."""
+        headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
+        if engine.dp_size > 1:
+            headers["X-data-parallel-rank"] = str(key.rank)
+        auth = self.app.credentials.upstream_authorization_of(client, path)
+        if auth:
+            headers["Authorization"] = auth
+        return headers
 
     def _check_tokenizer(
         self, parsed: ParsedRequest, answer: bytes, outcome: Outcome | None = None
