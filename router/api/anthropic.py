@@ -22,6 +22,7 @@ What the router refuses on these routes is in Anthropic's error form
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,14 +30,13 @@ import msgspec
 from aiohttp import web
 
 from router.api.body import read_body
-from router.api.context import Outcome
+from router.api.context import Outcome, RequestContext
+from router.api.downstream import HttpDownstream
 from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID
 from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
 from router.api.validate import resolve_model
-from router.plan import SERVING_ROLES
-from router.policy.base import NoCandidates, RouteRequest
-from router.proxy import UpstreamError
+from router.policy.base import RouteRequest
 from router.tokenization.anthropic import chat_messages, has_inline_system
 from router.tokenization.base import PromptTokenizer
 
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _ROLES = ("user", "assistant", "system")
-_JSON = "application/json"
 
 
 def _required_str(payload: Mapping[str, Any], name: str) -> str:
@@ -129,7 +128,13 @@ def parse_messages(payload: dict[str, Any]) -> ParsedRequest:
 
 class CountTokens:
     """``POST /v1/messages/count_tokens``: to the least loaded engine serving the model,
-    retried once on another before the first byte; the engine's answer as it is."""
+    retried on another before the first byte; the engine's answer as it is.
+
+    It takes the engine routes' way (:meth:`~router.serving.forward.Forwarder.by_load`):
+    a count is tokenizer work, so its load ticket counts a request in flight and no
+    prefill, as ``/tokenize``'s does. Its own intake: draining, the model, the messages
+    (Anthropic-shaped refusals), no admission queue.
+    """
 
     def __init__(self, api: HttpApi) -> None:
         self.api = api
@@ -137,7 +142,9 @@ class CountTokens:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         app = self.app
+        started = time.perf_counter()
         outcome = Outcome()
+        sink = HttpDownstream(request)
         try:
             if app.draining:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
@@ -147,62 +154,20 @@ class CountTokens:
                 body = msgspec.json.encode(payload)
             model = resolve_model(_required_str(payload, "model"), app.registry.models())
             _checked_messages(payload)
-            response = await self._forward(request, model, body, outcome)
+            given = request.headers.get("x-request-id")
+            request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
+            block_size = app.block_size_for(app.registry.base_of(model))
+            by_load = RouteRequest(request_id, [], 0, block_size, by_load=True)
+            parsed = ParsedRequest(model, False, None, 1, None, None, include_usage=False)
+            parsed.prompts = [[]]
+            ctx = RequestContext(
+                sink, COUNT_TOKENS_PATH, parsed, by_load, payload, body, started, outcome
+            )
+            await self.api.forwarder.by_load(ctx)
         except ApiError as err:
             outcome.failed(err)
             raise  # answered in this route's form by the openai_errors middleware
         finally:
             app.metrics.requests.labels("count_tokens", outcome.outcome, str(outcome.status)).inc()
-        return response
-
-    async def _forward(
-        self, request: web.Request, model: str, body: bytes, outcome: Outcome
-    ) -> web.Response:
-        app, forwarder = self.app, self.api.forwarder
-        planner = app.decider.planner
-        given = request.headers.get("x-request-id")
-        request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
-        block_size = app.block_size_for(app.registry.base_of(model))
-        by_load = RouteRequest(request_id, [], 0, block_size, by_load=True)
-        exclude: set[str] = set()
-        last: UpstreamError | None = None
-        for _attempt in range(1 + app.config.proxy.retries):
-            try:
-                pool = planner.candidates(model, SERVING_ROLES, exclude=exclude)
-                decision = await planner.choose(by_load, pool)
-            except NoCandidates:
-                break
-            engine = app.registry.engine_of(decision.engine)
-            assert engine is not None
-            url = engine.url + COUNT_TOKENS_PATH
-            headers = forwarder.upstream_headers(
-                request.headers, request_id, engine, decision.engine, COUNT_TOKENS_PATH
-            )
-            try:
-                call = await forwarder.open(engine, url, body, headers, None)
-            except UpstreamError as err:
-                if err.accepted:
-                    raise ApiError(504, f"engine failed: {err}") from None
-                last = err
-                exclude.add(decision.engine.endpoint)
-                continue
-            with call:
-                try:
-                    data = await call.read()
-                except UpstreamError as err:
-                    raise ApiError(err.http_status, f"engine failed: {err}") from None
-            call.succeeded()
-            outcome.set("ok" if call.status < 400 else "client_error", call.status)
-            return web.Response(
-                body=data,
-                status=call.status,
-                headers={
-                    "Content-Type": call.content_type,
-                    "x-request-id": request_id,
-                    "x-kvroute-engine": decision.engine.label,
-                    "x-kvroute-reason": decision.summary(),
-                },
-            )
-        if last is not None:
-            raise ApiError(last.http_status, f"engine failed: {last}")
-        raise ApiError(503, f"no healthy engine serves model '{model}'", retry_after=1)
+        assert sink.response is not None
+        return sink.response
