@@ -1,6 +1,6 @@
 """The Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
-``/v1/messages`` takes the chat path (:meth:`~router.api.http.HttpApi.handle`): it is
+``/v1/messages`` takes the chat path (:class:`~router.serving.generate.Generations`): it is
 parsed here into a :class:`~router.api.openai.ParsedRequest` whose prompt is the chat
 template over the request's ``system`` and ``messages`` converted as vLLM converts them
 (:mod:`router.tokenization.anthropic`), so the router counts and hashes the tokens the
@@ -41,7 +41,8 @@ from router.tokenization.anthropic import chat_messages, has_inline_system
 from router.tokenization.base import PromptTokenizer
 
 if TYPE_CHECKING:
-    from router.api.http import HttpApi
+    from router.api.services import Services
+    from router.serving.forward import Forwarder
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -136,9 +137,9 @@ class CountTokens:
     (Anthropic-shaped refusals), no admission queue.
     """
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
+    def __init__(self, app: Services, forwarder: Forwarder) -> None:
+        self.app = app
+        self.forwarder = forwarder
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         app = self.app
@@ -163,7 +164,7 @@ class CountTokens:
             ctx = RequestContext(
                 sink, COUNT_TOKENS_PATH, parsed, by_load, payload, body, started, outcome
             )
-            await self.api.forwarder.by_load(ctx)
+            await self.forwarder.by_load(ctx)
         except ApiError as err:
             outcome.failed(err)
             raise  # answered in this route's form by the openai_errors middleware

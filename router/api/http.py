@@ -18,6 +18,7 @@ releases the load it held.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -35,9 +36,9 @@ from router.api.anthropic import (
     parse_messages,
 )
 from router.api.body import read_body
-from router.api.context import Outcome, RequestContext
+from router.api.context import Outcome
 from router.api.downstream import HttpDownstream
-from router.api.engine_routes import ENGINE_ROUTES, EngineRoute, unknown_route
+from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, unknown_route
 from router.api.errors import ApiError, shape_for
 from router.api.headers import REQUEST_ID, check_headers
 from router.api.openai import (
@@ -45,16 +46,15 @@ from router.api.openai import (
     CompletionRequest,
     CountTokensRequest,
     MessagesRequest,
-    ParsedRequest,
     ResponsesRequest,
-    decode_body,
     parse_chat,
     parse_completion,
 )
+from router.api.passthrough import Passthrough, refusing
 from router.api.responses import ResponsesApi, parse_responses
-from router.api.validate import check_prompt_tokens, check_request
 from router.serving.downstream import Downstream
 from router.serving.forward import Forwarder
+from router.serving.generate import BeforePlan, Generations, Parse
 
 if TYPE_CHECKING:
     from router.api.services import Services
@@ -69,17 +69,15 @@ _PATHS = {
     "messages": MESSAGES_PATH,
     "responses": "/v1/responses",
 }
-_PARSERS: dict[str, Callable[[dict[str, Any]], ParsedRequest]] = {
+_PARSERS: dict[str, Parse] = {
     "chat": parse_chat,
     "completions": parse_completion,
     "messages": parse_messages,
     "responses": parse_responses,
 }
-BeforePlan = Callable[[RequestContext], Awaitable[None]]
-"""A front end's own step between preparing a request and planning it."""
 
 #: Serves a request whose body has been read: (sink, route label, request id, body,
-#: start time, outcome, admission deadline), as :meth:`HttpApi.handle`.
+#: start time, outcome, admission deadline), as :meth:`Passthrough.handle`.
 Handler = Callable[[Downstream, str, str, bytes, float, Outcome, float | None], Awaitable[None]]
 
 
@@ -140,19 +138,20 @@ class HttpApi:
     """Handlers bound to one running router."""
 
     def __init__(self, app: Services) -> None:
-        from router.api.passthrough import Passthrough
-
         self.app = app
         self.forwarder = Forwarder(app)
-        self.passthrough = Passthrough(self)
-        self.responses = ResponsesApi(self)
+        self.generations = Generations(app, self.forwarder)
+        self.passthrough = Passthrough(app, self.forwarder)
+        self.responses = ResponsesApi(app)
+        self.count_tokens = CountTokens(app, self.forwarder)
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post(MESSAGES_PATH, self.messages),
-            web.post(COUNT_TOKENS_PATH, CountTokens(self).handle),
+            web.post(COUNT_TOKENS_PATH, self.count_tokens.handle),
+            web.post("/v1/responses", self.create_response),
             *self.responses.routes(),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # ids may hold slashes
@@ -160,8 +159,24 @@ class HttpApi:
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
-            *self.passthrough.routes(),  # every other engine route (router/api/engine_routes.py)
+            *self._engine_routes(),  # every other engine route (router/api/engine_routes.py)
         ]
+
+    def _engine_routes(self) -> list[web.RouteDef]:
+        """The routes of :data:`ENGINE_ROUTES`, passed through
+        (:mod:`router.api.passthrough`), and of :data:`NOT_ROUTED`, refused."""
+
+        def serving(route: EngineRoute) -> Any:
+            serve = functools.partial(self.passthrough.handle, route)
+
+            async def handler(request: web.Request) -> web.StreamResponse:
+                return await self._generate(request, route.label, serve)
+
+            return handler
+
+        served = [web.post(route.path, serving(route)) for route in ENGINE_ROUTES]
+        refused = [web.route(n.method, n.path, refusing(n)) for n in NOT_ROUTED]
+        return served + refused
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -213,6 +228,11 @@ class HttpApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "messages")
 
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: a generation, kept on the engine of the conversation it
+        continues and its answer's id learnt (:meth:`ResponsesApi.attach`)."""
+        return await self._generate(request, "responses", before_plan=self.responses.attach)
+
     async def _generate(
         self,
         request: web.Request,
@@ -258,8 +278,16 @@ class HttpApi:
             if handle is not None:
                 await handle(sink, route, request_id, body, started, outcome, deadline)
             else:
-                await self.handle(
-                    sink, route, request_id, body, started, outcome, deadline, before_plan
+                await self.generations.serve(
+                    sink,
+                    _PATHS[route],
+                    _PARSERS[route],
+                    request_id,
+                    body,
+                    started,
+                    outcome,
+                    deadline,
+                    before_plan,
                 )
             assert sink.response is not None
             return sink.response
@@ -279,48 +307,6 @@ class HttpApi:
                 app.flow.finish(outcome.ticket, outcome.usage)
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
-
-    async def handle(
-        self,
-        sink: Downstream,
-        route: str,
-        request_id: str,
-        body: bytes,
-        started: float,
-        outcome: Outcome,
-        deadline: float | None = None,
-        before_plan: BeforePlan | None = None,
-    ) -> None:
-        """Serve a completion (``route`` ``completions``), chat (``chat``), Anthropic
-        Messages (``messages``) or Responses (``responses``) request whose body has been
-        read: parse, decide, forward, relay the answer into ``sink``.
-
-        ``deadline`` (``time.monotonic``): how long the request may wait for an engine
-        with room (``limits.max_inflight_per_engine``); None: 429 at once.
-        ``before_plan`` runs once the request is prepared (tokenized), before planning.
-        Raises :class:`ApiError` while nothing has reached ``sink``.
-        """
-        app = self.app
-        limits = app.config.limits
-        check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
-        payload = decode_body(body, limits.max_json_depth)
-        if app.strip_owned_fields(payload):
-            body = _encode(payload)  # every path below forwards these bytes
-        parsed = _PARSERS[route](payload)
-        model = check_request(parsed, limits, app.registry.models())
-        parsed.model = model
-        route_request = await app.decider.prepare(
-            request_id, model, parsed, app.decider.session_of(sink.headers), sink.headers
-        )
-        check_prompt_tokens(parsed, limits)
-        route_request.wait_until = deadline
-        route_request.flow = outcome.ticket
-        ctx = RequestContext(
-            sink, _PATHS[route], parsed, route_request, payload, body, started, outcome
-        )
-        if before_plan is not None:
-            await before_plan(ctx)
-        await self.forwarder.forward(ctx)
 
 
 def openapi_document() -> dict[str, Any]:

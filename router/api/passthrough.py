@@ -19,7 +19,6 @@ their documented 404.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -27,15 +26,16 @@ import msgspec
 from aiohttp import web
 
 from router.api.context import Outcome, RequestContext
-from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, NotRouted, not_routed
+from router.api.engine_routes import EngineRoute, NotRouted, not_routed
 from router.api.errors import bad_request
 from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
 from router.policy.base import RouteRequest
 
 if TYPE_CHECKING:
-    from router.api.downstream import Downstream
-    from router.api.http import HttpApi
+    from router.api.services import Services
+    from router.serving.downstream import Downstream
+    from router.serving.forward import Forwarder
 
 log = logging.getLogger("kvroute.http")
 
@@ -45,33 +45,22 @@ _BYTES_PER_TOKEN = 4
 bytes (nothing is tokenized on this path)."""
 
 
+def refusing(route: NotRouted) -> Any:
+    """The handler of a route of :data:`NOT_ROUTED`: its documented 404."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        raise not_routed(route)
+
+    return handler
+
+
 class Passthrough:
-    """The handlers of :data:`ENGINE_ROUTES` and :data:`NOT_ROUTED`, bound to one
-    :class:`~router.api.http.HttpApi`."""
+    """Serves the requests of :data:`ENGINE_ROUTES` (the HTTP API admits them and reads
+    their bodies: :meth:`~router.api.http.HttpApi.routes`)."""
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
-
-    def routes(self) -> list[web.RouteDef]:
-        served = [web.post(route.path, self._serving(route)) for route in ENGINE_ROUTES]
-        refused = [web.route(n.method, n.path, self._refusing(n)) for n in NOT_ROUTED]
-        return served + refused
-
-    def _serving(self, route: EngineRoute) -> Any:
-        serve = functools.partial(self.handle, route)
-
-        async def handler(request: web.Request) -> web.StreamResponse:
-            return await self.api._generate(request, route.label, serve)
-
-        return handler
-
-    @staticmethod
-    def _refusing(route: NotRouted) -> Any:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            raise not_routed(route)
-
-        return handler
+    def __init__(self, app: Services, forwarder: Forwarder) -> None:
+        self.app = app
+        self.forwarder = forwarder
 
     async def handle(
         self,
@@ -86,7 +75,7 @@ class Passthrough:
     ) -> None:
         """Serve one request of ``route`` whose body has been read (raises
         :class:`ApiError` while nothing has reached ``sink``); ``label`` is the metrics
-        label :meth:`HttpApi._generate` counts it under."""
+        label the HTTP API counts it under."""
         app = self.app
         payload = decode_body(body, app.config.limits.max_json_depth)
         if app.strip_owned_fields(payload):  # e.g. sampling_params.extra_args on generate
@@ -111,4 +100,4 @@ class Passthrough:
         ctx = RequestContext(
             sink, route.path, parsed, route_request, payload, body, started, outcome
         )
-        await self.api.forwarder.by_load(ctx)
+        await self.forwarder.by_load(ctx)

@@ -31,11 +31,11 @@ from router.serving.charges import prefill_charge
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
-    from router.api.downstream import Downstream
     from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.registry import Engine
     from router.plan import Plan
+    from router.serving.downstream import Downstream
     from router.serving.forward import Forwarder
     from router.types import EngineKey
 

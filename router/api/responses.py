@@ -2,10 +2,10 @@
 ``POST /v1/responses/{id}/cancel``.
 
 A new response takes the request path every generation takes (parse, validate,
-``Decider.prepare``, the planner, forward and relay, :meth:`HttpApi.handle`); its
-prompt is tokenized from ``instructions`` and ``input``
-(:mod:`router.tokenization.responses`; the engine's own renderer where it serves
-one). Two things are its own:
+``Decider.prepare``, the planner, forward and relay,
+:class:`~router.serving.generate.Generations`); its prompt is tokenized from
+``instructions`` and ``input`` (:mod:`router.tokenization.responses`; the engine's own
+renderer where it serves one). Two things are its own:
 
 * **Affinity.** vLLM keeps a stored response in the engine that produced it, so a
   request with ``previous_response_id`` can only be served there. The router learns
@@ -53,7 +53,7 @@ from router.tokenization.responses import InvalidInput, responses_messages
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.api.http import HttpApi
+    from router.api.services import Services
 
 _decode = msgspec.json.decode
 _JSON = "application/json"
@@ -166,9 +166,8 @@ class ResponseIdWatch:
 class ResponsesApi:
     """The Responses routes of one router's HTTP API."""
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
+    def __init__(self, app: Services) -> None:
+        self.app = app
         self._asking: set[asyncio.Future[str | None]] = set()
         self._questions = LocalBuckets()
         self._callers = LocalBuckets()
@@ -179,14 +178,12 @@ class ResponsesApi:
         return self.app.responses
 
     def routes(self) -> list[web.RouteDef]:
+        """Retrieval and cancellation (``POST /v1/responses`` is a generation route of the
+        HTTP API, with :meth:`attach` before its plan)."""
         return [
-            web.post("/v1/responses", self.create),
             web.get("/v1/responses/{response_id}", self.retrieve),
             web.post("/v1/responses/{response_id}/cancel", self.cancel),
         ]
-
-    async def create(self, request: web.Request) -> web.StreamResponse:
-        return await self.api._generate(request, "responses", before_plan=self.attach)
 
     async def attach(self, ctx: RequestContext) -> None:
         """Before planning: keep a continued conversation on its engine, and learn the
