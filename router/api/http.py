@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API (aiohttp.web: it measured fastest, docs/benchmarks.md).
 
-The request path: read and decode the body, tokenize the prompt, compute its block
-keys, ask the routing core for an engine (:mod:`router.api.decide`, shared with the gRPC
-and ext_proc front ends), forward the original bytes unchanged, and relay the answer
-(:mod:`router.serving.forward`, :mod:`router.serving.relay`). The answer goes through a
+The request path: admit the request and read its body (here), then decode it, tokenize
+the prompt, compute its block keys, ask the routing core for an engine
+(:mod:`router.api.decide`, shared with the gRPC and ext_proc front ends), forward the
+original bytes unchanged, and relay the answer (:mod:`router.serving.generate`,
+:mod:`router.serving.forward`, :mod:`router.serving.relay`). The answer goes through a
 :class:`~router.serving.downstream.Downstream`, so gRPC ``Generate`` runs this same
-forwarding code (:meth:`HttpApi.handle`).
+forwarding code.
 
 A failure before the first byte reaches the client (connection refused or timed out,
 5xx, 429) is retried on another engine; a first-byte timeout after the engine had the
@@ -242,8 +243,8 @@ class HttpApi:
         before_plan: BeforePlan | None = None,
     ) -> web.StreamResponse:
         """Admit a client request, read its body and serve it with ``handle`` (default:
-        :meth:`handle`, completions, chat, Messages and Responses, with ``before_plan``);
-        ``route`` is its metrics label."""
+        the generation path of completions, chat, Messages and Responses,
+        :meth:`Generations.serve`, with ``before_plan``); ``route`` is its metrics label."""
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         outcome = Outcome()

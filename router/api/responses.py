@@ -336,7 +336,7 @@ class ResponsesApi:
             url = f"{engine.url}/v1/responses/{response_id}{suffix}"
             if request.query_string:
                 url += "?" + request.query_string
-            out = await self._relay(request, engine, url, method, body)
+            out = await self._exchange(request, engine, url, method, body)
             status = out.status
             outcome.set(
                 "ok" if status < 400 else "client_error" if status < 500 else "engine_error", status
@@ -352,9 +352,14 @@ class ResponsesApi:
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    async def _relay(
+    async def _exchange(
         self, request: web.Request, engine: Engine, url: str, method: str, body: bytes
     ) -> web.StreamResponse:
+        """``method`` ``url`` on the holding engine, its answer relayed as it is.
+
+        Opened here, not as an :class:`~router.serving.forward.EngineCall` (a POST whose
+        5xx is a failure to retry): a GET or a cancel goes to the one engine holding the
+        response, and whatever it answers, 5xx included, is the client's answer."""
         app = self.app
         upstream = app.upstream
         assert upstream is not None
