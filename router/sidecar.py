@@ -29,6 +29,7 @@ import msgspec
 from aiohttp import web
 
 from router.api.body import read_body
+from router.api.downstream import HttpDownstream
 from router.api.errors import ApiError, bad_request
 from router.api.http import error_response, openai_errors
 from router.api.listener import BoundSite, ConnectionGuard, ListenError, bind
@@ -40,6 +41,8 @@ from router.handoff import sidecar as sidecar_dialect
 from router.handoff.fields import strip_owned
 from router.http1 import HTTPError
 from router.proxy import Upstream, UpstreamError
+from router.serving.forward import EngineCall
+from router.serving.relay import RelayHooks
 
 log = logging.getLogger("kvroute.sidecar")
 HEADER = sidecar_dialect.HEADER
@@ -47,6 +50,17 @@ _HOST_PORT = re.compile(r"\[?([0-9A-Za-z.:-]+?)\]?:(\d{1,5})")
 _PATHS = ("/v1/completions", "/v1/chat/completions")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+_GONE = "client left before the end of a stream from %s"
+
+
+class _LocalStream(RelayHooks):
+    """The local engine's stream as it is; one that breaks ends with an error event."""
+
+    def broke(self, exc: HTTPError) -> bytes:
+        return ApiError(502, f"the engine's stream broke: {exc}").sse()
+
+
+_LOCAL_STREAM = _LocalStream()
 
 
 class AllowList:
@@ -211,36 +225,22 @@ class Sidecar:
     ) -> web.StreamResponse:
         assert self.upstream is not None
         try:
-            response, deadline = await self.upstream.open(url, body, headers)
+            call = await EngineCall.open(self.upstream, url, body, headers)
         except UpstreamError as exc:
             raise ApiError(exc.http_status, f"local engine: {exc}") from None
-        try:
-            ctype = response.headers.get("content-type", "application/json")
+        sink = HttpDownstream(request, gone_at_end=lambda: log.debug(_GONE, url))
+        with call:
+            ctype = call.content_type
             if not ctype.startswith("text/event-stream"):
-                data = await self.upstream.read(response, deadline, url)
-                if tap is not None and response.status == 200:
+                data = await call.read()
+                if tap is not None and call.status == 200:
                     data = tap.answer(data)
-                return web.Response(
-                    body=data, status=response.status, headers={"Content-Type": ctype}
-                )
-            out = web.StreamResponse(status=response.status, headers={"Content-Type": ctype})
-            await out.prepare(request)
-            try:
-                try:
-                    while chunk := await response.readany():
-                        self.upstream.deadlines.touch(deadline, self.proxy.idle_timeout_s)
-                        await out.write(tap.chunk(chunk) if tap is not None else chunk)
-                except HTTPError as exc:
-                    await out.write(ApiError(502, f"the engine's stream broke: {exc}").sse())
-            except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
-                raise asyncio.CancelledError from None  # the client left midway
-            try:
-                await out.write_eof()
-            except ConnectionResetError:  # it left after the last byte, as many do
-                log.debug("client left before the end of a stream from %s", url)
-            return out
-        finally:
-            self.upstream.finish(response, deadline)
+                await sink.whole(call.status, {"Content-Type": ctype}, data)
+            else:
+                head = {"Content-Type": ctype}
+                await call.relay(sink, head, _LOCAL_STREAM, self.proxy.idle_timeout_s, tap=tap)
+        assert sink.response is not None
+        return sink.response
 
 
 def _without_owned_fields(body: bytes) -> tuple[bytes, dict[str, Any]]:

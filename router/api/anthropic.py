@@ -1,6 +1,6 @@
 """The Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
-``/v1/messages`` takes the chat path (:meth:`~router.api.http.HttpApi.handle`): it is
+``/v1/messages`` takes the chat path (:class:`~router.serving.generate.Generations`): it is
 parsed here into a :class:`~router.api.openai.ParsedRequest` whose prompt is the chat
 template over the request's ``system`` and ``messages`` converted as vLLM converts them
 (:mod:`router.tokenization.anthropic`), so the router counts and hashes the tokens the
@@ -10,7 +10,7 @@ rest. The answer is relayed untouched: JSON, or Anthropic's events (``message_st
 ... ``message_stop``). ``usage.input_tokens`` does not count cached tokens when the
 engine reports them (vLLM's ``--enable-prompt-tokens-details``): the engine's prompt is
 ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
-(:func:`engine_input_tokens`).
+(:func:`router.api.usage.engine_input_tokens`).
 
 ``/v1/messages/count_tokens`` (:class:`CountTokens`) goes to an engine serving the model
 by load alone: a count costs the engine a tokenization, never a prefill, so which
@@ -22,6 +22,7 @@ What the router refuses on these routes is in Anthropic's error form
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,25 +30,23 @@ import msgspec
 from aiohttp import web
 
 from router.api.body import read_body
-from router.api.context import Outcome
+from router.api.context import Outcome, RequestContext
+from router.api.downstream import HttpDownstream
 from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID
 from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
 from router.api.validate import resolve_model
-from router.plan import SERVING_ROLES
-from router.policy.base import NoCandidates, RouteRequest
-from router.proxy import UpstreamError
+from router.policy.base import RouteRequest
 from router.tokenization.anthropic import chat_messages, has_inline_system
 from router.tokenization.base import PromptTokenizer
 
 if TYPE_CHECKING:
-    from router.api.http import HttpApi
+    from router.api.services import Services
+    from router.serving.forward import Forwarder
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 _ROLES = ("user", "assistant", "system")
-_JSON = "application/json"
-_decode = msgspec.json.decode
 
 
 def _required_str(payload: Mapping[str, Any], name: str) -> str:
@@ -128,44 +127,25 @@ def parse_messages(payload: dict[str, Any]) -> ParsedRequest:
     return parsed
 
 
-def engine_input_tokens(usage: Mapping[str, Any]) -> int | None:
-    """The prompt tokens an engine's Anthropic ``usage`` reports, cached ones included."""
-    total = 0
-    for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
-        value = usage.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            return None
-        total += value
-    return total if "input_tokens" in usage else None
-
-
-def stream_input_tokens(first: bytes) -> int | None:
-    """The prompt tokens in a stream's ``message_start`` event (its first), if there."""
-    start = first.find(b"data:")
-    if not first.startswith(b"event: message_start") or start == -1:
-        return None
-    try:
-        event = _decode(first[start + 5 :].split(b"\n", 1)[0])
-    except msgspec.DecodeError:
-        return None
-    message = event.get("message") if isinstance(event, dict) else None
-    usage = message.get("usage") if isinstance(message, dict) else None
-    return engine_input_tokens(usage) if isinstance(usage, dict) else None
-
-
 class CountTokens:
     """``POST /v1/messages/count_tokens``: to the least loaded engine serving the model,
-    retried once on another before the first byte; the engine's answer as it is."""
+    retried on another before the first byte; the engine's answer as it is.
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
+    It takes the engine routes' way (:meth:`~router.serving.forward.Forwarder.by_load`):
+    a count is tokenizer work, so its load ticket counts a request in flight and no
+    prefill, as ``/tokenize``'s does. Its own intake: draining, the model, the messages
+    (Anthropic-shaped refusals), no admission queue.
+    """
+
+    def __init__(self, app: Services, forwarder: Forwarder) -> None:
+        self.app = app
+        self.forwarder = forwarder
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         app = self.app
+        started = time.perf_counter()
         outcome = Outcome()
+        sink = HttpDownstream(request)
         try:
             if app.draining:
                 raise ApiError(503, "the router is shutting down", retry_after=1)
@@ -175,65 +155,20 @@ class CountTokens:
                 body = msgspec.json.encode(payload)
             model = resolve_model(_required_str(payload, "model"), app.registry.models())
             _checked_messages(payload)
-            response = await self._forward(request, model, body, outcome)
+            given = request.headers.get("x-request-id")
+            request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
+            block_size = app.block_size_for(app.registry.base_of(model))
+            by_load = RouteRequest(request_id, [], 0, block_size, by_load=True)
+            parsed = ParsedRequest(model, False, None, 1, None, None, include_usage=False)
+            parsed.prompts = [[]]
+            ctx = RequestContext(
+                sink, COUNT_TOKENS_PATH, parsed, by_load, payload, body, started, outcome
+            )
+            await self.forwarder.by_load(ctx)
         except ApiError as err:
             outcome.failed(err)
             raise  # answered in this route's form by the openai_errors middleware
         finally:
             app.metrics.requests.labels("count_tokens", outcome.outcome, str(outcome.status)).inc()
-        return response
-
-    async def _forward(
-        self, request: web.Request, model: str, body: bytes, outcome: Outcome
-    ) -> web.Response:
-        app, api = self.app, self.api
-        planner = app.decider.planner
-        given = request.headers.get("x-request-id")
-        request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
-        block_size = app.block_size_for(app.registry.base_of(model))
-        by_load = RouteRequest(request_id, [], 0, block_size, by_load=True)
-        exclude: set[str] = set()
-        last: UpstreamError | None = None
-        for _attempt in range(1 + app.config.proxy.retries):
-            try:
-                pool = planner.candidates(model, SERVING_ROLES, exclude=exclude)
-                decision = await planner.choose(by_load, pool)
-            except NoCandidates:
-                break
-            engine = app.registry.engine_of(decision.engine)
-            assert engine is not None
-            url = engine.url + COUNT_TOKENS_PATH
-            headers = api.upstream_headers(
-                request.headers, request_id, engine, decision.engine, COUNT_TOKENS_PATH
-            )
-            try:
-                upstream, deadline = await app.upstream.open(url, body, headers)
-            except UpstreamError as err:
-                if err.engine_fault:
-                    app.registry.record_failure(engine)
-                if err.accepted:
-                    raise ApiError(504, f"engine failed: {err}") from None
-                last = err
-                exclude.add(decision.engine.endpoint)
-                continue
-            try:
-                data = await api._read_all(upstream, deadline, engine, url)
-            except UpstreamError as err:
-                raise ApiError(err.http_status, f"engine failed: {err}") from None
-            finally:
-                app.upstream.finish(upstream, deadline)
-            app.registry.record_success(engine)
-            outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
-            return web.Response(
-                body=data,
-                status=upstream.status,
-                headers={
-                    "Content-Type": upstream.headers.get("content-type", _JSON),
-                    "x-request-id": request_id,
-                    "x-kvroute-engine": decision.engine.label,
-                    "x-kvroute-reason": decision.summary(),
-                },
-            )
-        if last is not None:
-            raise ApiError(last.http_status, f"engine failed: {last}")
-        raise ApiError(503, f"no healthy engine serves model '{model}'", retry_after=1)
+        assert sink.response is not None
+        return sink.response

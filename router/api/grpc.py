@@ -4,8 +4,9 @@
 :mod:`router.plan`), says what a split's handoff dialect needs sent
 (:meth:`~router.handoff.base.Handoff.directions`) and holds the chosen engines' load
 until ``Release`` (or expiry, :mod:`router.api.picks`).
-``Generate`` is the HTTP API's own forwarding path (:meth:`HttpApi.handle`) writing into
-the call's stream. Admin calls go through :mod:`router.admin`, like ``/admin/engines``.
+``Generate`` is the HTTP API's own forwarding path
+(:class:`~router.serving.generate.Generations`) writing into the call's stream. Admin
+calls go through :mod:`router.admin`, like ``/admin/engines``.
 
 Errors are gRPC status codes with a message: the HTTP API's 400 is INVALID_ARGUMENT,
 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 502/503 UNAVAILABLE, 504 DEADLINE_EXCEEDED.
@@ -24,10 +25,10 @@ import grpc
 from grpc import aio
 
 from router.admin import AdminError, endpoint_key
+from router.api.context import Outcome
 from router.api.decide import Plan
 from router.api.errors import ApiError, bad_request
-from router.api.headers import check_headers
-from router.api.http import REQUEST_ID, HttpApi, Outcome
+from router.api.headers import REQUEST_ID, check_headers
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import DuplicatePick
 from router.api.validate import check_keyed, check_prompt_tokens, check_request, resolve_model
@@ -37,6 +38,8 @@ from router.handoff import registry as dialects
 from router.handoff.base import Directions
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates, RouteRequest
+from router.serving.forward import Forwarder
+from router.serving.generate import Generations, Parse
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -60,6 +63,11 @@ _CODES = {
 }
 _MODES = {"aggregated": pb.MODE_AGGREGATED, "local": pb.MODE_LOCAL, "split": pb.MODE_SPLIT}
 _ROUTES = {pb.ENDPOINT_COMPLETIONS: "completions", pb.ENDPOINT_CHAT_COMPLETIONS: "chat"}
+_GENERATIONS: dict[str, tuple[str, Parse]] = {
+    "completions": ("/v1/completions", parse_completion),
+    "chat": ("/v1/chat/completions", parse_chat),
+}
+"""What ``Generate`` serves: each route's engine path and parser, as the HTTP API's."""
 
 
 def status_code(http_status: int) -> grpc.StatusCode:
@@ -296,7 +304,7 @@ class RouterService(pb_grpc.RouterServicer):
 
     def __init__(self, app: Services) -> None:
         self.app = app
-        self.api = HttpApi(app)
+        self.generations = Generations(app, Forwarder(app))
 
     # ------------------------------------------------------------------ Pick
 
@@ -493,9 +501,11 @@ class RouterService(pb_grpc.RouterServicer):
             if not route:
                 payload = decode_body(request.body, app.config.limits.max_json_depth)
                 route = "chat" if "messages" in payload else "completions"
-            await self.api.handle(
+            path, parse = _GENERATIONS[route]
+            await self.generations.serve(
                 GrpcDownstream(context, headers),
-                route,
+                path,
+                parse,
                 request_id,
                 request.body,
                 started,

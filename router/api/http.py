@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP API (aiohttp.web: it measured fastest, docs/benchmarks.md).
 
-The request path: read and decode the body, tokenize the prompt, compute its block
-keys, ask the routing core for an engine (:mod:`router.api.decide`, shared with the gRPC
-and ext_proc front ends), forward the original bytes unchanged, and relay the answer.
-The answer goes through a :class:`~router.api.downstream.Downstream`, so gRPC
-``Generate`` runs this same forwarding code (:meth:`HttpApi.handle`).
+The request path: admit the request and read its body (here), then decode it, tokenize
+the prompt, compute its block keys, ask the routing core for an engine
+(:mod:`router.api.decide`, shared with the gRPC and ext_proc front ends), forward the
+original bytes unchanged, and relay the answer (:mod:`router.serving.generate`,
+:mod:`router.serving.forward`, :mod:`router.serving.relay`). The answer goes through a
+:class:`~router.serving.downstream.Downstream`, so gRPC ``Generate`` runs this same
+forwarding code.
 
 A failure before the first byte reaches the client (connection refused or timed out,
 5xx, 429) is retried on another engine; a first-byte timeout after the engine had the
-request is not (504: it had the work queued, see :meth:`HttpApi.not_retried`). After the
+request is not (504: it had the work queued, see :meth:`Forwarder.not_retried`). After the
 first byte, a stream ends with an SSE error event and ``[DONE]``. A client that leaves
 cancels the handler, which closes the upstream connection (the engine aborts) and
 releases the load it held.
@@ -17,14 +19,13 @@ releases the load it held.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
-import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,14 +34,12 @@ from router.api.anthropic import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
     CountTokens,
-    engine_input_tokens,
     parse_messages,
-    stream_input_tokens,
 )
 from router.api.body import read_body
-from router.api.context import AnswerWatch, Outcome, RequestContext
-from router.api.downstream import Downstream
-from router.api.engine_routes import ENGINE_ROUTES, EngineRoute, unknown_route
+from router.api.context import Outcome
+from router.api.downstream import HttpDownstream
+from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, unknown_route
 from router.api.errors import ApiError, shape_for
 from router.api.headers import REQUEST_ID, check_headers
 from router.api.openai import (
@@ -48,20 +47,15 @@ from router.api.openai import (
     CompletionRequest,
     CountTokensRequest,
     MessagesRequest,
-    ParsedRequest,
     ResponsesRequest,
-    decode_body,
     parse_chat,
     parse_completion,
 )
+from router.api.passthrough import Passthrough, refusing
 from router.api.responses import ResponsesApi, parse_responses
-from router.api.usage import UsageTap
-from router.api.validate import check_prompt_tokens, check_request
-from router.engines.load import Ticket
-from router.http1 import HTTPError, Response
-from router.policy.base import Decision, NoCandidates, RouteRequest
-from router.proxy import Deadline, UpstreamError
-from router.types import EngineKey
+from router.serving.downstream import Downstream
+from router.serving.forward import Forwarder
+from router.serving.generate import BeforePlan, Generations, Parse
 
 if TYPE_CHECKING:
     from router.api.services import Services
@@ -70,43 +64,21 @@ log = logging.getLogger("kvroute.http")
 
 _encode = msgspec.json.Encoder().encode
 _JSON = "application/json"
-_SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
-"""What an event of a server-sent event stream starts with."""
-_STREAM_END = re.compile(
-    rb"\n(?:data: ?\[DONE\]|event: ?(?:message_stop|response\.(?:completed|incomplete|failed)))"
-)
-"""The last event of an OpenAI, Anthropic or Responses stream, after a line break (a
-JSON string holds no raw newline, so generated text cannot fake one)."""
-_SEAM = 48
-"""Bytes of the stream before a chunk searched with it: longer than any end marker."""
-
-
-def _ends_stream(before: bytes, chunk: bytes) -> bool:
-    """Whether ``chunk`` holds the stream's last event, also when its marker began in
-    ``before`` (what the stream sent before it; a line break for the first chunk)."""
-    return _STREAM_END.search(before[-_SEAM:] + chunk) is not None
-
-
 _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "messages": MESSAGES_PATH,
     "responses": "/v1/responses",
 }
-_TIMED_PATHS = frozenset((_PATHS["chat"], _PATHS["completions"], MESSAGES_PATH))
-"""Paths whose streamed answer's first event comes with the first token (vLLM's)."""
-_PARSERS: dict[str, Callable[[dict[str, Any]], ParsedRequest]] = {
+_PARSERS: dict[str, Parse] = {
     "chat": parse_chat,
     "completions": parse_completion,
     "messages": parse_messages,
     "responses": parse_responses,
 }
-BeforePlan = Callable[[RequestContext], Awaitable[None]]
-"""A front end's own step between preparing a request and planning it."""
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 #: Serves a request whose body has been read: (sink, route label, request id, body,
-#: start time, outcome, admission deadline), as :meth:`HttpApi.handle`.
+#: start time, outcome, admission deadline), as :meth:`Passthrough.handle`.
 Handler = Callable[[Downstream, str, str, bytes, float, Outcome, float | None], Awaitable[None]]
 
 
@@ -128,48 +100,6 @@ def error_response(
         headers["Retry-After"] = str(max(int(err.retry_after), 1))
     body = shape_for(path).body(err)
     return web.Response(body=body, status=err.status, content_type=_JSON, headers=headers)
-
-
-class HttpDownstream:
-    """An aiohttp client as the :class:`Downstream` of a request."""
-
-    __slots__ = ("request", "response")
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response: web.StreamResponse | None = None
-
-    @property
-    def headers(self) -> Any:
-        return self.request.headers
-
-    @property
-    def peer(self) -> str | None:
-        return self.request.remote
-
-    async def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.response = web.Response(body=body, status=status, headers=headers)
-
-    async def begin(self, status: int, headers: dict[str, str]) -> None:
-        out = web.StreamResponse(status=status, headers=headers)
-        await out.prepare(self.request)
-        self.response = out
-
-    async def write(self, chunk: bytes) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write(chunk)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            raise asyncio.CancelledError from None  # the client left while we wrote
-
-    async def end(self) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            # The client left before the stream's closing bytes: many close as they read
-            # the last event (data: [DONE]), so the relay decides what it means.
-            raise asyncio.CancelledError from None
 
 
 @web.middleware
@@ -209,20 +139,20 @@ class HttpApi:
     """Handlers bound to one running router."""
 
     def __init__(self, app: Services) -> None:
-        from router.api.passthrough import Passthrough
-        from router.api.pd import PDForwarder
-
         self.app = app
-        self.pd = PDForwarder(self)
-        self.passthrough = Passthrough(self)
-        self.responses = ResponsesApi(self)
+        self.forwarder = Forwarder(app)
+        self.generations = Generations(app, self.forwarder)
+        self.passthrough = Passthrough(app, self.forwarder)
+        self.responses = ResponsesApi(app)
+        self.count_tokens = CountTokens(app, self.forwarder)
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post(MESSAGES_PATH, self.messages),
-            web.post(COUNT_TOKENS_PATH, CountTokens(self).handle),
+            web.post(COUNT_TOKENS_PATH, self.count_tokens.handle),
+            web.post("/v1/responses", self.create_response),
             *self.responses.routes(),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # ids may hold slashes
@@ -230,8 +160,24 @@ class HttpApi:
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
-            *self.passthrough.routes(),  # every other engine route (router/api/engine_routes.py)
+            *self._engine_routes(),  # every other engine route (router/api/engine_routes.py)
         ]
+
+    def _engine_routes(self) -> list[web.RouteDef]:
+        """The routes of :data:`ENGINE_ROUTES`, passed through
+        (:mod:`router.api.passthrough`), and of :data:`NOT_ROUTED`, refused."""
+
+        def serving(route: EngineRoute) -> Any:
+            serve = functools.partial(self.passthrough.handle, route)
+
+            async def handler(request: web.Request) -> web.StreamResponse:
+                return await self._generate(request, route.label, serve)
+
+            return handler
+
+        served = [web.post(route.path, serving(route)) for route in ENGINE_ROUTES]
+        refused = [web.route(n.method, n.path, refusing(n)) for n in NOT_ROUTED]
+        return served + refused
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -283,6 +229,11 @@ class HttpApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "messages")
 
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: a generation, kept on the engine of the conversation it
+        continues and its answer's id learnt (:meth:`ResponsesApi.attach`)."""
+        return await self._generate(request, "responses", before_plan=self.responses.attach)
+
     async def _generate(
         self,
         request: web.Request,
@@ -292,8 +243,8 @@ class HttpApi:
         before_plan: BeforePlan | None = None,
     ) -> web.StreamResponse:
         """Admit a client request, read its body and serve it with ``handle`` (default:
-        :meth:`handle`, completions, chat, Messages and Responses, with ``before_plan``);
-        ``route`` is its metrics label."""
+        the generation path of completions, chat, Messages and Responses,
+        :meth:`Generations.serve`, with ``before_plan``); ``route`` is its metrics label."""
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         outcome = Outcome()
@@ -328,8 +279,16 @@ class HttpApi:
             if handle is not None:
                 await handle(sink, route, request_id, body, started, outcome, deadline)
             else:
-                await self.handle(
-                    sink, route, request_id, body, started, outcome, deadline, before_plan
+                await self.generations.serve(
+                    sink,
+                    _PATHS[route],
+                    _PARSERS[route],
+                    request_id,
+                    body,
+                    started,
+                    outcome,
+                    deadline,
+                    before_plan,
                 )
             assert sink.response is not None
             return sink.response
@@ -349,416 +308,6 @@ class HttpApi:
                 app.flow.finish(outcome.ticket, outcome.usage)
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
-
-    async def handle(
-        self,
-        sink: Downstream,
-        route: str,
-        request_id: str,
-        body: bytes,
-        started: float,
-        outcome: Outcome,
-        deadline: float | None = None,
-        before_plan: BeforePlan | None = None,
-    ) -> None:
-        """Serve a completion (``route`` ``completions``), chat (``chat``), Anthropic
-        Messages (``messages``) or Responses (``responses``) request whose body has been
-        read: parse, decide, forward, relay the answer into ``sink``.
-
-        ``deadline`` (``time.monotonic``): how long the request may wait for an engine
-        with room (``limits.max_inflight_per_engine``); None: 429 at once.
-        ``before_plan`` runs once the request is prepared (tokenized), before planning.
-        Raises :class:`ApiError` while nothing has reached ``sink``.
-        """
-        app = self.app
-        limits = app.config.limits
-        check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
-        payload = decode_body(body, limits.max_json_depth)
-        if app.strip_owned_fields(payload):
-            body = _encode(payload)  # every path below forwards these bytes
-        parsed = _PARSERS[route](payload)
-        model = check_request(parsed, limits, app.registry.models())
-        parsed.model = model
-        route_request = await app.decider.prepare(
-            request_id, model, parsed, app.decider.session_of(sink.headers), sink.headers
-        )
-        check_prompt_tokens(parsed, limits)
-        route_request.wait_until = deadline
-        route_request.flow = outcome.ticket
-        ctx = RequestContext(
-            sink, _PATHS[route], parsed, route_request, payload, body, started, outcome
-        )
-        if before_plan is not None:
-            await before_plan(ctx)
-        if app.registry.is_disaggregated(model):
-            await self.pd.forward(ctx)
-        else:
-            await self._forward(ctx)
-
-    def _check_tokenizer(
-        self, parsed: ParsedRequest, answer: bytes, outcome: Outcome | None = None
-    ) -> bool:
-        """Compare our prompt-token count with the engine's ``usage`` (a JSON answer),
-        which ``outcome`` keeps; False if ``answer`` is not JSON at all."""
-        try:
-            usage = _decode_usage(answer).usage
-        except msgspec.ValidationError:  # JSON of another shape: not ours to judge
-            return True
-        except msgspec.DecodeError:
-            return False
-        if isinstance(usage, dict):
-            if outcome is not None:
-                outcome.usage = usage
-            prompt_tokens = usage.get("prompt_tokens")
-            if prompt_tokens is None:  # Anthropic's usage, or the Responses API's
-                prompt_tokens = engine_input_tokens(usage)
-            if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool):
-                self._observe_tokens(parsed, prompt_tokens)
-        return True
-
-    def _observe_tokens(self, parsed: ParsedRequest, engine_tokens: int) -> None:
-        # A continued Responses conversation's prompt holds what the engine stored.
-        if parsed.model and parsed.previous_response_id is None:
-            base = self.app.registry.base_of(parsed.model)
-            self.app.tokenizers.observe(
-                base, parsed.prompt_tokens, engine_tokens, media=bool(parsed.media)
-            )
-
-    async def _forward(self, ctx: RequestContext) -> None:
-        """An aggregated pool: the planned engine, then (on a failure before the first
-        byte) the plan again without the engines that failed."""
-        planner = self.app.decider.planner
-        route_request = ctx.request
-
-        async def choose(exclude: set[str]) -> Decision:
-            plan = await planner.plan(
-                ctx.model, route_request, ctx.load_tokens, ctx.subset, exclude
-            )
-            decision = plan.decode
-            if not exclude:  # the first choice
-                if route_request.prompt_tokens:
-                    self.app.metrics.prefix_match.observe(
-                        decision.cached_tokens / route_request.prompt_tokens
-                    )
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("request %s: %s", route_request.request_id, decision.describe())
-            return decision
-
-        await self.with_retries(ctx, choose, lambda decision: self.attempt(ctx, decision))
-
-    async def with_retries(
-        self,
-        ctx: RequestContext,
-        choose: Callable[[set[str]], Awaitable[Decision]],
-        attempt: Callable[[Decision], Awaitable[None]],
-    ) -> None:
-        """``attempt`` on the engine ``choose`` picks; when it fails before the first byte
-        (UpstreamError), again on one picked without the engines that failed, up to
-        ``proxy.retries`` times. An engine that accepted the request and sent nothing in
-        time is not retried (:meth:`not_retried`); no engine left is the last failure's
-        status, or 503 if none was tried."""
-        app = self.app
-        exclude: set[str] = set()
-        last_error: UpstreamError | None = None
-        for tries in range(1 + app.config.proxy.retries):
-            try:
-                decision = await choose(exclude)
-            except NoCandidates:
-                if last_error is not None:
-                    raise ApiError(last_error.http_status, f"engine failed: {last_error}") from None
-                raise ApiError(
-                    503, f"no healthy engine serves model '{ctx.model}'", retry_after=1
-                ) from None
-            if tries == 0:
-                app.metrics.routing_seconds.observe(time.perf_counter() - ctx.started)
-            try:
-                return await attempt(decision)
-            except UpstreamError as err:
-                last_error = err
-                exclude.add(decision.engine.endpoint)
-                if err.accepted:
-                    raise self.not_retried(err, ctx.request, decision) from None
-                retrying = tries < app.config.proxy.retries
-                if retrying:
-                    app.metrics.retries.labels(err.kind).inc()
-                log.info(
-                    "request %s: %s failed before the first byte (%s); %s",
-                    ctx.request_id,
-                    decision.engine.label,
-                    err,
-                    "retrying" if retrying else "giving up",
-                )
-        assert last_error is not None
-        raise ApiError(last_error.http_status, f"engine failed: {last_error}")
-
-    def not_retried(
-        self, err: UpstreamError, route_request: RouteRequest, decision: Decision
-    ) -> ApiError:
-        """The 504 of an engine that accepted the request but sent no first byte in time.
-
-        Not resent elsewhere: the engine had it queued or running (its connection is
-        closed, so it aborts), and the request's own size may be why it was slow, so
-        another engine would make the client wait as long again.
-        """
-        self.app.metrics.first_byte_timeouts.labels(decision.engine.label).inc()
-        log.warning(
-            "request %s: %s accepted it but sent no first byte within %.1f s; aborted "
-            "there and not retried on another engine",
-            route_request.request_id,
-            decision.engine.label,
-            self.app.config.proxy.first_byte_timeout_s,
-        )
-        return ApiError(504, f"engine failed: {err} (not retried: the engine had accepted it)")
-
-    def upstream_headers(
-        self,
-        client: Mapping[str, str],
-        request_id: str,
-        engine: Any,
-        key: EngineKey,
-        path: str = "",
-    ) -> dict[str, str]:
-        """Headers every request to an engine carries (``client``: the client's headers,
-        ``path``: the route it called, for where ``x-api-key`` is its key)."""
-        headers = {"Content-Type": _JSON, "X-Request-Id": request_id}
-        if engine.dp_size > 1:
-            headers["X-data-parallel-rank"] = str(key.rank)
-        auth = self.app.credentials.upstream_authorization_of(client, path)
-        if auth:
-            headers["Authorization"] = auth
-        return headers
-
-    async def attempt(
-        self,
-        ctx: RequestContext,
-        decision: Decision,
-        body: bytes | None = None,
-        *,
-        sink: Downstream | None = None,
-        cached_tokens: int | None = None,
-        tap: UsageTap | None = None,
-        headers: dict[str, str] | None = None,
-        upstream_headers: dict[str, str] | None = None,
-    ) -> None:
-        """One try on one engine. Raises UpstreamError while nothing reached the client.
-
-        ``body`` (default: the client's request) goes to the engine, with
-        ``upstream_headers``; the answer goes into ``sink`` (default: the client's) with
-        ``headers``. ``cached_tokens`` overrides the decision's estimate in the load
-        accounting (a decode leg whose KV is pulled prefills almost nothing); ``tap``
-        sees and may rewrite the answer's usage.
-        """
-        app = self.app
-        parsed, route_request, outcome = ctx.parsed, ctx.request, ctx.outcome
-        sink = sink or ctx.sink
-        body = ctx.body if body is None else body
-        engine = app.registry.engine_of(decision.engine)
-        assert engine is not None
-        watch = ctx.watch(decision.engine) if ctx.watch is not None else None
-        ticket = app.core.loads.begin(
-            decision.engine,
-            sum(len(p) for p in parsed.prompts) * parsed.n,
-            decision.cached_tokens if cached_tokens is None else cached_tokens,
-            route_request.max_tokens,
-            route_request.flow if cached_tokens is None else None,  # not a decode leg
-            sees_first_token=parsed.stream,
-            # The first token of a decode leg is another engine's prefill; a Responses
-            # stream's first bytes come before the prefill: neither times this engine.
-            timed=parsed.stream and cached_tokens is None and ctx.path in _TIMED_PATHS,
-        )
-        sent = self.upstream_headers(
-            sink.headers, route_request.request_id, engine, decision.engine, ctx.path
-        )
-        if upstream_headers:
-            sent.update(upstream_headers)
-        ours = {
-            "x-request-id": route_request.request_id,
-            "x-kvroute-engine": decision.engine.label,
-            "x-kvroute-reason": outcome.reason(decision.summary()),
-            **(headers or {}),
-        }
-        url = engine.url + ctx.path
-        if engine.sglang and engine.dp_size > 1:
-            body = with_dp_rank(body, decision.engine.rank)
-        try:
-            upstream, deadline = await app.upstream.open(url, body, sent)
-        except UpstreamError as err:
-            app.core.loads.end(ticket)
-            if err.engine_fault:
-                app.registry.record_failure(engine)
-            raise
-        except BaseException:
-            app.core.loads.end(ticket)
-            raise
-        try:
-            if upstream.status >= 400 or not parsed.stream:
-                data = await self._read_all(upstream, deadline, engine, url)
-                # The engine is done with a request once its answer is read: the ticket
-                # ends before the client has the last byte, or a client that sends its
-                # next turn at once could find this one still counted on the engine.
-                app.core.loads.end(ticket)
-            if upstream.status >= 400:  # the engine refused the request itself: pass it on
-                app.registry.record_success(engine)
-                outcome.set("client_error", upstream.status)
-                ctype = upstream.headers.get("content-type", _JSON)
-                await sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
-                return
-            if not parsed.stream:
-                if not self._check_tokenizer(parsed, data, outcome):
-                    app.registry.record_failure(engine)
-                    raise ApiError(502, f"the engine {engine.url} answered with invalid JSON")
-                app.registry.record_success(engine)
-                outcome.set("ok", upstream.status)
-                if tap is not None:
-                    data = tap.answer(data)
-                if watch is not None:
-                    await watch.answer(data)
-                await sink.whole(upstream.status, {**ours, "Content-Type": _JSON}, data)
-                return
-            await self._relay(ctx, sink, upstream, deadline, engine, ticket, ours, tap, watch)
-        finally:
-            app.upstream.finish(upstream, deadline)
-            app.core.loads.end(ticket)
-
-    async def _read_all(
-        self, upstream: Response, deadline: Deadline, engine: Any, url: str
-    ) -> bytes:
-        try:
-            return await self.app.upstream.read(upstream, deadline, url)
-        except UpstreamError:
-            self.app.registry.record_failure(engine)
-            raise
-
-    async def _relay(
-        self,
-        ctx: RequestContext,
-        sink: Downstream,
-        upstream: Response,
-        deadline: Deadline,
-        engine: Any,
-        ticket: Ticket,
-        ours: dict[str, str],
-        tap: UsageTap | None = None,
-        watch: AnswerWatch | None = None,
-    ) -> None:
-        """Stream the engine's SSE answer through, chunk by chunk."""
-        app = self.app
-        parsed, outcome = ctx.parsed, ctx.outcome
-        deadlines = app.upstream.deadlines
-        try:
-            first = await upstream.readany()
-        except HTTPError as exc:
-            app.registry.record_failure(engine)
-            if deadline.expired:
-                raise UpstreamError("timeout", "no first token in time", accepted=True) from None
-            raise UpstreamError(
-                "protocol", f"the stream broke before its first byte: {exc}"
-            ) from None
-        if not first:
-            app.registry.record_failure(engine)
-            raise UpstreamError("protocol", "the engine closed the stream without a byte")
-        if not first.startswith(_SSE_FIELDS):
-            app.registry.record_failure(engine)
-            raise UpstreamError("protocol", "the engine's stream is not server-sent events")
-        deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
-        if ctx.path == MESSAGES_PATH and (engine_tokens := stream_input_tokens(first)) is not None:
-            self._observe_tokens(parsed, engine_tokens)
-        app.core.loads.prefilled(ticket)
-        app.metrics.ttft_seconds.observe(time.perf_counter() - ctx.started)
-        if watch is not None:
-            await watch.chunk(first)
-        events = first.count(b"data:")  # about one token each: the pace the model learns
-        ended = _ends_stream(b"\n", first)
-        if ended:  # a short answer, whole in its first chunk
-            self._done(ctx, ticket, events, first)
-        tail = first
-        delivered = False  # the client has the last event, so the whole answer
-        try:
-            await sink.begin(upstream.status, {**ours, **_SSE_HEADERS})
-            await sink.write(tap.chunk(first) if tap is not None else first)
-            delivered = ended
-            while True:
-                chunk = await upstream.readany()
-                if not chunk:
-                    break
-                events += chunk.count(b"data:")
-                deadlines.touch(deadline)
-                # An event starts where the last one ended: it must start with a field.
-                if tail.endswith(b"\n\n") and not chunk.startswith(_SSE_FIELDS):
-                    raise HTTPError(
-                        "the engine sent bytes that are not server-sent events",
-                        before_response=False,
-                    )
-                if watch is not None:
-                    await watch.chunk(chunk)
-                if not ended and _ends_stream(tail, chunk):
-                    ended = True
-                    if not ticket.released:
-                        self._done(ctx, ticket, events, chunk)
-                await sink.write(tap.chunk(chunk) if tap is not None else chunk)
-                delivered = ended
-                tail = chunk
-            app.registry.record_success(engine)
-            outcome.set("ok", upstream.status)
-            if not ticket.released:  # no end event seen: the stream's end is the answer's
-                self._done(ctx, ticket, events, tail)
-            await sink.end()
-        except asyncio.CancelledError:
-            if delivered:  # what the client missed is the stream's framing
-                outcome.set("ok", upstream.status)
-                self._gone_at_end(ctx)
-            raise
-        except HTTPError as exc:
-            app.registry.record_failure(engine)
-            err = (
-                ApiError(504, "the engine went quiet mid-stream")
-                if deadline.expired
-                else ApiError(502, f"the engine's stream broke: {exc}")
-            )
-            outcome.set("stream_error", err.status)
-            app.core.loads.end(ticket)  # the engine is done with it, before the client
-            await sink.write(shape_for(ctx.path).sse(err))
-            await sink.end()
-            return
-        if parsed.include_usage:
-            usage_at = tail.rfind(b'data: {"id"')
-            if usage_at != -1 and b'"usage"' in tail[usage_at:]:
-                usage = tail[usage_at + 6 :].split(b"\n\n", 1)[0]
-                self._check_tokenizer(parsed, usage, outcome)
-
-    def _gone_at_end(self, ctx: RequestContext) -> None:
-        """The client left after the stream's last event, before its closing bytes: many
-        clients close as they read ``data: [DONE]``. The answer was whole; counted, and
-        logged at debug level only."""
-        self.app.metrics.client_gone_at_end.inc()
-        log.debug("client left after the last event of %s (%s)", ctx.path, ctx.request_id)
-
-    def _done(self, ctx: RequestContext, ticket: Ticket, events: int, tail: bytes) -> None:
-        """The engine has sent a stream's last event: the request leaves its load now,
-        before the client has the event (a client may stop reading and send its next
-        turn there; see :meth:`attempt`), with the output tokens its pace is learnt by."""
-        ticket.output_tokens = self._stream_tokens(ctx.path, events, tail, ctx.parsed.n)
-        self.app.core.loads.end(ticket)
-
-    @staticmethod
-    def _stream_tokens(path: str, events: int, tail: bytes, n: int) -> int | None:
-        """About how many tokens each sequence of a streamed completion or chat answer
-        had, from its ``data:`` events (one token each, as vLLM streams): less the
-        closing ``[DONE]``, a usage-only event, and a chat answer's role event per
-        choice. None for other paths (their streams carry events that are no tokens)."""
-        if path not in (_PATHS["chat"], _PATHS["completions"]):
-            return None
-        tokens = events - (b"[DONE]" in tail) - (b'"usage":{' in tail)
-        if path == _PATHS["chat"]:
-            tokens -= n
-        return max(tokens // max(n, 1), 0)
-
-
-class _WithUsage(msgspec.Struct):
-    usage: dict[str, Any] | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_WithUsage).decode
 
 
 def openapi_document() -> dict[str, Any]:
@@ -924,18 +473,3 @@ def openapi_document() -> dict[str, Any]:
         },
         "components": {"schemas": schemas},
     }
-
-
-def with_dp_rank(body: bytes, rank: int) -> bytes:
-    """``body`` (a JSON object) with SGLang's ``data_parallel_rank`` set to ``rank``: an
-    SGLang server with data-parallel ranks picks the rank from the body (vLLM reads the
-    ``X-data-parallel-rank`` header, which is sent too). A body that is not a JSON
-    object is sent as it is."""
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body
-    if not isinstance(payload, dict):
-        return body
-    payload["data_parallel_rank"] = rank
-    return msgspec.json.encode(payload)

@@ -19,7 +19,6 @@ their documented 404.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -27,17 +26,16 @@ import msgspec
 from aiohttp import web
 
 from router.api.context import Outcome, RequestContext
-from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, NotRouted, not_routed
+from router.api.engine_routes import EngineRoute, NotRouted, not_routed
 from router.api.errors import bad_request
 from router.api.openai import ParsedRequest, decode_body
 from router.api.validate import resolve_model
-from router.plan import SERVING_ROLES
-from router.policy.base import Decision, RouteRequest
-from router.proxy import UpstreamError
+from router.policy.base import RouteRequest
 
 if TYPE_CHECKING:
-    from router.api.downstream import Downstream
-    from router.api.http import HttpApi
+    from router.api.services import Services
+    from router.serving.downstream import Downstream
+    from router.serving.forward import Forwarder
 
 log = logging.getLogger("kvroute.http")
 
@@ -47,33 +45,22 @@ _BYTES_PER_TOKEN = 4
 bytes (nothing is tokenized on this path)."""
 
 
+def refusing(route: NotRouted) -> Any:
+    """The handler of a route of :data:`NOT_ROUTED`: its documented 404."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        raise not_routed(route)
+
+    return handler
+
+
 class Passthrough:
-    """The handlers of :data:`ENGINE_ROUTES` and :data:`NOT_ROUTED`, bound to one
-    :class:`~router.api.http.HttpApi`."""
+    """Serves the requests of :data:`ENGINE_ROUTES` (the HTTP API admits them and reads
+    their bodies: :meth:`~router.api.http.HttpApi.routes`)."""
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
-
-    def routes(self) -> list[web.RouteDef]:
-        served = [web.post(route.path, self._serving(route)) for route in ENGINE_ROUTES]
-        refused = [web.route(n.method, n.path, self._refusing(n)) for n in NOT_ROUTED]
-        return served + refused
-
-    def _serving(self, route: EngineRoute) -> Any:
-        serve = functools.partial(self.handle, route)
-
-        async def handler(request: web.Request) -> web.StreamResponse:
-            return await self.api._generate(request, route.label, serve)
-
-        return handler
-
-    @staticmethod
-    def _refusing(route: NotRouted) -> Any:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            raise not_routed(route)
-
-        return handler
+    def __init__(self, app: Services, forwarder: Forwarder) -> None:
+        self.app = app
+        self.forwarder = forwarder
 
     async def handle(
         self,
@@ -88,7 +75,7 @@ class Passthrough:
     ) -> None:
         """Serve one request of ``route`` whose body has been read (raises
         :class:`ApiError` while nothing has reached ``sink``); ``label`` is the metrics
-        label :meth:`HttpApi._generate` counts it under."""
+        label the HTTP API counts it under."""
         app = self.app
         payload = decode_body(body, app.config.limits.max_json_depth)
         if app.strip_owned_fields(payload):  # e.g. sampling_params.extra_args on generate
@@ -113,55 +100,4 @@ class Passthrough:
         ctx = RequestContext(
             sink, route.path, parsed, route_request, payload, body, started, outcome
         )
-        await self._forward(ctx)
-
-    async def _forward(self, ctx: RequestContext) -> None:
-        """An engine by load, then (on a failure before the first byte) another."""
-        planner = self.app.decider.planner
-
-        async def choose(exclude: set[str]) -> Decision:
-            candidates = planner.candidates(ctx.model, SERVING_ROLES, exclude)
-            return await planner.choose(ctx.request, candidates)
-
-        await self.api.with_retries(ctx, choose, lambda decision: self._attempt(ctx, decision))
-
-    async def _attempt(self, ctx: RequestContext, decision: Decision) -> None:
-        """One try on one engine; its answer goes to the client as it is. Raises
-        UpstreamError while nothing reached the client."""
-        app, api = self.app, self.api
-        engine = app.registry.engine_of(decision.engine)
-        assert engine is not None
-        route_request = ctx.request
-        ticket = app.core.loads.begin(decision.engine, route_request.prompt_tokens, 0, 0)
-        sent = api.upstream_headers(
-            ctx.sink.headers, ctx.request_id, engine, decision.engine, ctx.path
-        )
-        ours = {
-            "x-request-id": ctx.request_id,
-            "x-kvroute-engine": decision.engine.label,
-            "x-kvroute-reason": ctx.outcome.reason(decision.summary()),
-        }
-        url = engine.url + ctx.path
-        try:
-            upstream, deadline = await app.upstream.open(url, ctx.body, sent)
-        except UpstreamError as err:
-            app.core.loads.end(ticket)
-            if err.engine_fault:
-                app.registry.record_failure(engine)
-            raise
-        except BaseException:
-            app.core.loads.end(ticket)
-            raise
-        try:
-            ctype = upstream.headers.get("content-type", "application/json")
-            if ctx.parsed.stream and upstream.status < 400 and "event-stream" in ctype:
-                await api._relay(ctx, ctx.sink, upstream, deadline, engine, ticket, ours)
-                return
-            data = await api._read_all(upstream, deadline, engine, url)
-            app.core.loads.end(ticket)  # done at the engine: before the client's last byte
-            app.registry.record_success(engine)
-            ctx.outcome.set("ok" if upstream.status < 400 else "client_error", upstream.status)
-            await ctx.sink.whole(upstream.status, {**ours, "Content-Type": ctype}, data)
-        finally:
-            app.upstream.finish(upstream, deadline)
-            app.core.loads.end(ticket)
+        await self.forwarder.by_load(ctx)

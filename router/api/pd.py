@@ -19,29 +19,26 @@ the engine's hold timeout, which is counted.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from router.api.errors import ApiError
 from router.handoff import registry as dialects
-from router.policy.base import Decision, NoCandidates
+from router.policy.base import Decision
 from router.proxy import UpstreamError
 from router.serving.charges import prefill_charge
 
 if TYPE_CHECKING:
     from router.api.context import RequestContext
-    from router.api.downstream import Downstream
-    from router.api.http import HttpApi
     from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.registry import Engine
     from router.plan import Plan
+    from router.serving.downstream import Downstream
+    from router.serving.forward import Forwarder
     from router.types import EngineKey
 
-log = logging.getLogger("kvroute.pd")
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
@@ -50,11 +47,11 @@ class PDForwarder:
     """Serves requests of models whose engines are split into prefill and decode pools;
     the :class:`~router.handoff.base.Legs` every dialect runs on."""
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
-        self.metrics = api.app.metrics
-        self.loads = api.app.core.loads
+    def __init__(self, forwarder: Forwarder) -> None:
+        self.forwarder = forwarder
+        self.app = forwarder.app
+        self.metrics = forwarder.app.metrics
+        self.loads = forwarder.app.core.loads
 
     @property
     def disaggregation(self) -> DisaggregationConfig:
@@ -65,36 +62,22 @@ class PDForwarder:
         return self.app.config.auth.engine_cidrs
 
     async def forward(self, ctx: RequestContext) -> None:
-        app = self.app
-        planner = app.decider.planner
-        failed_decode: set[str] = set()
-        last_error: UpstreamError | None = None
-        for _attempt in range(1 + app.config.proxy.retries):
-            try:
-                plan = await planner.plan(
-                    ctx.model, ctx.request, ctx.load_tokens, ctx.subset, failed_decode
-                )
-            except NoCandidates:
-                break
-            try:
-                if plan.prefill is None or plan.dialect is None:
-                    return await self.local(ctx, plan.decode, plan.reason)
-                return await dialects.get(plan.dialect).serve(ctx, plan, self)
-            except UpstreamError as err:
-                last_error = err
-                failed_decode.add(plan.decode.engine.endpoint)
-                if err.accepted:
-                    raise self.api.not_retried(err, ctx.request, plan.decode) from None
-                app.metrics.retries.labels(err.kind).inc()
-                log.info(
-                    "request %s: decode engine %s failed before the first byte (%s)",
-                    ctx.request_id,
-                    plan.decode.engine.label,
-                    err,
-                )
-        if last_error is not None:
-            raise ApiError(last_error.http_status, f"engine failed: {last_error}")
-        raise ApiError(503, f"no healthy decode engine serves model '{ctx.model}'", retry_after=1)
+        """Serve a request by its plan: the decode engine alone, or split in the plan's
+        dialect; planned again without a decode engine that failed before the first
+        byte."""
+        planner = self.app.decider.planner
+
+        async def plan(exclude: set[str]) -> Plan:
+            return await planner.plan(ctx.model, ctx.request, ctx.load_tokens, ctx.subset, exclude)
+
+        async def serve(plan: Plan) -> None:
+            if plan.prefill is None or plan.dialect is None:
+                return await self.local(ctx, plan.decode, plan.reason)
+            return await dialects.get(plan.dialect).serve(ctx, plan, self)
+
+        await self.forwarder.with_retries(
+            ctx, plan, serve, lambda plan: plan.decode, role="decode", count_last_failure=True
+        )
 
     # ------------------------------------------------------------------ Legs
 
@@ -108,7 +91,7 @@ class PDForwarder:
         return await planner.prefill(ctx.request, ctx.model, exclude, plan.transfers)
 
     async def local(self, ctx: RequestContext, decode: Decision, reason: str) -> None:
-        await self.api.attempt(ctx, decode, headers={"x-kvroute-mode": f"local:{reason}"})
+        await self.forwarder.attempt(ctx, decode, headers={"x-kvroute-mode": f"local:{reason}"})
 
     async def refused(self, ctx: RequestContext, status: int, answer: dict[str, Any]) -> None:
         ctx.outcome.set("client_error", status)
@@ -127,7 +110,7 @@ class PDForwarder:
         headers: dict[str, str] | None = None,
         upstream_headers: dict[str, str] | None = None,
     ) -> None:
-        await self.api.attempt(
+        await self.forwarder.attempt(
             ctx,
             decode,
             body,
@@ -146,31 +129,20 @@ class PDForwarder:
         engine = app.registry.engine_of(prefill.engine)
         assert engine is not None
         ticket = prefill_charge(ctx.request, prefill).begin(self.loads)
-        headers = self.api.upstream_headers(
+        headers = self.forwarder.upstream_headers(
             ctx.sink.headers, ctx.request_id, engine, prefill.engine, ctx.path
         )
         url = engine.url + ctx.path
         sent = time.perf_counter()
-        try:
-            try:
-                response, deadline = await app.upstream.open(url, body, headers)
-            except UpstreamError as err:
-                if err.engine_fault:
-                    app.registry.record_failure(engine)
-                raise
-            try:
-                data = await self.api._read_all(response, deadline, engine, url)
-            finally:
-                app.upstream.finish(response, deadline)
-        finally:
-            self.loads.end(ticket)
+        with await self.forwarder.open(engine, url, body, headers, ticket) as call:
+            data = await call.read()
         self.metrics.prefill_leg_seconds.observe(time.perf_counter() - sent)
         try:
             answer = _decode(data)
         except msgspec.DecodeError:
-            app.registry.record_failure(engine)
+            call.failed()
             raise UpstreamError("protocol", f"{url} answered a prefill with bad JSON") from None
         if not isinstance(answer, dict):
             raise UpstreamError("protocol", f"{url} answered a prefill with a non-object")
-        app.registry.record_success(engine)
-        return response.status, answer
+        call.succeeded()
+        return call.status, answer

@@ -2,10 +2,10 @@
 ``POST /v1/responses/{id}/cancel``.
 
 A new response takes the request path every generation takes (parse, validate,
-``Decider.prepare``, the planner, forward and relay, :meth:`HttpApi.handle`); its
-prompt is tokenized from ``instructions`` and ``input``
-(:mod:`router.tokenization.responses`; the engine's own renderer where it serves
-one). Two things are its own:
+``Decider.prepare``, the planner, forward and relay,
+:class:`~router.serving.generate.Generations`); its prompt is tokenized from
+``instructions`` and ``input`` (:mod:`router.tokenization.responses`; the engine's own
+renderer where it serves one). Two things are its own:
 
 * **Affinity.** vLLM keeps a stored response in the engine that produced it, so a
   request with ``previous_response_id`` can only be served there. The router learns
@@ -39,6 +39,7 @@ import msgspec
 from aiohttp import web
 
 from router.api.context import Outcome, RequestContext
+from router.api.downstream import HttpDownstream
 from router.api.errors import ApiError, bad_request
 from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int
 from router.engines.registry import Engine, EngineState
@@ -47,11 +48,12 @@ from router.http1 import HTTPError
 from router.plan import SERVING_ROLES
 from router.proxy import UpstreamError
 from router.response_store import RESPONSE_ID, ResponseStore
+from router.serving.relay import RelayHooks, relay
 from router.tokenization.responses import InvalidInput, responses_messages
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.api.http import HttpApi
+    from router.api.services import Services
 
 _decode = msgspec.json.decode
 _JSON = "application/json"
@@ -164,9 +166,8 @@ class ResponseIdWatch:
 class ResponsesApi:
     """The Responses routes of one router's HTTP API."""
 
-    def __init__(self, api: HttpApi) -> None:
-        self.api = api
-        self.app = api.app
+    def __init__(self, app: Services) -> None:
+        self.app = app
         self._asking: set[asyncio.Future[str | None]] = set()
         self._questions = LocalBuckets()
         self._callers = LocalBuckets()
@@ -177,14 +178,12 @@ class ResponsesApi:
         return self.app.responses
 
     def routes(self) -> list[web.RouteDef]:
+        """Retrieval and cancellation (``POST /v1/responses`` is a generation route of the
+        HTTP API, with :meth:`attach` before its plan)."""
         return [
-            web.post("/v1/responses", self.create),
             web.get("/v1/responses/{response_id}", self.retrieve),
             web.post("/v1/responses/{response_id}/cancel", self.cancel),
         ]
-
-    async def create(self, request: web.Request) -> web.StreamResponse:
-        return await self.api._generate(request, "responses", before_plan=self.attach)
 
     async def attach(self, ctx: RequestContext) -> None:
         """Before planning: keep a continued conversation on its engine, and learn the
@@ -337,7 +336,7 @@ class ResponsesApi:
             url = f"{engine.url}/v1/responses/{response_id}{suffix}"
             if request.query_string:
                 url += "?" + request.query_string
-            out = await self._relay(request, engine, url, method, body)
+            out = await self._exchange(request, engine, url, method, body)
             status = out.status
             outcome.set(
                 "ok" if status < 400 else "client_error" if status < 500 else "engine_error", status
@@ -353,9 +352,14 @@ class ResponsesApi:
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    async def _relay(
+    async def _exchange(
         self, request: web.Request, engine: Engine, url: str, method: str, body: bytes
     ) -> web.StreamResponse:
+        """``method`` ``url`` on the holding engine, its answer relayed as it is.
+
+        Opened here, not as an :class:`~router.serving.forward.EngineCall` (a POST whose
+        5xx is a failure to retry): a GET or a cancel goes to the one engine holding the
+        response, and whatever it answers, 5xx included, is the client's answer."""
         app = self.app
         upstream = app.upstream
         assert upstream is not None
@@ -374,29 +378,28 @@ class ResponsesApi:
             upstream.deadlines.stop(deadline)
             app.registry.record_failure(engine)
             raise ApiError(502, f"engine failed: {url}: {exc}") from None
+        sink = HttpDownstream(request, gone_at_end=app.metrics.client_gone_at_end.inc)
         try:
             ctype = answer.headers.get("content-type", _JSON)
             if not ctype.startswith("text/event-stream"):
-                data = await answer.read()
-                return web.Response(
-                    body=data, status=answer.status, headers={**ours, "Content-Type": ctype}
+                await sink.whole(
+                    answer.status, {**ours, "Content-Type": ctype}, await answer.read()
                 )
-            out = web.StreamResponse(status=answer.status, headers={**ours, "Content-Type": ctype})
-            await out.prepare(request)
-            upstream.deadlines.touch(deadline, app.config.proxy.idle_timeout_s)
-            try:
-                while chunk := await answer.readany():
-                    upstream.deadlines.touch(deadline)
-                    await out.write(chunk)
-            except HTTPError:
-                pass  # the engine's stream broke: end ours where it stopped
-            except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
-                raise asyncio.CancelledError from None  # the client left midway
-            try:
-                await out.write_eof()
-            except ConnectionResetError:  # it left after the last byte: a whole answer
-                app.metrics.client_gone_at_end.inc()
-            return out
+            else:
+                # A stored response's stream as it is: one that breaks ends where it stopped.
+                idle = app.config.proxy.idle_timeout_s
+                upstream.deadlines.touch(deadline, idle)
+                await relay(
+                    upstream.deadlines,
+                    answer,
+                    deadline,
+                    idle,
+                    sink,
+                    {**ours, "Content-Type": ctype},
+                    RelayHooks(),
+                )
+            assert sink.response is not None
+            return sink.response
         except HTTPError as exc:
             raise ApiError(502, f"engine failed: {url}: {exc}") from None
         finally:

@@ -5,7 +5,9 @@ pushed KV as cached), but the client must see what the cache saved at prefill, i
 either dialect; the router also reads the decode leg's usage to
 detect a handoff the engine silently replaced by a local prefill. A stream carries usage
 in one event near its end, and only that event (the one holding
-``prompt_tokens_details``) is parsed.
+``prompt_tokens_details``) is parsed. Anthropic's ``usage`` counts a prompt's cached
+tokens apart (:func:`engine_input_tokens`), and a Messages stream reports it in its first
+event (:func:`stream_input_tokens`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,33 @@ def cached_tokens(answer: Mapping[str, Any]) -> int | None:
         return None
     value = details.get("cached_tokens")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def engine_input_tokens(usage: Mapping[str, Any]) -> int | None:
+    """The prompt tokens an engine's Anthropic ``usage`` reports, cached ones included."""
+    total = 0
+    for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+        value = usage.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        total += value
+    return total if "input_tokens" in usage else None
+
+
+def stream_input_tokens(first: bytes) -> int | None:
+    """The prompt tokens in a stream's ``message_start`` event (its first), if there."""
+    start = first.find(b"data:")
+    if not first.startswith(b"event: message_start") or start == -1:
+        return None
+    try:
+        event = _decode(first[start + 5 :].split(b"\n", 1)[0])
+    except msgspec.DecodeError:
+        return None
+    message = event.get("message") if isinstance(event, dict) else None
+    usage = message.get("usage") if isinstance(message, dict) else None
+    return engine_input_tokens(usage) if isinstance(usage, dict) else None
 
 
 def carries_usage(chunk: bytes) -> bool:

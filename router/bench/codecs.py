@@ -2,7 +2,7 @@
 
 Candidates: the stdlib ``json``, ``msgspec.json`` (what the router uses: a generic
 ``Decoder().decode`` for request bodies in router/api/openai.py, a typed Struct for the
-``usage`` of an engine's answer in router/api/http.py, ``Encoder().encode`` for what it
+``usage`` of an engine's answer in router/serving/forward.py, ``Encoder().encode`` for what it
 writes) and ``orjson`` when it is importable (it is not a project dependency; install it
 into the virtualenv to include it). Each cell is the median over repeated timeit runs
 of µs per call. ``python -m router.bench.codecs`` prints the table alone;
@@ -124,7 +124,7 @@ class _Usage(msgspec.Struct):
 
 
 class _WithUsage(msgspec.Struct):
-    """The shape router/api/http.py decodes an engine's answer into."""
+    """The shape router/serving/forward.py decodes an engine's answer into."""
 
     usage: _Usage | None = None
 

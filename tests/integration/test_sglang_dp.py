@@ -11,8 +11,8 @@ from support.clients import post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
-from router.api.http import with_dp_rank
 from router.hashing import block_keys, seed_for
+from router.serving.forward import with_dp_rank
 from router.types import EngineKey
 
 MODEL = "kvroute-emulated"

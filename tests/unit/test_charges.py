@@ -24,6 +24,7 @@ from router.policy.base import Decision, RouteRequest
 from router.policy.disagg import SplitDecision
 from router.proxy import UpstreamError
 from router.serving.charges import Charges, LegCharge, decode_charge, prefill_charge
+from router.serving.forward import Forwarder
 from router.sim import cluster
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
 from router.types import EngineKey
@@ -272,14 +273,15 @@ def test_the_http_prefill_leg_opens_the_prefill_charge_of_its_engine() -> None:
         core=SimpleNamespace(loads=loads),
         registry=SimpleNamespace(engine_of=lambda key: ENGINE, record_failure=lambda e: None),
         upstream=SimpleNamespace(open=unreachable),
+        credentials=SimpleNamespace(upstream_authorization_of=lambda *a: None),
     )
-    forwarder = PDForwarder(SimpleNamespace(app=app, upstream_headers=lambda *a: {}))  # type: ignore[arg-type]
+    legs = PDForwarder(Forwarder(app))  # type: ignore[arg-type]
     planned = plan(split=True)
     other = Decision(ELSEWHERE, "kv_cost", "no_prefix", cached_tokens=8)
     for prefill in (planned.prefill, other):
         assert prefill is not None
         with pytest.raises(UpstreamError):
-            asyncio.run(forwarder.prefill_leg(context(planned), prefill, b"{}"))  # type: ignore[arg-type]
+            asyncio.run(legs.prefill_leg(context(planned), prefill, b"{}"))  # type: ignore[arg-type]
     assert loads.begun == [
         asked(prefill_charge(planned.route, planned.prefill)),  # type: ignore[arg-type]
         asked(prefill_charge(planned.route, other)),

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from router.api.errors import ApiError
-from router.api.http import _ends_stream
 from router.api.responses import ResponseIdWatch, parse_responses
 from router.config import ResponsesConfig
 from router.response_store import ResponseStore
+from router.serving.relay import ends_stream
 from router.tokenization.modes import EngineTokenizer
 from router.tokenization.responses import (
     InvalidInput,
@@ -236,5 +236,5 @@ def test_the_relay_sees_every_last_event_of_a_responses_stream(last: bytes) -> N
     stream = before + last + b"\n\n"
     for cut in range(len(before), len(stream)):
         head, chunk = stream[:cut], stream[cut:]
-        assert _ends_stream(b"\n", head) or _ends_stream(head, chunk), cut
-    assert not _ends_stream(b"\n", before)
+        assert ends_stream(b"\n", head) or ends_stream(head, chunk), cut
+    assert not ends_stream(b"\n", before)
