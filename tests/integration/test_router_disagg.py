@@ -359,7 +359,10 @@ async def start_pd(
     ]
     decode = await start_test_engine(engine_id=f"{tag}-d", role="decode", handoff_failure="error")
     config: dict[str, Any] = {
-        "health": {"interval_s": 30.0},
+        # Probes far apart (a fault is found by the requests, not by a probe), and a
+        # first one that waits for an engine slow to answer on a busy machine: one
+        # missed would leave it out of the pool until the next.
+        "health": {"interval_s": 30.0, "timeout_s": 10.0},
         "proxy": {"first_byte_timeout_s": 0.5},
         "disaggregation": {"handoff": dialect},
     }
@@ -370,6 +373,7 @@ async def start_pd(
         + [{"url": decode.url, "role": "decode"}],
         **config,
     )
+    await poll(lambda: app.registry.healthy_count() == prefills + 1, timeout=30.0)
     return app, prefill, decode
 
 

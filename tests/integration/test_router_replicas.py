@@ -259,9 +259,15 @@ async def test_a_conversation_alternating_between_replicas_stays_on_one_engine(
     urls = [e.url for e in fresh_fleet]
     # Each replica follows the engines' KV events itself and writes them to Redis (or,
     # replicated, keeps them in its own index).
-    a = await routers(urls, index=redis_index(redis_url, redis_namespace, mode=mode))
-    b = await routers(urls, index=redis_index(redis_url, redis_namespace, mode=mode))
-    await poll(lambda: subscribed(a, b))
+    # No outage is made here: a budget no busy machine exceeds three calls in a row,
+    # or the replicas would route on load alone for a while and the turns would part.
+    index = redis_index(redis_url, redis_namespace, budget_ms=5000, mode=mode)
+    a = await routers(urls, index=index)
+    b = await routers(urls, index=index)
+    await poll(lambda: subscribed(a, b), timeout=30)
+    for engine in fresh_fleet:  # a busy machine subscribes late: no first turn's events lost
+        for app in (a, b):
+            await live_events(http, app, engine)
     messages = [
         {"role": "system", "content": words("policy", 300)},
         {"role": "user", "content": "question zero"},

@@ -130,9 +130,6 @@ class VllmEngine:
             str(self.max_model_len),
             "--max-num-seqs",
             "16",
-            # No torch.compile: it adds about a minute to every start on 2 cores and
-            # changes nothing the router sees (routes, events, metrics, answers).
-            "--enforce-eager",
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             # The scale-out routes (/inference/v1/generate, render, derender), which
