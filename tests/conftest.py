@@ -41,15 +41,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Parallel runs (`make test` runs pytest-xdist with `--dist loadgroup`): a file's tests
 # run in one worker, so that its module-scoped fixtures (a fleet of engines, the
-# simulator's matrix) are built once; the real-vLLM files that share the package-scoped
-# pair of engines run in one worker too. The longest groups are handed out first (measured
+# simulator's matrix) are built once; the real-vLLM files run in one worker (their engines
+# share a package-scoped pair, and two engines compiling at once fill both cores). The longest groups are handed out first (measured
 # with `pytest --durations=0`; a hint for the scheduler, not a contract), so that no long
 # group starts last and stretches the run. The tests of the files in SPREAD are independent
 # and long: they go to whichever worker is free, one by one.
 SPREAD = frozenset({"tests/unit/test_sim_matrix.py"})
 LONGEST_FIRST = (
-    "realvllm-pair",
-    "tests/realvllm/test_vllm_tokenizer_default.py",
+    "realvllm",
     "tests/unit/test_sim_matrix.py",
     "tests/integration/test_router_disagg.py",
     "tests/integration/test_prefill_isolation.py",
@@ -68,8 +67,8 @@ LONGEST_FIRST = (
 
 def _group(item: pytest.Item) -> str:
     path = item.nodeid.split("::", 1)[0]
-    if path.startswith("tests/realvllm/") and "vllm_pair" in getattr(item, "fixturenames", ()):
-        return "realvllm-pair"
+    if path.startswith("tests/realvllm/"):  # one real engine start at a time on 2 cores
+        return "realvllm"
     return path
 
 
