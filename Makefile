@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktabl
 # subprocesses, so 4 workers keep 2 cores busy. A file's tests run in one worker
 # (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 4
-PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: venv envoy vllm
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL)

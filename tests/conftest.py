@@ -39,13 +39,15 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# Parallel runs (`make test` runs pytest-xdist with `--dist loadgroup`): a file's tests
-# run in one worker, so that its module-scoped fixtures (a fleet of engines, the
-# simulator's matrix) are built once; the real-vLLM files run in one worker (their engines
-# share a package-scoped pair, and two engines compiling at once fill both cores). The longest groups are handed out first (measured
-# with `pytest --durations=0`; a hint for the scheduler, not a contract), so that no long
-# group starts last and stretches the run. The tests of the files in SPREAD are independent
-# and long: they go to whichever worker is free, one by one.
+# Parallel runs (`make test` runs pytest-xdist with `--dist loadscope`, and the scheduler
+# below says what a scope is): a file's tests run in one worker, so that its
+# module-scoped fixtures (a fleet of engines) are built once; the real-vLLM files run in
+# one worker (their engines share a package-scoped pair, and two engines compiling at
+# once fill both cores); the tests of the files in SPREAD are independent and long, and
+# go to whichever worker is free, one by one. The longest scopes are handed out first
+# (measured with `pytest --durations=0`; a hint, not a contract), so that no long one
+# starts last and stretches the run. (pytest-xdist's own `loadgroup` cannot be used:
+# it renames node ids in a way pytest 9.2 no longer sees.)
 SPREAD = frozenset({"tests/unit/test_sim_matrix.py"})
 LONGEST_FIRST = (
     "realvllm",
@@ -65,22 +67,34 @@ LONGEST_FIRST = (
 )
 
 
-def _group(item: pytest.Item) -> str:
-    path = item.nodeid.split("::", 1)[0]
-    if path.startswith("tests/realvllm/"):  # one real engine start at a time on 2 cores
+def _scope(nodeid: str) -> str:
+    """The tests that must share a worker: a file, or the whole real-vLLM tier."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/realvllm/"):
         return "realvllm"
-    return path
+    return nodeid if path in SPREAD else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups in the node ids
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ByScope(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not getattr(config.option, "loadgroup", False):  # set in workers of --dist loadgroup
+    if not hasattr(config, "workerinput"):  # only a parallel run's workers collect for it
         return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    for item in items:
-        if _group(item) not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: file order kept
+
+    def order(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get("realvllm" if path.startswith("tests/realvllm/") else path, len(rank))
+
+    items.sort(key=order)  # stable: file order kept within a scope
 
 
 def pytest_asyncio_loop_factories(
