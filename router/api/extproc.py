@@ -66,6 +66,7 @@ from router.handoff import base
 from router.handoff import registry as dialects
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates
+from router.serving.gate import Entry
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -353,18 +354,14 @@ class Exchange:
 
     async def _decide(self) -> tuple[ep.HeaderMutation, struct_pb2.Struct]:
         app = self.app
-        if app.draining:
-            raise ApiError(503, "the router is shutting down", retry_after=1)
-        if app.core.loads.in_flight >= app.config.limits.max_inflight:
-            raise ApiError(429, "too many requests in flight", retry_after=1)
+        app.gate.refuse_closed()
+        app.gate.refuse_full()
         body = b"".join(self.chunks)
-        if app.flow is not None:  # no wait: Envoy bounds each answer (message_timeout)
-            meta = self.metadata.get(FLOW_NAMESPACE)
-            ticket = app.flow.ticket(
-                self.headers, body, metadata=meta if isinstance(meta, dict) else None
-            )
-            await app.flow.check(ticket)
-            self.ticket = ticket
+        meta = self.metadata.get(FLOW_NAMESPACE)
+        # No wait: Envoy bounds each answer (message_timeout).
+        self.ticket = await app.gate.check(
+            Entry(self.headers, body, metadata=meta if isinstance(meta, dict) else None)
+        )
         subset = self._subset()
         if subset is not None and not subset:
             raise ApiError(503, "no eligible endpoint in the gateway's subset hint", retry_after=1)
@@ -478,8 +475,7 @@ class Exchange:
             self.app.picks.end(self.lease, "stream_end")
 
     def _finish(self, usage: dict[str, int] | None) -> None:
-        if self.ticket is not None and self.app.flow is not None:
-            self.app.flow.finish(self.ticket, usage)
+        self.app.gate.finish(self.ticket, usage)
 
     def close(self) -> None:
         """The stream ended (normally, or the gateway reset it): release what is held."""
