@@ -60,13 +60,13 @@ from router.api.headers import check_single
 from router.api.http import REQUEST_ID
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import Lease
-from router.api.validate import check_prompt_tokens, check_request
 from router.flow.ticket import FlowTicket
 from router.handoff import base
 from router.handoff import registry as dialects
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates
 from router.serving.gate import Entry
+from router.serving.intake import prepare
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -374,20 +374,11 @@ class Exchange:
             if kind is None or payload is None:
                 decode = await app.decider.plan_on_load(self.request_id, subset)
             else:
-                parsed = (parse_chat if kind == "chat" else parse_completion)(payload)
-                model = check_request(parsed, app.config.limits, app.registry.models())
-                parsed.model = model
-                route = await app.decider.prepare(
-                    self.request_id,
-                    model,
-                    parsed,
-                    app.decider.session_of(self.headers),
-                    self.headers,
+                parse = parse_chat if kind == "chat" else parse_completion
+                ready = await prepare(
+                    app, self.request_id, payload, parse, self.headers, flow=self.ticket
                 )
-                check_prompt_tokens(parsed, app.config.limits)
-                load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
-                route.flow = self.ticket
-                plan = await app.decider.plan(model, route, load_tokens, subset)
+                plan = await app.decider.plan(ready.model, ready.route, ready.load_tokens, subset)
                 decode = plan.decode
         except NoCandidates:
             within = " in the gateway's subset" if subset is not None else ""

@@ -31,7 +31,7 @@ from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID, check_headers
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import DuplicatePick
-from router.api.validate import check_keyed, check_prompt_tokens, check_request, resolve_model
+from router.api.validate import check_keyed, resolve_model
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff import registry as dialects
@@ -41,6 +41,7 @@ from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.serving.forward import Forwarder
 from router.serving.gate import Entry, Permit
 from router.serving.generate import Generations, Parse
+from router.serving.intake import prepare
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -354,12 +355,9 @@ class RouterService(pb_grpc.RouterServicer):
             app.decider.objectives(route, model, hints)
         else:
             payload = self._payload(request, kind)
-            parsed = (parse_chat if "messages" in payload else parse_completion)(payload)
-            model = check_request(parsed, app.config.limits, app.registry.models())
-            parsed.model = model
-            route = await app.decider.prepare(request_id, model, parsed, session, hints)
-            check_prompt_tokens(parsed, app.config.limits)
-            load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+            parse = parse_chat if "messages" in payload else parse_completion
+            ready = await prepare(app, request_id, payload, parse, hints, session=session)
+            model, route, load_tokens = ready.model, ready.route, ready.load_tokens
         route.flow = ticket
         try:
             plan = await app.decider.plan(model, route, load_tokens, subset)
