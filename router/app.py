@@ -50,6 +50,7 @@ from router.reconfigure import follow_config
 from router.redis.replicas import ReplicaSharing
 from router.response_store import ResponseStore
 from router.security import Credentials
+from router.serving.gate import make_gate
 from router.session_sharing import SessionSharing
 from router.tokenization import Tokenizers
 
@@ -240,6 +241,7 @@ class RouterApp:
             block_size_for=self.block_size_for,
             state=self.state,
             responses=self.responses,
+            gate=make_gate(admission, self.flow, self.state, loads, live),
             flow=self.flow,
         )
         """What the front ends receive of the router (:mod:`router.api.services`)."""

@@ -147,8 +147,7 @@ class CountTokens:
         outcome = Outcome()
         sink = HttpDownstream(request)
         try:
-            if app.draining:
-                raise ApiError(503, "the router is shutting down", retry_after=1)
+            app.gate.refuse_closed()
             body = await read_body(request)
             payload = decode_body(body, app.config.limits.max_json_depth)
             if app.strip_owned_fields(payload):

@@ -84,6 +84,21 @@ class ApiError(Exception):
         return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
 
 
+class Draining(ApiError):
+    """503: the router is shutting down (every front end, before anything else)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the router is shutting down", retry_after=1)
+
+
+class TooManyInFlight(ApiError):
+    """429: ``limits.max_inflight`` requests are on the engines (the front ends that do
+    not wait: gRPC ``Pick``, ext_proc)."""
+
+    def __init__(self) -> None:
+        super().__init__(429, "too many requests in flight", retry_after=1)
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 

@@ -60,12 +60,13 @@ from router.api.headers import check_single
 from router.api.http import REQUEST_ID
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import Lease
-from router.api.validate import check_prompt_tokens, check_request
 from router.flow.ticket import FlowTicket
 from router.handoff import base
 from router.handoff import registry as dialects
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates
+from router.serving.gate import Entry
+from router.serving.intake import prepare
 from router.types import EngineKey
 
 if TYPE_CHECKING:
@@ -353,18 +354,14 @@ class Exchange:
 
     async def _decide(self) -> tuple[ep.HeaderMutation, struct_pb2.Struct]:
         app = self.app
-        if app.draining:
-            raise ApiError(503, "the router is shutting down", retry_after=1)
-        if app.core.loads.in_flight >= app.config.limits.max_inflight:
-            raise ApiError(429, "too many requests in flight", retry_after=1)
+        app.gate.refuse_closed()
+        app.gate.refuse_full()
         body = b"".join(self.chunks)
-        if app.flow is not None:  # no wait: Envoy bounds each answer (message_timeout)
-            meta = self.metadata.get(FLOW_NAMESPACE)
-            ticket = app.flow.ticket(
-                self.headers, body, metadata=meta if isinstance(meta, dict) else None
-            )
-            await app.flow.check(ticket)
-            self.ticket = ticket
+        meta = self.metadata.get(FLOW_NAMESPACE)
+        # No wait: Envoy bounds each answer (message_timeout).
+        self.ticket = await app.gate.check(
+            Entry(self.headers, body, metadata=meta if isinstance(meta, dict) else None)
+        )
         subset = self._subset()
         if subset is not None and not subset:
             raise ApiError(503, "no eligible endpoint in the gateway's subset hint", retry_after=1)
@@ -377,20 +374,11 @@ class Exchange:
             if kind is None or payload is None:
                 decode = await app.decider.plan_on_load(self.request_id, subset)
             else:
-                parsed = (parse_chat if kind == "chat" else parse_completion)(payload)
-                model = check_request(parsed, app.config.limits, app.registry.models())
-                parsed.model = model
-                route = await app.decider.prepare(
-                    self.request_id,
-                    model,
-                    parsed,
-                    app.decider.session_of(self.headers),
-                    self.headers,
+                parse = parse_chat if kind == "chat" else parse_completion
+                ready = await prepare(
+                    app, self.request_id, payload, parse, self.headers, flow=self.ticket
                 )
-                check_prompt_tokens(parsed, app.config.limits)
-                load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
-                route.flow = self.ticket
-                plan = await app.decider.plan(model, route, load_tokens, subset)
+                plan = await app.decider.plan(ready.model, ready.route, ready.load_tokens, subset)
                 decode = plan.decode
         except NoCandidates:
             within = " in the gateway's subset" if subset is not None else ""
@@ -478,8 +466,7 @@ class Exchange:
             self.app.picks.end(self.lease, "stream_end")
 
     def _finish(self, usage: dict[str, int] | None) -> None:
-        if self.ticket is not None and self.app.flow is not None:
-            self.app.flow.finish(self.ticket, usage)
+        self.app.gate.finish(self.ticket, usage)
 
     def close(self) -> None:
         """The stream ended (normally, or the gateway reset it): release what is held."""

@@ -31,7 +31,7 @@ from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID, check_headers
 from router.api.openai import decode_body, parse_chat, parse_completion
 from router.api.picks import DuplicatePick
-from router.api.validate import check_keyed, check_prompt_tokens, check_request, resolve_model
+from router.api.validate import check_keyed, resolve_model
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff import registry as dialects
@@ -39,12 +39,13 @@ from router.handoff.base import Directions
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.serving.forward import Forwarder
+from router.serving.gate import Entry, Permit
 from router.serving.generate import Generations, Parse
+from router.serving.intake import prepare
 from router.types import EngineKey
 
 if TYPE_CHECKING:
     from router.api.services import Services
-    from router.flow.ticket import FlowTicket
 
 log = logging.getLogger("kvroute.grpc")
 T = TypeVar("T")
@@ -314,16 +315,14 @@ class RouterService(pb_grpc.RouterServicer):
     def _admit(self, request_id: str, count_inflight: bool = True) -> None:
         """The checks the HTTP API makes before it reads a request (``count_inflight``:
         refuse at ``limits.max_inflight`` picks and requests in flight)."""
-        app = self.app
         if not REQUEST_ID.fullmatch(request_id):
             raise bad_request(
                 f"request_id must be 1-128 printable ASCII characters, got {request_id[:40]!r}",
                 "request_id",
             )
-        if app.draining:
-            raise ApiError(503, "the router is shutting down", retry_after=1)
-        if count_inflight and app.core.loads.in_flight >= app.config.limits.max_inflight:
-            raise ApiError(429, "too many requests in flight", retry_after=1)
+        self.app.gate.refuse_closed()
+        if count_inflight:
+            self.app.gate.refuse_full()
 
     async def _pick(self, request: pb.PickRequest, context: aio.ServicerContext) -> pb.PickResponse:
         app = self.app
@@ -333,17 +332,15 @@ class RouterService(pb_grpc.RouterServicer):
         self._admit(request_id)
         if app.picks.get(request_id) is not None:
             raise ApiError(409, f"a pick with request id {request_id!r} is open; release it first")
-        ticket: FlowTicket | None = None
-        if app.flow is not None:  # no wait: the caller forwards, and retries, itself
-            ticket = app.flow.ticket(
+        # No wait: the caller forwards, and retries, itself.
+        ticket = await app.gate.check(
+            Entry(
                 {**_metadata(context), **headers},
                 request.body if request.WhichOneof("prompt") == "body" else b"",
+                model=request.model,
+                prompt_chars=len(request.text) if request.WhichOneof("prompt") == "text" else 0,
             )
-            ticket.model = ticket.model or request.model or None
-            if request.WhichOneof("prompt") == "text":
-                ticket.estimate += len(request.text) // 4
-                ticket.prompt_estimate += len(request.text) // 4
-            await app.flow.check(ticket)
+        )
         subset = {endpoint_key(e) for e in request.subset} or None
         hints = {**_metadata(context), **headers}  # a gateway may send either
         session = request.session or app.decider.session_of(hints)
@@ -358,12 +355,9 @@ class RouterService(pb_grpc.RouterServicer):
             app.decider.objectives(route, model, hints)
         else:
             payload = self._payload(request, kind)
-            parsed = (parse_chat if "messages" in payload else parse_completion)(payload)
-            model = check_request(parsed, app.config.limits, app.registry.models())
-            parsed.model = model
-            route = await app.decider.prepare(request_id, model, parsed, session, hints)
-            check_prompt_tokens(parsed, app.config.limits)
-            load_tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+            parse = parse_chat if "messages" in payload else parse_completion
+            ready = await prepare(app, request_id, payload, parse, hints, session=session)
+            model, route, load_tokens = ready.model, ready.route, ready.load_tokens
         route.flow = ticket
         try:
             plan = await app.decider.plan(model, route, load_tokens, subset)
@@ -464,13 +458,13 @@ class RouterService(pb_grpc.RouterServicer):
             picks.prefilled(lease)
             return pb.ReleaseResponse(held_s=picks.clock() - lease.opened_at)
         flow = lease.plan.route.flow
-        if flow is not None and self.app.flow is not None:
+        if flow is not None:
             usage = {
                 name: getattr(request, name)
                 for name in ("prompt_tokens", "completion_tokens")
                 if request.HasField(name)
             }
-            self.app.flow.finish(flow, usage)
+            self.app.gate.finish(flow, usage)
         return pb.ReleaseResponse(held_s=picks.end(lease, "released"))
 
     # ------------------------------------------------------------------ Generate
@@ -480,21 +474,17 @@ class RouterService(pb_grpc.RouterServicer):
         started = time.perf_counter()
         outcome = Outcome()
         route = _ROUTES.get(request.endpoint, "")
-        admitted = False
+        gate = app.gate
+        permit = Permit()
         try:
             headers = {**_metadata(context), **_headers(request.headers)}
             check_headers(headers)
             request_id = request.request_id or headers.get("x-request-id") or os.urandom(16).hex()
             self._admit(request_id, count_inflight=False)
-            deadline = app.admission.deadline(time.monotonic())
-            if app.flow is None:
-                await app.admission.enter(deadline)  # the same queue as the HTTP API's
-            else:
-                outcome.ticket = app.flow.ticket(
-                    headers, request.body, deadline=_caller_deadline(context)
-                )
-                await app.flow.admit(outcome.ticket, deadline)
-            admitted = True
+            deadline = gate.deadline()
+            entry = Entry(headers, request.body, deadline=_caller_deadline(context))
+            await gate.enter(entry, deadline, permit)  # the same queue as the HTTP API's
+            outcome.ticket = permit.ticket
             limit = app.config.limits.max_body_bytes
             if len(request.body) > limit:
                 raise ApiError(413, f"request body is larger than {limit} bytes")
@@ -530,10 +520,7 @@ class RouterService(pb_grpc.RouterServicer):
         else:
             app.metrics.grpc_requests.labels("Generate", "OK").inc()
         finally:
-            if admitted:
-                app.admission.leave(outcome.ticket)
-            if outcome.ticket is not None and app.flow is not None:
-                app.flow.finish(outcome.ticket, outcome.usage)
+            gate.leave(permit, outcome.usage)
             app.metrics.requests.labels(
                 route or "completions", outcome.outcome, outcome.status
             ).inc()

@@ -55,6 +55,7 @@ from router.api.passthrough import Passthrough, refusing
 from router.api.responses import ResponsesApi, parse_responses
 from router.serving.downstream import Downstream
 from router.serving.forward import Forwarder
+from router.serving.gate import Entry, Permit
 from router.serving.generate import BeforePlan, Generations, Parse
 
 if TYPE_CHECKING:
@@ -249,7 +250,8 @@ class HttpApi:
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         outcome = Outcome()
         app = self.app
-        admitted = False
+        gate = app.gate
+        permit = Permit()
         try:
             if not REQUEST_ID.fullmatch(request_id):
                 bad = request_id
@@ -257,24 +259,13 @@ class HttpApi:
                 raise ApiError(
                     400, f"x-request-id must be 1-128 printable ASCII characters, got {bad[:40]!r}"
                 )
-            if app.draining:
-                raise ApiError(503, "the router is shutting down", retry_after=1)
-            deadline = app.admission.deadline(time.monotonic())
-            if app.flow is None:
-                # Admitted before the body is read: a waiting request holds no body.
-                await app.admission.enter(deadline)
-                admitted = True
-                app.admission.reading_body += 1
-                try:
-                    body = await read_body(request)
-                finally:
-                    app.admission.reading_body -= 1
-            else:
-                # Flow control reads the body first: its tenant and model may be there.
-                body = await read_body(request)
-                outcome.ticket = app.flow.ticket(request.headers, body)
-                await app.flow.admit(outcome.ticket, deadline)
-                admitted = True
+            gate.refuse_closed()
+            deadline = gate.deadline()
+            await gate.enter(
+                Entry(request.headers, read=lambda: read_body(request)), deadline, permit
+            )
+            outcome.ticket = permit.ticket
+            body = permit.body
             sink = HttpDownstream(request)
             if handle is not None:
                 await handle(sink, route, request_id, body, started, outcome, deadline)
@@ -302,10 +293,7 @@ class HttpApi:
             outcome.set("router_error", 503)
             raise
         finally:
-            if admitted:
-                app.admission.leave(outcome.ticket)
-            if outcome.ticket is not None and app.flow is not None:
-                app.flow.finish(outcome.ticket, outcome.usage)
+            gate.leave(permit, outcome.usage)
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
 

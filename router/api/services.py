@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from router.proxy import Upstream
     from router.response_store import ResponseStore
     from router.security import Credentials
+    from router.serving.gate import Gate
     from router.tokenization import Tokenizers
 
 
@@ -59,6 +60,8 @@ class Services:
     state: RunState
     responses: ResponseStore
     """Which engine holds each Responses API response (``previous_response_id``)."""
+    gate: Gate
+    """Admission (:mod:`router.serving.gate`): the FIFO queue's, or flow control's."""
     upstream: Upstream | None = None
     """The client to engines; set when the router starts (before it serves)."""
     flow: FlowControl | None = None

@@ -4,7 +4,7 @@ The HTTP API (completions, chat, Anthropic Messages, Responses) and gRPC ``Gener
 hand each request whose body they have read and admitted, with its route's engine path
 and parser, to :meth:`Generations.serve`: the body is decoded, stripped of the router's
 own handoff fields, parsed and checked (:mod:`router.api.validate`), tokenized and
-hashed (:meth:`~router.api.decide.Decider.prepare`), and forwarded by its plan
+hashed (:func:`router.serving.intake.prepare`), and forwarded by its plan
 (:meth:`~router.serving.forward.Forwarder.forward`) into the front end's
 :class:`~router.serving.downstream.Downstream`.
 """
@@ -12,24 +12,21 @@ hashed (:meth:`~router.api.decide.Decider.prepare`), and forwarded by its plan
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from router.api.context import RequestContext
 from router.api.headers import check_headers
 from router.api.openai import decode_body
-from router.api.validate import check_prompt_tokens, check_request
+from router.serving.intake import Parse, prepare
 
 if TYPE_CHECKING:
     from router.api.context import Outcome
-    from router.api.openai import ParsedRequest
     from router.api.services import Services
     from router.serving.downstream import Downstream
     from router.serving.forward import Forwarder
 
-Parse = Callable[[dict[str, Any]], "ParsedRequest"]
-"""A route's parser: a decoded body's routing facts (400 for what routing cannot read)."""
 BeforePlan = Callable[[RequestContext], Awaitable[None]]
 """A front end's own step between preparing a request and planning it."""
 
@@ -70,16 +67,10 @@ class Generations:
         payload = decode_body(body, limits.max_json_depth)
         if app.strip_owned_fields(payload):
             body = _encode(payload)  # every path below forwards these bytes
-        parsed = parse(payload)
-        model = check_request(parsed, limits, app.registry.models())
-        parsed.model = model
-        route_request = await app.decider.prepare(
-            request_id, model, parsed, app.decider.session_of(sink.headers), sink.headers
+        ready = await prepare(
+            app, request_id, payload, parse, sink.headers, wait_until=deadline, flow=outcome.ticket
         )
-        check_prompt_tokens(parsed, limits)
-        route_request.wait_until = deadline
-        route_request.flow = outcome.ticket
-        ctx = RequestContext(sink, path, parsed, route_request, payload, body, started, outcome)
+        ctx = RequestContext(sink, path, ready.parsed, ready.route, payload, body, started, outcome)
         if before_plan is not None:
             await before_plan(ctx)
         await self.forwarder.forward(ctx)
