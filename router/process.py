@@ -114,7 +114,7 @@ def stop_group(proc: subprocess.Popen[Any], grace: float = 5.0, kill_wait: float
 class ServerProcess:
     """``kvroute COMMAND ARGS`` in a child process with its own process group."""
 
-    def __init__(self, command: str, args: Sequence[str], timeout: float = 20.0) -> None:
+    def __init__(self, command: str, args: Sequence[str], timeout: float = 60.0) -> None:
         """Start ``kvroute COMMAND ARGS`` on 127.0.0.1 and wait for its start-up line."""
         self.args = [sys.executable, "-m", "router", command, "--host", "127.0.0.1", *args]
         # A file, not a pipe: nobody reads stderr while the engine runs, and a full pipe
@@ -164,5 +164,5 @@ class ServerProcess:
 class EngineProcess(ServerProcess):
     """``kvroute engine ARGS`` in its own process group."""
 
-    def __init__(self, args: Sequence[str], timeout: float = 20.0) -> None:
+    def __init__(self, args: Sequence[str], timeout: float = 60.0) -> None:
         super().__init__("engine", args, timeout)

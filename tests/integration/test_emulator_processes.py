@@ -73,9 +73,12 @@ async def test_a_nixl_handoff_between_processes_shows_in_the_decode_counters(
 async def test_sglang_pairs_between_processes_never_mix_rooms(
     processes: list[EngineProcess],
 ) -> None:
-    prefill = EngineProcess([*COMMON, "--role", "prefill", "--engine-id", "sp"])
+    # A hold of 60 wall seconds (virtual ones pass 1000 times faster): 100 pairs at once
+    # on a busy machine may take longer than the default's half second to pull.
+    hold = ["--kv-hold-timeout", "60000"]
+    prefill = EngineProcess([*COMMON, *hold, "--role", "prefill", "--engine-id", "sp"])
     processes.append(prefill)
-    decode = EngineProcess([*COMMON, "--role", "decode", "--engine-id", "sd"])
+    decode = EngineProcess([*COMMON, *hold, "--role", "decode", "--engine-id", "sd"])
     processes.append(decode)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
