@@ -265,15 +265,6 @@ class RouterApp:
         return self.live.current
 
     @property
-    def event_resync_retry_s(self) -> float:
-        """After Redis refused event writes while reachable, rewrite the streams then."""
-        return self.events.resync_retry_s
-
-    @event_resync_retry_s.setter
-    def event_resync_retry_s(self, value: float) -> None:
-        self.events.resync_retry_s = value
-
-    @property
     def session_sync(self) -> DecisionSync | None:
         """The shared index's follower of the decision stream (session pins, load)."""
         return self.session_sharing.sync

@@ -435,7 +435,7 @@ async def test_event_writes_redis_refused_are_made_good_once_it_accepts_them(
     own_server: RedisServer,
 ) -> None:
     app = await routers([e.url for e in fresh_fleet], index=redis_index(own_server.url, "refusing"))
-    app.event_resync_retry_s = 0.2
+    app.events.resync_retry_s = 0.2
     await poll(lambda: subscribed(app))
     engine = fresh_fleet[0]
     await live_events(http, app, engine)
