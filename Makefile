@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml setup.py router/native/native.c router/native/blocktabl
 	@touch $(STAMP)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist): most tests wait on sockets and
-# subprocesses, so 4 workers keep 2 cores busy. A file's tests run in one worker
-# (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 4
+# subprocesses. Two workers keep both cores busy; four finished sooner here but starved
+# tests that race a timer. A file's tests run in one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: venv envoy vllm
