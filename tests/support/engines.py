@@ -15,8 +15,11 @@ from router.process import EngineProcess
 
 __all__ = ["EngineProcess", "engine_config", "poll", "start_test_engine"]
 
-#: Small, fast engines: a 2,000-token prompt fits many times over; 1,000x real time.
-TEST_PARAMS = EngineParams(num_gpu_blocks=1_024, max_model_len=16_384)
+#: Small, fast engines: a 2,000-token prompt fits many times over; 1,000x real time. A
+#: split's KV is held a minute of wall time (60,000 model seconds), not the default 480
+#: model seconds: at 1,000x that is half a second, which a busy machine can outlast
+#: between the prefill and the decode leg (tests of expiry set their own).
+TEST_PARAMS = EngineParams(num_gpu_blocks=1_024, max_model_len=16_384, kv_hold_timeout_s=60_000.0)
 
 
 def engine_config(**changes: Any) -> EmulatorConfig:
