@@ -731,7 +731,12 @@ async def test_decode_choice_follows_engine_reported_load_the_router_does_not_se
 async def test_cached_tokens_are_what_the_prefill_cache_saved_in_both_dialects(
     dialect: str, stream: bool, http: aiohttp.ClientSession
 ) -> None:
-    app, prefill, decode = await start_pd(f"ct-{dialect}-{int(stream)}", dialect, prefills=1)
+    app, prefill, decode = await start_pd(
+        f"ct-{dialect}-{int(stream)}",
+        dialect,
+        prefills=1,
+        proxy={"first_byte_timeout_s": 30.0},  # no stall here: a busy machine is no fault
+    )
     try:
         shared = prompt("same", LONG)
         cached = []
