@@ -67,12 +67,16 @@ LONGEST_FIRST = (
 )
 
 
-def _scope(nodeid: str) -> str:
-    """The tests that must share a worker: a file, or the whole real-vLLM tier."""
+def _group(nodeid: str) -> str:
+    """A test's file, or the whole real-vLLM tier."""
     path = nodeid.split("::", 1)[0]
-    if path.startswith("tests/realvllm/"):
-        return "realvllm"
-    return nodeid if path in SPREAD else path
+    return "realvllm" if path.startswith("tests/realvllm/") else path
+
+
+def _scope(nodeid: str) -> str:
+    """The tests that must share a worker: a group, or a test of SPREAD alone."""
+    group = _group(nodeid)
+    return nodeid if group in SPREAD else group
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -89,12 +93,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not hasattr(config, "workerinput"):  # only a parallel run's workers collect for it
         return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-
-    def order(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return rank.get("realvllm" if path.startswith("tests/realvllm/") else path, len(rank))
-
-    items.sort(key=order)  # stable: file order kept within a scope
+    # Stable: file order kept within a scope.
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
 
 
 def pytest_asyncio_loop_factories(
