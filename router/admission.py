@@ -10,7 +10,7 @@ Two limits, both from ``limits.*``:
 * ``max_inflight_per_engine`` requests on one routing target. The routing core skips
   full candidates; when every candidate is full (:class:`~router.core.Saturated`) the
   request waits for any engine's request to end, up to the same deadline, then 429
-  (``router.api.decide.Decider.choose``).
+  (``router.serving.decide.Decider.choose``).
 
 With ``flow.enabled`` a request comes with a :class:`~router.flow.ticket.FlowTicket` and
 waits in the :class:`~router.flow.queue.BandedQueue` instead: a freed slot goes to the
@@ -30,7 +30,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from router.api.errors import ApiError
 from router.config import LimitsConfig
 from router.flow.queue import BandedQueue, Waiter
 from router.flow.ticket import FlowTicket
@@ -40,6 +39,7 @@ from router.metric_catalogue import (
     ADMISSION_REJECTED,
     ADMISSION_WAITING,
 )
+from router.serving.errors import ApiError
 
 if TYPE_CHECKING:
     from router.metric_catalogue import StateFamily

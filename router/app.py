@@ -21,11 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from router.admin import Admin
 from router.admission import Admission
-from router.api.decide import Decider
-from router.api.listener import check_free
-from router.api.picks import PickLedger
-from router.api.server import HttpServer
-from router.api.services import RunState, Services
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.drain import Drain
@@ -37,6 +32,8 @@ from router.engines.pool_client import PoolClient
 from router.engines.registry import Engine, Registry
 from router.events.follow import EventFollowing
 from router.flow.control import FlowControl
+from router.frontends.http.listener import check_free
+from router.frontends.http.server import HttpServer
 from router.index import KVIndex, index_from_config
 from router.index.base import IndexStats
 from router.index.remote import RemoteIndex
@@ -50,7 +47,10 @@ from router.reconfigure import follow_config
 from router.redis.replicas import ReplicaSharing
 from router.response_store import ResponseStore
 from router.security import Credentials
+from router.serving.decide import Decider
 from router.serving.gate import make_gate
+from router.serving.picks import PickLedger
+from router.serving.services import RunState, Services
 from router.session_sharing import SessionSharing
 from router.tokenization import Tokenizers
 
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from router.engines.shared_load import SharedLoad
     from router.events.snapshots import SnapshotWriter
     from router.events.subscriber import KVEventSubscriber
-    from router.grpc.server import GrpcServers
+    from router.frontends.grpc.server import GrpcServers
     from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.redis.client import RedisClient
     from router.reload import Reloader
@@ -244,7 +244,7 @@ class RouterApp:
             gate=make_gate(admission, self.flow, self.state, loads, live),
             flow=self.flow,
         )
-        """What the front ends receive of the router (:mod:`router.api.services`)."""
+        """What the front ends receive of the router (:mod:`router.serving.services`)."""
         self.http = HttpServer(self.services, self.tracer)
         self.observer, self.connections = self.http.observer, self.http.connections
         sources.connections = self.connections
@@ -342,7 +342,7 @@ class RouterApp:
 
     async def _start_grpc(self) -> None:
         """The gRPC API and ext_proc listeners (grpc loads only when one is asked for)."""
-        from router.grpc.server import GrpcServers
+        from router.frontends.grpc.server import GrpcServers
 
         self.grpc = GrpcServers.serving(self.services, self.drain_state)
         await self.grpc.start()

@@ -24,7 +24,10 @@ from router import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "Run the router (OpenAI-compatible HTTP API)"),
     "engine": ("router.emulator.cli", "Run an emulated vLLM-compatible engine"),
-    "sidecar": ("router.sidecar", "Run in front of a decode pod's engine (llm-d P/D sidecar)"),
+    "sidecar": (
+        "router.frontends.sidecar",
+        "Run in front of a decode pod's engine (llm-d P/D sidecar)",
+    ),
     "indexer": ("router.indexer", "Write engines' KV events into the shared Redis index."),
     "bench": ("router.bench.cli", "Replay a workload against targets; compare them side by side"),
     "simulate": ("router.sim.cli", "Replay a workload on a simulated fleet (virtual clock)"),

@@ -12,19 +12,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from router.api.observe import RequestObserver
-    from router.api.services import RunState
+    from router.serving.services import RunState
 
 log = logging.getLogger("kvroute")
+
+
+class InFlight(Protocol):
+    """What counts the requests in flight (the HTTP front end's request observer)."""
+
+    @property
+    def inflight(self) -> int:
+        """Requests being served now."""
+        ...
+
+    async def wait_idle(self, timeout: float) -> int:
+        """Wait until none is in flight or ``timeout`` passed; returns those left."""
+        ...
+
+    def cancel_all(self) -> None:
+        """Cancel every request in flight."""
 
 
 class Drain:
     """The router's drain state, who is told when it begins, and the graceful wait."""
 
-    def __init__(self, state: RunState, observer: RequestObserver) -> None:
+    def __init__(self, state: RunState, observer: InFlight) -> None:
         """``state`` is what the front ends read (``draining``); ``observer`` counts the
         HTTP requests in flight."""
         self.state = state

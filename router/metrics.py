@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.registry import Collector
@@ -50,8 +50,6 @@ from router.metric_catalogue import (
 
 if TYPE_CHECKING:
     from router.admission import Admission
-    from router.api.listener import ConnectionGuard
-    from router.api.picks import PickLedger
     from router.core import RoutingCore
     from router.engines.registry import Registry
     from router.engines.shared_load import SharedLoad
@@ -64,10 +62,17 @@ if TYPE_CHECKING:
     from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.index.shadow import ShadowedIndex
     from router.metric_catalogue import StateFamily
+    from router.serving.picks import PickLedger
     from router.tokenization import Tokenizers
 
 # ``*_created`` series double the output and nobody alerts on them.
 disable_created_metrics()
+
+
+class Reports(Protocol):
+    """A component that exports what it counts at scrape time."""
+
+    def metric_families(self) -> Iterator[StateFamily]: ...
 
 
 @dataclass(slots=True)
@@ -94,8 +99,8 @@ class StateSources:
     writer: WriterStats | None = None
     """The router's KV-event writer into Redis."""
     picks: PickLedger | None = None
-    connections: ConnectionGuard | None = None
-    """The HTTP listener's connection cap and timeouts."""
+    connections: Reports | None = None
+    """The HTTP listener's connection cap and timeouts (its connection guard)."""
     flow: FlowControl | None = None
     """Flow control (``flow.enabled``): bands, tenants, rate limits, saturation."""
 

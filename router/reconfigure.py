@@ -10,18 +10,24 @@ goes into ``READS`` in tests/integration/test_reload_subscribers.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from router.api.observe import RequestObserver
-    from router.api.services import Services
     from router.config import Config
     from router.engines.fleet import EngineFleet
+    from router.serving.services import Services
     from router.session_sharing import SessionSharing
 
 
+class AccessLog(Protocol):
+    """What logs each request (the HTTP front end's request observer)."""
+
+    access_log_info: bool
+    """Access log at info level (``server.access_log``); else at debug level."""
+
+
 def follow_config(
-    services: Services, sessions: SessionSharing, observer: RequestObserver, fleet: EngineFleet
+    services: Services, sessions: SessionSharing, observer: AccessLog, fleet: EngineFleet
 ) -> None:
     """Subscribe every component that keeps something from a live section: those the
     front ends share (``services``), the replicas' session sharing, the HTTP request

@@ -28,7 +28,6 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from router.api.errors import anthropic_route
 from router.config import (
     AuthConfig,
     ConfigError,
@@ -38,6 +37,7 @@ from router.config import (
     TlsConfig,
 )
 from router.redaction import redacted as redacted  # re-exported: callers import it here
+from router.serving.errors import anthropic_route
 
 log = logging.getLogger("kvroute.security")
 

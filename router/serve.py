@@ -23,8 +23,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from router.api.listener import ListenError
 from router.config import Config, ConfigError, load_config
+from router.frontends.http.listener import ListenError
 from router.handoff import registry as handoff_registry
 from router.live_config import LiveConfig
 from router.policy import DEFAULT_POLICY, POLICY_NAMES

@@ -6,7 +6,7 @@ on, so it costs nothing otherwise. Spans, per request:
 
 * ``POST /v1/...`` (server): continues the caller's W3C ``traceparent``; attributes
   ``kvroute.request_id``, ``kvroute.engine``, ``kvroute.prefill_engine``,
-  ``kvroute.mode``, ``kvroute.reason``, the HTTP status (:mod:`router.api.observe`);
+  ``kvroute.mode``, ``kvroute.reason``, the HTTP status (:mod:`router.frontends.http.observe`);
 * ``kvroute.route`` (internal): one routing decision (index lookup and policy), with the
   policy, reason, chosen engine, matched blocks and candidates;
 * ``kvroute.engine`` (client): each call to an engine until its response headers; the

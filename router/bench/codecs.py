@@ -1,7 +1,7 @@
 """Measure JSON libraries on the bodies the router parses and the answers it encodes.
 
 Candidates: the stdlib ``json``, ``msgspec.json`` (what the router uses: a generic
-``Decoder().decode`` for request bodies in router/api/openai.py, a typed Struct for the
+``Decoder().decode`` for request bodies in router/serving/parsing.py, a typed Struct for the
 ``usage`` of an engine's answer in router/serving/forward.py, ``Encoder().encode`` for what it
 writes) and ``orjson`` when it is importable (it is not a project dependency; install it
 into the virtualenv to include it). Each cell is the median over repeated timeit runs

@@ -34,7 +34,6 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.api.openai import parse_completion
 from router.app import RouterApp
 from router.config import load_config
 from router.emulator import EmulatedEngine, EmulatorConfig, start_engine
@@ -42,6 +41,7 @@ from router.engine_model import EngineParams
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.process import ServerProcess
+from router.serving.parsing import parse_completion
 from router.workloads.stats import percentile
 
 GROUPS = 8

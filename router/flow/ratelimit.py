@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.api.errors import ApiError
+from router.serving.errors import ApiError
 
 if TYPE_CHECKING:
     from router.flow.config import FlowRateLimitConfig

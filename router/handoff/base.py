@@ -14,13 +14,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from router.api.errors import ApiError
-from router.api.usage import cached_tokens
+from router.serving.errors import ApiError
+from router.serving.usage import cached_tokens
 
 if TYPE_CHECKING:
-    from router.api.context import RequestContext
-    from router.api.downstream import Downstream
-    from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.load import LoadTracker
     from router.engines.registry import Engine
@@ -28,6 +25,9 @@ if TYPE_CHECKING:
     from router.plan import Plan
     from router.policy.base import Decision
     from router.proxy import UpstreamError
+    from router.serving.context import RequestContext
+    from router.serving.downstream import Downstream
+    from router.serving.usage import UsageTap
     from router.types import EngineKey
 
 #: Names a split's prefill engine (``host:port``) to whatever runs the legs beside the

@@ -34,17 +34,17 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.api.usage import UsageTap
 from router.handoff.base import PREFILL_TRIES, Directions, Handoff, Legs, prefill_saved
 from router.proxy import UpstreamError
 from router.security import host_allowed
 from router.serving.charges import Charges
+from router.serving.usage import UsageTap
 
 if TYPE_CHECKING:
-    from router.api.context import RequestContext
     from router.engines.registry import Engine
     from router.plan import Plan
     from router.policy.base import Decision
+    from router.serving.context import RequestContext
 
 log = logging.getLogger("kvroute.pd")
 _encode = msgspec.json.encode

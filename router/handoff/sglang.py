@@ -25,18 +25,18 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.api.usage import UsageTap, carries_usage
 from router.handoff.base import PREFILL_TRIES, Directions, Handoff, Legs, prefill_saved
 from router.policy.base import request_rng
 from router.proxy import UpstreamError
 from router.serving.charges import Charges
+from router.serving.usage import UsageTap, carries_usage
 
 if TYPE_CHECKING:
-    from router.api.context import RequestContext
-    from router.api.downstream import Downstream
     from router.engines.registry import Engine
     from router.plan import Plan
     from router.policy.base import Decision
+    from router.serving.context import RequestContext
+    from router.serving.downstream import Downstream
 
 log = logging.getLogger("kvroute.pd")
 _encode = msgspec.json.encode

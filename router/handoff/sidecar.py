@@ -1,6 +1,6 @@
 """The sidecar header dialect: a sidecar beside the decode engine runs the legs.
 
-llm-d's P/D sidecar protocol (and ``kvroute sidecar``, :mod:`router.sidecar`): the
+llm-d's P/D sidecar protocol (and ``kvroute sidecar``, :mod:`router.frontends.sidecar`): the
 request goes to the decode pod with :data:`HEADER` naming the prefill engine
 (``host:port``); the sidecar runs the NIXL prefill leg there, then the decode leg on
 its engine, and falls back to decoding alone when the prefill fails. The gateway front
@@ -22,10 +22,10 @@ from router.handoff.base import PREFILLER, Handoff, Legs
 from router.serving.charges import Charges
 
 if TYPE_CHECKING:
-    from router.api.context import RequestContext
-    from router.api.downstream import Downstream
     from router.engines.load import LoadTracker, Ticket
     from router.plan import Plan
+    from router.serving.context import RequestContext
+    from router.serving.downstream import Downstream
 
 HEADER = PREFILLER
 

@@ -3,7 +3,8 @@
 The serving pipeline (:mod:`router.serving`) and the handoff dialects write every
 answer through this interface, so every front end shares one path: the same retries,
 handoffs, load accounting and stream handling. Each front end brings its own:
-:class:`~router.api.downstream.HttpDownstream`, :class:`~router.api.grpc.GrpcDownstream`.
+:class:`~router.frontends.http.downstream.HttpDownstream`,
+:class:`~router.frontends.grpc.api.GrpcDownstream`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ ticket: the engine's health is told what the call showed (:class:`EngineHealth`)
 the answer is read whole (:func:`~router.serving.relay.read_all`) or relayed
 (:func:`~router.serving.relay.relay`). Every caller that talks to an engine for a
 client goes through it: a generation (:meth:`Forwarder.attempt`), a split's prefill
-leg (:mod:`router.api.pd`), an engine route passed through (:meth:`Forwarder.by_load`),
+leg (:mod:`router.serving.split`), an engine route passed through (:meth:`Forwarder.by_load`),
 ``count_tokens`` and the sidecar (which has no ticket and reports no health).
 
 :class:`Forwarder` is what the front ends that forward (HTTP, gRPC ``Generate``) share:
@@ -27,26 +27,26 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
-from router.api.errors import ApiError, shape_for
-from router.api.usage import engine_input_tokens, stream_input_tokens
 from router.http1 import HTTPError
 from router.plan import SERVING_ROLES
 from router.policy.base import NoCandidates
 from router.proxy import UpstreamError
+from router.serving.errors import ApiError, shape_for
 from router.serving.relay import SSE_HEADERS, RelayHooks, first_chunk, read_all, relay
+from router.serving.usage import engine_input_tokens, stream_input_tokens
 
 if TYPE_CHECKING:
-    from router.api.context import AnswerWatch, Outcome, RequestContext
-    from router.api.openai import ParsedRequest
-    from router.api.services import Services
-    from router.api.usage import UsageTap
     from router.engines.load import LoadTracker, Ticket
     from router.engines.registry import Engine, Registry
     from router.http1 import Response
     from router.policy.base import Decision, RouteRequest
     from router.proxy import Deadline, Upstream
+    from router.serving.context import AnswerWatch, Outcome, RequestContext
     from router.serving.downstream import Downstream
+    from router.serving.parsing import ParsedRequest
     from router.serving.relay import Health
+    from router.serving.services import Services
+    from router.serving.usage import UsageTap
     from router.types import EngineKey
 
 log = logging.getLogger("kvroute.http")
@@ -205,7 +205,7 @@ class Forwarder:
     """What the front ends that forward a request share of talking to its engines."""
 
     def __init__(self, app: Services) -> None:
-        from router.api.pd import PDForwarder
+        from router.serving.split import PDForwarder
 
         self.app = app
         self.split = PDForwarder(self)
@@ -213,7 +213,7 @@ class Forwarder:
 
     async def forward(self, ctx: RequestContext) -> None:
         """Serve a prepared generation into ``ctx.sink``: by its plan's handoff for
-        prefill and decode pools (:mod:`router.api.pd`), else on the planned engine;
+        prefill and decode pools (:mod:`router.serving.split`), else on the planned engine;
         either retried elsewhere before the first byte (:meth:`with_retries`). Raises
         :class:`ApiError` while nothing has reached the sink."""
         if self.app.registry.is_disaggregated(ctx.model):

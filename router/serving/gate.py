@@ -3,16 +3,16 @@
 A front end maps its transport to an :class:`Entry` (the request's headers, its body or
 how to read it, a caller's deadline, flow metadata) and asks the :class:`Gate`:
 
-* :meth:`Gate.refuse_closed`: the router is draining (:class:`~router.api.errors.Draining`);
+* :meth:`Gate.refuse_closed`: the router is draining (:class:`~router.serving.errors.Draining`);
 * :meth:`Gate.refuse_full`: ``limits.max_inflight`` requests are on the engines
-  (:class:`~router.api.errors.TooManyInFlight`), for the front ends that do not wait
+  (:class:`~router.serving.errors.TooManyInFlight`), for the front ends that do not wait
   (gRPC ``Pick``, ext_proc);
 * :meth:`Gate.enter`: wait for an in-flight slot (HTTP, gRPC ``Generate``), filling a
   :class:`Permit` that :meth:`Gate.leave` gives back at the end;
 * :meth:`Gate.check`: the no-wait check of a request its caller forwards itself
   (``Pick``, ext_proc), and :meth:`Gate.finish` once its answer is known.
 
-Refusals are :class:`~router.api.errors.ApiError` values (statuses and ``Retry-After``),
+Refusals are :class:`~router.serving.errors.ApiError` values (statuses and ``Retry-After``),
 which each front end writes in its own form. Two implementations, chosen once at wiring
 (:func:`make_gate`): :class:`AdmissionGate`, the plain FIFO
 :class:`~router.admission.Admission`, and :class:`FlowGate`, flow control
@@ -26,15 +26,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from router.api.errors import Draining, TooManyInFlight
+from router.serving.errors import Draining, TooManyInFlight
 
 if TYPE_CHECKING:
     from router.admission import Admission
-    from router.api.services import RunState
     from router.engines.load import LoadTracker
     from router.flow.control import FlowControl
     from router.flow.ticket import FlowTicket
     from router.live_config import LiveConfig
+    from router.serving.services import RunState
 
 
 @dataclass(slots=True, eq=False)
@@ -70,10 +70,10 @@ class Gate(Protocol):
     """Admission, as every front end sees it."""
 
     def refuse_closed(self) -> None:
-        """Raise :class:`~router.api.errors.Draining` while the router drains."""
+        """Raise :class:`~router.serving.errors.Draining` while the router drains."""
 
     def refuse_full(self) -> None:
-        """Raise :class:`~router.api.errors.TooManyInFlight` at ``limits.max_inflight``."""
+        """Raise :class:`~router.serving.errors.TooManyInFlight` at ``limits.max_inflight``."""
 
     def deadline(self) -> float:
         """When a request arriving now stops waiting (``limits.admission_timeout_s``)."""

@@ -3,7 +3,7 @@
 The HTTP API (completions, chat, Anthropic Messages, Responses) and gRPC ``Generate``
 hand each request whose body they have read and admitted, with its route's engine path
 and parser, to :meth:`Generations.serve`: the body is decoded, stripped of the router's
-own handoff fields, parsed and checked (:mod:`router.api.validate`), tokenized and
+own handoff fields, parsed and checked (:mod:`router.serving.validate`), tokenized and
 hashed (:func:`router.serving.intake.prepare`), and forwarded by its plan
 (:meth:`~router.serving.forward.Forwarder.forward`) into the front end's
 :class:`~router.serving.downstream.Downstream`.
@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from router.api.context import RequestContext
-from router.api.headers import check_headers
-from router.api.openai import decode_body
+from router.serving.context import RequestContext
+from router.serving.headers import check_headers
 from router.serving.intake import Parse, prepare
+from router.serving.parsing import decode_body
 
 if TYPE_CHECKING:
-    from router.api.context import Outcome
-    from router.api.services import Services
+    from router.serving.context import Outcome
     from router.serving.downstream import Downstream
     from router.serving.forward import Forwarder
+    from router.serving.services import Services
 
 BeforePlan = Callable[[RequestContext], Awaitable[None]]
 """A front end's own step between preparing a request and planning it."""
@@ -59,7 +59,7 @@ class Generations:
         ``deadline`` (``time.monotonic``): how long the request may wait for an engine
         with room (``limits.max_inflight_per_engine``); None: 429 at once.
         ``before_plan`` runs once the request is prepared (tokenized), before planning.
-        Raises :class:`~router.api.errors.ApiError` while nothing has reached ``sink``.
+        Raises :class:`~router.serving.errors.ApiError` while nothing has reached ``sink``.
         """
         app = self.app
         limits = app.config.limits

@@ -2,11 +2,11 @@
 
 A front end maps its transport to a decoded body, a parser for its route and the headers
 that carry routing hints, and calls :func:`prepare`: the body is parsed (400 for what
-routing cannot read), checked (:func:`~router.api.validate.check_request`: the model,
+routing cannot read), checked (:func:`~router.serving.validate.check_request`: the model,
 ``max_tokens``, ``n``), tokenized and hashed with its SLOs
-(:meth:`~router.api.decide.Decider.prepare`), and its prompt checked against the model's
-length (:func:`~router.api.validate.check_prompt_tokens`). Refusals are
-:class:`~router.api.errors.ApiError` values that each front end writes in its own form.
+(:meth:`~router.serving.decide.Decider.prepare`), and its prompt checked against the model's
+length (:func:`~router.serving.validate.check_prompt_tokens`). Refusals are
+:class:`~router.serving.errors.ApiError` values that each front end writes in its own form.
 Decoding the body and the router-owned fields stay with the front end: HTTP strips
 them, ``Pick`` refuses them, ext_proc strips them unless the body has gone on already.
 """
@@ -17,13 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.api.validate import check_prompt_tokens, check_request
+from router.serving.validate import check_prompt_tokens, check_request
 
 if TYPE_CHECKING:
-    from router.api.openai import ParsedRequest
-    from router.api.services import Services
     from router.flow.ticket import FlowTicket
     from router.policy.base import RouteRequest
+    from router.serving.parsing import ParsedRequest
+    from router.serving.services import Services
 
 Parse = Callable[[dict[str, Any]], "ParsedRequest"]
 """A route's parser: a decoded body's routing facts (400 for what routing cannot read)."""
@@ -60,7 +60,7 @@ async def prepare(
     ``hints``: the headers (or metadata) carrying the session and SLO headers;
     ``session``: one the transport gives itself (else the session header's);
     ``wait_until``: how long it may wait for an engine with room (None: 429 at once);
-    ``flow``: its flow-control ticket. Raises :class:`~router.api.errors.ApiError`.
+    ``flow``: its flow-control ticket. Raises :class:`~router.serving.errors.ApiError`.
     """
     limits = app.config.limits
     decider = app.decider

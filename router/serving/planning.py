@@ -1,7 +1,7 @@
 """The planner's wiring: the decode policy and the :class:`~router.plan.Planner` from
 configuration, the same for the router and the simulator.
 
-The router (:class:`~router.api.decide.Decider`, at start and on a reload) and each
+The router (:class:`~router.serving.decide.Decider`, at start and on a reload) and each
 simulated router replica (:class:`~router.sim.cluster.ClusterSim`) bring their own
 pools, routing core and hooks (the admission wait, the split counter, the topology);
 what the configuration makes of them is decided here once.

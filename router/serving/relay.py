@@ -20,11 +20,11 @@ from router.http1 import HTTPError
 from router.proxy import UpstreamError
 
 if TYPE_CHECKING:
-    from router.api.context import AnswerWatch
-    from router.api.usage import UsageTap
     from router.http1 import Response
     from router.proxy import Deadline, Deadlines, Upstream
+    from router.serving.context import AnswerWatch
     from router.serving.downstream import Downstream
+    from router.serving.usage import UsageTap
 
 SSE_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
 """What an event of a server-sent event stream starts with."""

@@ -32,11 +32,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from support.engines import poll_sync
 
-from router.api.headers import SINGLE_HEADERS
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff.fields import OWNED_PATHS
 from router.process import EngineProcess, ServerProcess
+from router.serving.headers import SINGLE_HEADERS
 
 MODEL = "kvroute-emulated"
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, KEEPALIVE_S = 1.0, 1.5, 2.0

@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from support.engines import poll_sync
 
-from router.api.http import openapi_document
+from router.frontends.http.openapi import openapi_document
 from router.process import EngineProcess, ServerProcess
 
 #: What the router may answer; anything else (a 500 above all) fails the test.

@@ -23,8 +23,8 @@ from support.routers import start_router
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
+from router.frontends.sidecar import start_sidecar
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
-from router.sidecar import start_sidecar
 
 MODEL = "kvroute-emulated"
 BODY = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 1}).encode()

@@ -19,9 +19,9 @@ from grpc import aio
 from support.grpc_clients import connect, generate
 from support.routers import start_router
 
-from router.api.grpc import status_code
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
+from router.frontends.grpc.api import status_code
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 
 LIMITS = {

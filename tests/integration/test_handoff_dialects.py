@@ -15,14 +15,14 @@ from support.engines import start_test_engine
 from support.grpc_clients import connect
 from support.routers import router_config, start_router
 
-from router.api.context import RequestContext
 from router.config import ConfigError
 from router.emulator import EmulatedEngine
+from router.frontends.sidecar import start_sidecar
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.handoff import nixl, registry
 from router.handoff.base import Handoff, Legs
 from router.plan import Plan
-from router.sidecar import start_sidecar
+from router.serving.context import RequestContext
 
 
 # ----------------------------------------------------------------------- the toy dialect

@@ -147,7 +147,7 @@ READS: dict[str, Reader] = {
     ),
     "scrape.timeout_s": lambda app: _monitor(app).scrape.timeout_s,
     "proxy.first_byte_timeout_s": lambda app: _upstream(app).config.first_byte_timeout_s,
-    **_reads("proxy", _live("proxy"), "idle_timeout_s retries"),  # per request (api/http.py)
+    **_reads("proxy", _live("proxy"), "idle_timeout_s retries"),  # per request (serving/forward.py)
     "server.log_level": lambda app: CONFIGURED_LOGGING[-1][0],
     "server.log_format": lambda app: CONFIGURED_LOGGING[-1][1],
     "server.access_log": lambda app: app.observer.access_log_info,

@@ -21,10 +21,10 @@ from support.engines import poll, start_test_engine
 from support.held_stream import HeldStreamEngine, StreamingClient
 from support.routers import start_router
 
-from router.api.http import HttpDownstream
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.engines.registry import EngineState
+from router.frontends.http.routes import HttpDownstream
 from router.http1 import Response
 from router.types import EngineKey
 

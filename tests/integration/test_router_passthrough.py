@@ -1,5 +1,6 @@
 """Every other engine route through kvroute serve: embeddings, pooling, score, rerank,
-tokenize, detokenize, render (router/api/passthrough.py, router/api/engine_routes.py).
+tokenize, detokenize, render (router/frontends/http/passthrough.py,
+router/frontends/http/engine_routes.py).
 
 Each passes through to an engine serving the body's model, chosen on load, with the
 auth, limits, metrics, retries and errors of completions; unknown paths and the routes
@@ -21,9 +22,9 @@ from support.clients import metric_sum, metrics, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
-from router.api.engine_routes import ENGINE_ROUTES
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
+from router.frontends.http.engine_routes import ENGINE_ROUTES
 
 ALPHA, BETA = "alpha", "beta"
 

@@ -17,7 +17,7 @@ from support.held_stream import HeldStreamEngine, StreamingClient
 from support.listeners import DialCounter, hostile_handoff
 
 from router.emulator import EmulatedEngine
-from router.sidecar import start_sidecar
+from router.frontends.sidecar import start_sidecar
 
 
 def prompt(tag: str, words: int) -> str:

@@ -23,8 +23,8 @@ from support.routers import StartRouter, start_router
 from router.app import RouterApp
 from router.config import ServerConfig
 from router.emulator import EmulatedEngine
+from router.frontends.sidecar import start_sidecar
 from router.process import ServerProcess
-from router.sidecar import start_sidecar
 
 MODEL = "kvroute-emulated"
 BODY = b'{"model": "kvroute-emulated", "prompt": "hello there", "max_tokens": 2}'

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from router.api.anthropic import parse_messages
-from router.api.errors import ApiError, anthropic_route, shape_for
-from router.api.usage import engine_input_tokens, stream_input_tokens
 from router.config import AuthConfig
+from router.frontends.http.anthropic import parse_messages
 from router.security import AuthError, Credentials
+from router.serving.errors import ApiError, anthropic_route, shape_for
+from router.serving.usage import engine_input_tokens, stream_input_tokens
 from router.tokenization.anthropic import chat_messages
 
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.api.body import decode_content
-from router.api.errors import ApiError
-from router.api.openai import decode_body, too_deep
+from router.frontends.http.body import decode_content
+from router.serving.errors import ApiError
+from router.serving.parsing import decode_body, too_deep
 
 
 def test_a_body_inflating_to_exactly_the_limit_passes_and_one_byte_more_is_a_413() -> None:

@@ -11,9 +11,6 @@ from typing import Any
 
 import pytest
 
-from router.api.context import Outcome
-from router.api.pd import PDForwarder
-from router.api.picks import PickLedger
 from router.config import DisaggregationConfig, PolicyConfig
 from router.engine_model import EngineParams
 from router.engines.load import LoadTracker, Ticket
@@ -24,7 +21,10 @@ from router.policy.base import Decision, RouteRequest
 from router.policy.disagg import SplitDecision
 from router.proxy import UpstreamError
 from router.serving.charges import Charges, LegCharge, decode_charge, prefill_charge
+from router.serving.context import Outcome
 from router.serving.forward import Forwarder
+from router.serving.picks import PickLedger
+from router.serving.split import PDForwarder
 from router.sim import cluster
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
 from router.types import EngineKey

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from router.api.errors import ApiError
-from router.api.usage import UsageTap
 from router.cli import _parser
 from router.config import ConfigError, DisaggregationConfig, PolicyConfig, load_config
 from router.engines.load import EngineLoad
+from router.frontends.sidecar import AllowList, parse_target
 from router.handoff import nixl, sglang
 from router.index.base import Match
 from router.policy import make_decode_policy, make_policy
 from router.policy.base import Policy, RouteRequest
 from router.policy.disagg import decide_split
 from router.serve import config_from_args
-from router.sidecar import AllowList, parse_target
+from router.serving.errors import ApiError
+from router.serving.usage import UsageTap
 from router.types import EngineKey
 
 CFG = DisaggregationConfig()

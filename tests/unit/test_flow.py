@@ -242,7 +242,7 @@ def test_usage_is_read_in_every_api_shape() -> None:
 
 
 def test_extproc_finds_the_usage_at_an_answers_end() -> None:
-    from router.api.extproc import usage_in
+    from router.frontends.extproc import usage_in
 
     sse = (
         b'data: {"choices":[{"text":"say \\"prompt_tokens\\": 9"}]}\n\n'

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from router.admission import Admission, Overloaded
-from router.api.errors import Draining, TooManyInFlight
-from router.api.services import RunState
 from router.config import LimitsConfig
+from router.serving.errors import Draining, TooManyInFlight
 from router.serving.gate import AdmissionGate, Entry, Permit
+from router.serving.services import RunState
 
 
 def gate(max_inflight: int = 2, admission_queue: int = 0) -> tuple[AdmissionGate, Any]:

@@ -120,10 +120,10 @@ else:
 def later():
     from router.policy.base import Policy
 """
-    found = dict(_imports(ast.parse(source), "router.api.http", package=False))
+    found = dict(_imports(ast.parse(source), "router.frontends.http.routes", package=False))
     assert found == {
         "typing": ("TYPE_CHECKING",),
-        "router.api": ("sibling",),
+        "router.frontends.http": ("sibling",),
         "router.runtime_only": (),
         "router.policy.base": ("Policy",),
     }
@@ -139,19 +139,19 @@ def test_an_import_runs_the_packages_above_its_target() -> None:
 #: Modules that take the pieces of a router they use, not the router (not even for types).
 NARROW = (
     "router.admin",
-    "router.api.admin_http",
-    "router.api.decide",
-    "router.api.extproc",
-    "router.api.grpc",
-    "router.api.http",
-    "router.api.observe",
-    "router.api.pd",
-    "router.api.services",
+    "router.frontends.extproc",
+    "router.frontends.grpc.api",
+    "router.frontends.grpc.server",
+    "router.frontends.http.admin_routes",
+    "router.frontends.http.observe",
+    "router.frontends.http.routes",
     "router.handoff.base",
-    "router.plan",
-    "router.grpc.server",
     "router.metrics",
+    "router.plan",
     "router.reload",
+    "router.serving.decide",
+    "router.serving.services",
+    "router.serving.split",
 )
 
 
@@ -205,21 +205,21 @@ def test_a_cycle_is_found_and_printed_in_order() -> None:
 def test_the_front_ends_read_only_what_services_holds() -> None:
     """Every ``app.<name>`` the front ends read is a piece of :class:`Services`: a new
     dependency is added there, visibly, not reached for through the application."""
-    from router.api.services import Services
+    from router.serving.services import Services
 
     # Its fields, properties and methods.
     held = set(Services.__dataclass_fields__) | {n for n in vars(Services) if n[0] != "_"}
     modules = _modules()
-    front_ends = (
-        "router.api.http",
-        "router.api.grpc",
-        "router.api.extproc",
-        "router.api.pd",
-        "router.api.passthrough",
-        "router.api.anthropic",
-        "router.api.responses",
+    readers = (
+        "router.frontends.extproc",
+        "router.frontends.grpc.api",
+        "router.frontends.http.anthropic",
+        "router.frontends.http.passthrough",
+        "router.frontends.http.responses_api",
+        "router.frontends.http.routes",
+        "router.serving.split",
     )
-    for name in front_ends:
+    for name in readers:
         tree = ast.parse(modules[name].read_text())
         read = {
             node.attr

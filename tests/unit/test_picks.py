@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.api.decide import Plan
-from router.api.picks import DuplicatePick, PickLedger
 from router.engines.load import LoadTracker
 from router.policy.base import Decision, RouteRequest
 from router.policy.disagg import SplitDecision
+from router.serving.decide import Plan
+from router.serving.picks import DuplicatePick, PickLedger
 from router.types import EngineKey
 
 A, B, P = (

@@ -8,18 +8,18 @@ from typing import Any
 
 import pytest
 
-from router.api.anthropic import parse_messages
-from router.api.errors import ApiError
-from router.api.openai import ParsedRequest, decode_body, parse_chat, parse_completion
-from router.api.responses import parse_responses
-from router.api.validate import (
+from router.config import LimitsConfig
+from router.frontends.http.anthropic import parse_messages
+from router.frontends.http.responses_api import parse_responses
+from router.serving.errors import ApiError
+from router.serving.parsing import ParsedRequest, decode_body, parse_chat, parse_completion
+from router.serving.validate import (
     InvalidRequest,
     check_keyed,
     check_limits,
     check_prompt_tokens,
     check_request,
 )
-from router.config import LimitsConfig
 
 
 def nested(depth: int, inner: str = "1") -> bytes:

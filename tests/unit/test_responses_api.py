@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.api.errors import ApiError
-from router.api.responses import ResponseIdWatch, parse_responses
 from router.config import ResponsesConfig
+from router.frontends.http.responses_api import ResponseIdWatch, parse_responses
 from router.response_store import ResponseStore
+from router.serving.errors import ApiError
 from router.serving.relay import ends_stream
 from router.tokenization.modes import EngineTokenizer
 from router.tokenization.responses import (

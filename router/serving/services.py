@@ -19,8 +19,6 @@ from router.handoff.fields import strip_owned
 if TYPE_CHECKING:
     from router.admin import Admin
     from router.admission import Admission
-    from router.api.decide import Decider
-    from router.api.picks import PickLedger
     from router.config import Config
     from router.core import RoutingCore
     from router.engines.registry import Registry
@@ -30,7 +28,9 @@ if TYPE_CHECKING:
     from router.proxy import Upstream
     from router.response_store import ResponseStore
     from router.security import Credentials
+    from router.serving.decide import Decider
     from router.serving.gate import Gate
+    from router.serving.picks import PickLedger
     from router.tokenization import Tokenizers
 
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router.api.engine_routes import is_client_path
-from router.api.errors import ApiError
-from router.api.http import error_response
+from router.frontends.http.engine_routes import is_client_path
+from router.frontends.http.routes import error_response
 from router.security import AuthError
+from router.serving.errors import ApiError
 
 if TYPE_CHECKING:
     from prometheus_client import Counter

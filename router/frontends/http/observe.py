@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.api.engine_routes import is_client_path
+from router.frontends.http.engine_routes import is_client_path
 
 access_log = logging.getLogger("kvroute.access")
 

@@ -2,7 +2,7 @@
 
 The request path: admit the request and read its body (here), then decode it, tokenize
 the prompt, compute its block keys, ask the routing core for an engine
-(:mod:`router.api.decide`, shared with the gRPC and ext_proc front ends), forward the
+(:mod:`router.serving.decide`, shared with the gRPC and ext_proc front ends), forward the
 original bytes unchanged, and relay the answer (:mod:`router.serving.generate`,
 :mod:`router.serving.forward`, :mod:`router.serving.relay`). The answer goes through a
 :class:`~router.serving.downstream.Downstream`, so gRPC ``Generate`` runs this same
@@ -30,36 +30,34 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.api.anthropic import (
+from router.frontends.http.anthropic import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
     CountTokens,
     parse_messages,
 )
-from router.api.body import read_body
-from router.api.context import Outcome
-from router.api.downstream import HttpDownstream
-from router.api.engine_routes import ENGINE_ROUTES, NOT_ROUTED, EngineRoute, unknown_route
-from router.api.errors import ApiError, shape_for
-from router.api.headers import REQUEST_ID, check_headers
-from router.api.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    CountTokensRequest,
-    MessagesRequest,
-    ResponsesRequest,
-    parse_chat,
-    parse_completion,
+from router.frontends.http.body import read_body
+from router.frontends.http.downstream import HttpDownstream
+from router.frontends.http.engine_routes import (
+    ENGINE_ROUTES,
+    NOT_ROUTED,
+    EngineRoute,
+    unknown_route,
 )
-from router.api.passthrough import Passthrough, refusing
-from router.api.responses import ResponsesApi, parse_responses
+from router.frontends.http.openapi import openapi_document
+from router.frontends.http.passthrough import Passthrough, refusing
+from router.frontends.http.responses_api import ResponsesApi, parse_responses
+from router.serving.context import Outcome
 from router.serving.downstream import Downstream
+from router.serving.errors import ApiError, shape_for
 from router.serving.forward import Forwarder
 from router.serving.gate import Entry, Permit
 from router.serving.generate import BeforePlan, Generations, Parse
+from router.serving.headers import REQUEST_ID, check_headers
+from router.serving.parsing import parse_chat, parse_completion
 
 if TYPE_CHECKING:
-    from router.api.services import Services
+    from router.serving.services import Services
 
 log = logging.getLogger("kvroute.http")
 
@@ -161,12 +159,12 @@ class HttpApi:
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
-            *self._engine_routes(),  # every other engine route (router/api/engine_routes.py)
+            *self._engine_routes(),  # every other engine route (engine_routes.py)
         ]
 
     def _engine_routes(self) -> list[web.RouteDef]:
         """The routes of :data:`ENGINE_ROUTES`, passed through
-        (:mod:`router.api.passthrough`), and of :data:`NOT_ROUTED`, refused."""
+        (:mod:`router.frontends.http.passthrough`), and of :data:`NOT_ROUTED`, refused."""
 
         def serving(route: EngineRoute) -> Any:
             serve = functools.partial(self.passthrough.handle, route)
@@ -296,168 +294,3 @@ class HttpApi:
             gate.leave(permit, outcome.usage)
             app.metrics.requests.labels(route, outcome.outcome, str(outcome.status)).inc()
             app.metrics.request_seconds.observe(time.perf_counter() - started)
-
-
-def openapi_document() -> dict[str, Any]:
-    """OpenAPI 3.1 description of the router's HTTP API."""
-    from pydantic.json_schema import models_json_schema
-
-    _, defs = models_json_schema(
-        [
-            (CompletionRequest, "validation"),
-            (ChatCompletionRequest, "validation"),
-            (ResponsesRequest, "validation"),
-            (MessagesRequest, "validation"),
-            (CountTokensRequest, "validation"),
-        ],
-        ref_template="#/components/schemas/{model}",
-    )
-    error = {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type"],
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "integer", "null"]},
-                },
-            }
-        },
-    }
-    schemas = {**defs.get("$defs", {}), "Error": error}
-    errors = {
-        str(code): {
-            "description": text,
-            "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
-        for code, text in (
-            (400, "Invalid request"),
-            (404, "Unknown model"),
-            (408, "The request body did not arrive within server.body_timeout_s"),
-            (413, "Body too large"),
-            (429, "Too many requests in flight (see Retry-After)"),
-            (502, "An engine failed"),
-            (503, "No healthy engine"),
-            (504, "An engine timed out"),
-        )
-    }
-
-    def generate(model: str, summary: str) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {
-                    "required": True,
-                    "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{model}"}}},
-                },
-                "responses": {
-                    "200": {
-                        "description": "The engine's answer (JSON, or SSE when streaming)",
-                        "content": {
-                            _JSON: {"schema": {"type": "object"}},
-                            "text/event-stream": {
-                                "schema": {
-                                    "description": "One server-sent event: `data` holds a "
-                                    "JSON chunk, an error object, or [DONE]",
-                                    "type": "object",
-                                    "required": ["data"],
-                                    "properties": {"data": {"type": "string"}},
-                                }
-                            },
-                        },
-                    },
-                    **errors,
-                },
-            }
-        }
-
-    def plain(summary: str, codes: tuple[str, ...] = ("200",)) -> dict[str, Any]:
-        return {
-            "get": {"summary": summary, "responses": {c: {"description": summary} for c in codes}}
-        }
-
-    def held_response(method: str, summary: str) -> dict[str, Any]:
-        return {
-            method: {
-                "summary": summary,
-                "parameters": [
-                    {
-                        "name": "response_id",
-                        "in": "path",
-                        "required": True,
-                        "schema": {"type": "string"},
-                    }
-                ],
-                "responses": {
-                    "200": {
-                        "description": "The holding engine's answer",
-                        "content": {_JSON: {"schema": {}}, "text/event-stream": {"schema": {}}},
-                    },
-                    **errors,
-                },
-            }
-        }
-
-    def passthrough(route: EngineRoute) -> dict[str, Any]:
-        kinds: dict[str, Any] = {_JSON: {"schema": {}}}  # the engine's JSON, whatever it is
-        if route.streams:
-            kinds["text/event-stream"] = {"schema": {}}
-        body = {"type": "object", "properties": {"model": {"type": "string"}}}
-        return {
-            "post": {
-                "summary": f"Passed through to an engine serving the model ({route.label}); "
-                "the engine's refusals are relayed as they are",
-                "requestBody": {"required": True, "content": {_JSON: {"schema": body}}},
-                "responses": {
-                    "200": {"description": "The engine's answer", "content": kinds},
-                    **errors,
-                },
-            }
-        }
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "kvroute", "version": __import__("router").__version__},
-        "paths": {
-            "/v1/completions": generate("CompletionRequest", "Create a completion"),
-            "/v1/chat/completions": generate("ChatCompletionRequest", "Create a chat completion"),
-            "/v1/responses": generate("ResponsesRequest", "Create a response (OpenAI Responses)"),
-            "/v1/responses/{response_id}": held_response(
-                "get", "Retrieve a stored response from the engine holding it"
-            ),
-            "/v1/responses/{response_id}/cancel": held_response(
-                "post", "Cancel a background response on the engine holding it"
-            ),
-            MESSAGES_PATH: generate("MessagesRequest", "Create a message (Anthropic Messages)"),
-            COUNT_TOKENS_PATH: generate(
-                "CountTokensRequest", "Count a message's input tokens (on the least busy engine)"
-            ),
-            "/v1/models": plain("List served models"),
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "Retrieve a served model (404 model_not_found if none serves it)",
-                    "parameters": [
-                        {
-                            "name": "model",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "responses": {
-                        "200": {"description": "The model's entry of /v1/models"},
-                        **errors,
-                    },
-                }
-            },
-            "/health": plain("Liveness"),
-            "/ready": plain("Readiness", ("200", "503")),
-            "/metrics": plain("Prometheus metrics"),
-            **{route.path: passthrough(route) for route in ENGINE_ROUTES},
-        },
-        "components": {"schemas": schemas},
-    }

@@ -15,7 +15,7 @@ import zlib
 
 from aiohttp import web
 
-from router.api.errors import ApiError, bad_request
+from router.serving.errors import ApiError, bad_request
 
 #: zlib ``wbits`` per coding (``deflate`` is resolved per body, see :func:`_deflate_wbits`).
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS}

@@ -33,20 +33,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from router.api.extproc import SERVICE_NAME as EXTPROC_SERVICE
-from router.api.headers import repeated
+from router.frontends.extproc import SERVICE_NAME as EXTPROC_SERVICE
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.security import AuthError, grpc_credentials
+from router.serving.headers import repeated
 
 if TYPE_CHECKING:
-    from router.api.picks import PickLedger
-    from router.api.services import Services
     from router.config import Config
     from router.drain import Drain
     from router.engines.registry import Engine, EngineState, Registry
     from router.metrics import RouterMetrics
     from router.security import Credentials
+    from router.serving.picks import PickLedger
+    from router.serving.services import Services
 
 log = logging.getLogger("kvroute.grpc")
 
@@ -275,7 +275,7 @@ def _checking(handler: grpc.RpcMethodHandler, refusal: str) -> grpc.RpcMethodHan
 @dataclass(frozen=True, slots=True)
 class Servicers:
     """Builds the servicers the listeners serve (their handlers are the API layer's:
-    :mod:`router.api.grpc` and :mod:`router.api.extproc`)."""
+    :mod:`router.frontends.grpc.api` and :mod:`router.frontends.extproc`)."""
 
     router: Callable[[], pb_grpc.RouterServicer]
     admin: Callable[[], pb_grpc.AdminServicer]
@@ -321,8 +321,8 @@ class GrpcServers:
     def serving(cls, services: Services, drain: Drain) -> GrpcServers:
         """A router's listeners: the ``kvroute.v1`` and ext_proc servicers over its
         ``services``, their health following its ``drain``."""
-        from router.api.extproc import ExtProcService
-        from router.api.grpc import AdminService, RouterService
+        from router.frontends.extproc import ExtProcService
+        from router.frontends.grpc.api import AdminService, RouterService
 
         return cls(
             services.config,

@@ -2,21 +2,20 @@
 
 The hot path decodes the body with msgspec into plain objects and checks only what
 routing reads; the engine validates the rest (and its 4xx answers pass through). The
-pydantic models at the bottom describe the request bodies for the OpenAPI document
-and are not used per request.
+request bodies as the OpenAPI document describes them are the HTTP front end's
+(:mod:`router.frontends.http.openapi`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
 
-from router.api.errors import bad_request
 from router.media import MediaSpan
+from router.serving.errors import bad_request
 from router.tokenization.base import PromptTokenizer, TokenizeError
 
 _decode = msgspec.json.Decoder().decode
@@ -56,7 +55,7 @@ class ParsedRequest:
     tokenized; block keys fold them in."""
     render: Callable[[PromptTokenizer], Awaitable[list[int]]] | None = None
     """How another API's request becomes its one prompt (e.g. Anthropic Messages,
-    :mod:`router.api.anthropic`); None: ``messages`` or ``texts`` as they are."""
+    :mod:`router.frontends.http.anthropic`); None: ``messages`` or ``texts`` as they are."""
 
     @property
     def output_tokens(self) -> int | None:
@@ -269,106 +268,3 @@ def parse_chat(payload: dict[str, Any]) -> ParsedRequest:
     parsed.add_generation_prompt = bool(payload.get("add_generation_prompt", True))
     parsed.template_kwargs = kwargs
     return parsed
-
-
-# --------------------------------------------------------------------------- OpenAPI models
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool | None = None
-
-
-class CompletionRequest(_Body):
-    """POST /v1/completions. Fields beyond these pass through to the engine."""
-
-    model: str | None = Field(None, description="Served model or LoRA adapter name.")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="Text, texts, token ids, or lists of token ids (non-empty)."
-    )
-    max_tokens: int | None = Field(
-        None, ge=0, description="At least 1, unless `echo` is true (the prompt alone)."
-    )
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    cache_salt: str | None = Field(None, description="Isolates prefix caching per tenant.")
-    user: str | None = Field(None, description="Also the session key of the session policy.")
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str = Field(description="system, user, assistant, tool, developer, or a custom role.")
-    content: str | list[Any] | None = None
-
-
-class ChatCompletionRequest(_Body):
-    """POST /v1/chat/completions. Fields beyond these pass through to the engine."""
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    cache_salt: str | None = None
-    user: str | None = None
-
-
-class ResponsesRequest(_Body):
-    """POST /v1/responses (OpenAI Responses). Only what routing reads is checked; the
-    engine validates the rest (fields beyond these pass through)."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]] = Field(
-        description="Text, or a non-empty list of input items (messages, function calls "
-        "and their outputs)."
-    )
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    stream: bool | None = None
-    previous_response_id: str | None = Field(
-        None, description="Continues that response's conversation on the engine holding it."
-    )
-    chat_template_kwargs: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    user: str | None = None
-
-
-class ContentBlock(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str = Field(description="text, image, tool_use, tool_result, ...")
-
-
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
-
-
-class MessagesRequest(_Body):
-    """POST /v1/messages (Anthropic Messages). Only what routing reads is checked; the
-    engine validates the rest (fields beyond these pass through)."""
-
-    model: str = Field(min_length=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    system: str | list[ContentBlock] | None = None
-    stream: bool | None = None
-    metadata: dict[str, Any] | None = Field(
-        None, description="metadata.user_id is the session key of the session policy."
-    )
-    chat_template_kwargs: dict[str, Any] | None = None
-    cache_salt: str | None = None
-
-
-class CountTokensRequest(_Body):
-    """POST /v1/messages/count_tokens: a Messages body's model, system and messages."""
-
-    model: str = Field(min_length=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[ContentBlock] | None = None

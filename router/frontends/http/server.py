@@ -1,8 +1,8 @@
 """The router's HTTP server: the aiohttp application and its listener's lifecycle.
 
 The application's middlewares run outermost first: the connection guard
-(:mod:`router.api.listener`), the request observer (in-flight count, access log, trace
-span), OpenAI-shaped errors, then client keys (:mod:`router.api.auth`). Its routes are
+(:mod:`router.frontends.http.listener`), the request observer (in-flight count, access log, trace
+span), OpenAI-shaped errors, then client keys (:mod:`router.frontends.http.auth`). Its routes are
 the HTTP API's and the admin API's. The port is bound before anything else of the router
 starts, so a taken one fails fast, and served once everything has; draining closes it to
 new connections first.
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router.api.admin_http import AdminHttp
-from router.api.auth import ClientAuth
-from router.api.http import HttpApi, openai_errors
-from router.api.listener import BoundSite, ConnectionGuard, bind
-from router.api.observe import RequestObserver
+from router.frontends.http.admin_routes import AdminHttp
+from router.frontends.http.auth import ClientAuth
+from router.frontends.http.listener import BoundSite, ConnectionGuard, bind
+from router.frontends.http.observe import RequestObserver
+from router.frontends.http.routes import HttpApi, openai_errors
 from router.security import ServerTLS
 
 if TYPE_CHECKING:
-    from router.api.services import Services
+    from router.serving.services import Services
 
 
 class HttpServer:
@@ -67,14 +67,14 @@ class HttpServer:
         return app
 
     async def bind(self) -> None:
-        """Bind the port (a taken one raises :class:`~router.api.listener.ListenError`);
+        """Bind the port (a taken one raises :class:`~router.frontends.http.listener.ListenError`);
         connections wait until :meth:`serve`."""
         config = self.services.config
         ssl_context = None
         if config.tls.on("http"):
             self.tls = ServerTLS(config.tls)
             ssl_context = self.tls.context
-        # The connections' protocol and its settings are the listener's (router.api.listener).
+        # The connections' protocol and its settings are the listener's (listener.py).
         self._runner = web.AppRunner(self.app(), handler_cancellation=True)
         await self._runner.setup()
         self._bound = await bind(

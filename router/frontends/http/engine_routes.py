@@ -4,7 +4,7 @@ Every line of :data:`ENGINE_ROUTES` is a vLLM 0.32 route that kvroute forwards t
 engine serving the body's ``model``, chosen by the routing policy on load alone (no
 prompt is hashed: these answers fill no prefix cache a later request could reuse), with
 the auth, limits, metrics, retries and error handling of completions
-(:mod:`router.api.passthrough`). Adding one is a line here.
+(:mod:`router.frontends.http.passthrough`). Adding one is a line here.
 
 The lines of :data:`NOT_ROUTED` are engine routes kvroute answers itself with a 404 in
 OpenAI's form that says why (:func:`not_routed`): admin calls that belong to one engine,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.api.errors import ApiError
+from router.serving.errors import ApiError
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,21 +28,21 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from router.api.body import read_body
-from router.api.downstream import HttpDownstream
-from router.api.errors import ApiError, bad_request
-from router.api.http import error_response, openai_errors
-from router.api.listener import BoundSite, ConnectionGuard, ListenError, bind
-from router.api.openai import decode_body
-from router.api.usage import UsageTap, cached_tokens
 from router.config import ENV_PREFIX, ConfigError, ProxyConfig, ServerConfig, load_config
+from router.frontends.http.body import read_body
+from router.frontends.http.downstream import HttpDownstream
+from router.frontends.http.listener import BoundSite, ConnectionGuard, ListenError, bind
+from router.frontends.http.routes import error_response, openai_errors
 from router.handoff import nixl
 from router.handoff import sidecar as sidecar_dialect
 from router.handoff.fields import strip_owned
 from router.http1 import HTTPError
 from router.proxy import Upstream, UpstreamError
+from router.serving.errors import ApiError, bad_request
 from router.serving.forward import EngineCall
+from router.serving.parsing import decode_body
 from router.serving.relay import RelayHooks
+from router.serving.usage import UsageTap, cached_tokens
 
 log = logging.getLogger("kvroute.sidecar")
 HEADER = sidecar_dialect.HEADER
@@ -309,7 +309,8 @@ async def start_sidecar(
         engine_url, AllowList(allow), proxy or ProxyConfig(), allow_client_handoff_fields
     )
     app.add_routes(sidecar.routes())
-    # The connections' protocol and its settings are the listener's (router.api.listener).
+    # The connections' protocol and its settings are the listener's
+    # (router.frontends.http.listener).
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:

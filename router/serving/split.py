@@ -30,13 +30,13 @@ from router.proxy import UpstreamError
 from router.serving.charges import prefill_charge
 
 if TYPE_CHECKING:
-    from router.api.context import RequestContext
-    from router.api.usage import UsageTap
     from router.config import DisaggregationConfig
     from router.engines.registry import Engine
     from router.plan import Plan
+    from router.serving.context import RequestContext
     from router.serving.downstream import Downstream
     from router.serving.forward import Forwarder
+    from router.serving.usage import UsageTap
     from router.types import EngineKey
 
 _encode = msgspec.json.encode

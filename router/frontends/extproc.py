@@ -6,7 +6,7 @@ request; in ``FULL_DUPLEX_STREAMED`` body mode the messages are:
 
 1. request headers (``end_of_stream`` false): remembered, not answered yet;
 2. request body chunks: buffered until the one with ``end_of_stream``; then the
-   request is decided exactly as the HTTP API decides it (:mod:`router.api.decide`)
+   request is decided exactly as the HTTP API decides it (:mod:`router.serving.decide`)
    and the answer goes out: the request-headers response with the header
    ``x-gateway-destination-endpoint: ip:port`` (an ordered, comma-separated fallback
    list with ``extproc.fallbacks``), the same value in dynamic metadata
@@ -53,24 +53,24 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format, struct_pb2
 from grpc import aio
 
-from router.api.decide import Plan
-from router.api.errors import ApiError
-from router.api.grpc import fallbacks
-from router.api.headers import check_single
-from router.api.http import REQUEST_ID
-from router.api.openai import decode_body, parse_chat, parse_completion
-from router.api.picks import Lease
 from router.flow.ticket import FlowTicket
+from router.frontends.grpc.api import fallbacks
+from router.frontends.http.routes import REQUEST_ID
 from router.handoff import base
 from router.handoff import registry as dialects
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates
+from router.serving.decide import Plan
+from router.serving.errors import ApiError
 from router.serving.gate import Entry
+from router.serving.headers import check_single
 from router.serving.intake import prepare
+from router.serving.parsing import decode_body, parse_chat, parse_completion
+from router.serving.picks import Lease
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.api.services import Services
+    from router.serving.services import Services
 
 log = logging.getLogger("kvroute.extproc")
 _encode = msgspec.json.Encoder().encode

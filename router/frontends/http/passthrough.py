@@ -1,19 +1,19 @@
 """Every other engine route, passed through: embeddings, pooling, score, rerank,
-classify, tokenize, detokenize, render... (the table is :mod:`router.api.engine_routes`).
+classify, tokenize, detokenize, render... (the table is :mod:`router.frontends.http.engine_routes`).
 
 One handler serves them all, on the request path of completions with its prompt steps
 left out: the router admits the request and reads its body (``limits.max_body_bytes``,
 ``server.body_timeout_s``), decodes it (``limits.max_json_depth``), resolves its
-``model`` as completions do (:func:`~router.api.validate.resolve_model`: 404 for a model
+``model`` as completions do (:func:`~router.serving.validate.resolve_model`: 404 for a model
 no engine serves, 400 when several are served and none is named), then asks the
 planner for an engine among the healthy ones serving that model, by the routing policy
 on load alone: nothing is tokenized or hashed. The original bytes go to that engine;
 its answer, whatever its status, comes back as it is, a stream chunk by chunk. A
 failure before the first byte is retried on another engine, as for completions; what
 the router refuses itself is OpenAI error JSON. Client keys apply as on ``/v1/*``
-(:func:`~router.api.engine_routes.is_client_path`).
+(:func:`~router.frontends.http.engine_routes.is_client_path`).
 
-The routes of :data:`~router.api.engine_routes.NOT_ROUTED` are answered here too, with
+The routes of :data:`~router.frontends.http.engine_routes.NOT_ROUTED` are answered here too, with
 their documented 404.
 """
 
@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from router.api.context import Outcome, RequestContext
-from router.api.engine_routes import EngineRoute, NotRouted, not_routed
-from router.api.errors import bad_request
-from router.api.openai import ParsedRequest, decode_body
-from router.api.validate import resolve_model
+from router.frontends.http.engine_routes import EngineRoute, NotRouted, not_routed
 from router.policy.base import RouteRequest
+from router.serving.context import Outcome, RequestContext
+from router.serving.errors import bad_request
+from router.serving.parsing import ParsedRequest, decode_body
+from router.serving.validate import resolve_model
 
 if TYPE_CHECKING:
-    from router.api.services import Services
     from router.serving.downstream import Downstream
     from router.serving.forward import Forwarder
+    from router.serving.services import Services
 
 log = logging.getLogger("kvroute.http")
 
@@ -56,7 +56,7 @@ def refusing(route: NotRouted) -> Any:
 
 class Passthrough:
     """Serves the requests of :data:`ENGINE_ROUTES` (the HTTP API admits them and reads
-    their bodies: :meth:`~router.api.http.HttpApi.routes`)."""
+    their bodies: :meth:`~router.frontends.http.routes.HttpApi.routes`)."""
 
     def __init__(self, app: Services, forwarder: Forwarder) -> None:
         self.app = app

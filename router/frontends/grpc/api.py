@@ -1,9 +1,9 @@
 """kvroute.v1 over gRPC: the Router service (Pick, Generate, Release) and Admin.
 
-``Pick`` prepares and plans exactly as the HTTP API does (:mod:`router.api.decide`,
+``Pick`` prepares and plans exactly as the HTTP API does (:mod:`router.serving.decide`,
 :mod:`router.plan`), says what a split's handoff dialect needs sent
 (:meth:`~router.handoff.base.Handoff.directions`) and holds the chosen engines' load
-until ``Release`` (or expiry, :mod:`router.api.picks`).
+until ``Release`` (or expiry, :mod:`router.serving.picks`).
 ``Generate`` is the HTTP API's own forwarding path
 (:class:`~router.serving.generate.Generations`) writing into the call's stream. Admin
 calls go through :mod:`router.admin`, like ``/admin/engines``.
@@ -25,27 +25,27 @@ import grpc
 from grpc import aio
 
 from router.admin import AdminError, endpoint_key
-from router.api.context import Outcome
-from router.api.decide import Plan
-from router.api.errors import ApiError, bad_request
-from router.api.headers import REQUEST_ID, check_headers
-from router.api.openai import decode_body, parse_chat, parse_completion
-from router.api.picks import DuplicatePick
-from router.api.validate import check_keyed, resolve_model
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff import registry as dialects
 from router.handoff.base import Directions
 from router.handoff.fields import owned_fields
 from router.policy.base import Decision, NoCandidates, RouteRequest
+from router.serving.context import Outcome
+from router.serving.decide import Plan
+from router.serving.errors import ApiError, bad_request
 from router.serving.forward import Forwarder
 from router.serving.gate import Entry, Permit
 from router.serving.generate import Generations, Parse
+from router.serving.headers import REQUEST_ID, check_headers
 from router.serving.intake import prepare
+from router.serving.parsing import decode_body, parse_chat, parse_completion
+from router.serving.picks import DuplicatePick
+from router.serving.validate import check_keyed, resolve_model
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.api.services import Services
+    from router.serving.services import Services
 
 log = logging.getLogger("kvroute.grpc")
 T = TypeVar("T")
@@ -259,7 +259,7 @@ def _engine_status(entry: Mapping[str, Any]) -> pb.EngineStatus:
 
 
 class GrpcDownstream:
-    """A ``Generate`` call as the :class:`~router.api.downstream.Downstream` of a request.
+    """A ``Generate`` call as the :class:`~router.serving.downstream.Downstream` of a request.
 
     The head (status and headers) travels in the first chunk, with the first bytes.
     """

@@ -18,9 +18,6 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from router.admission import Overloaded
-from router.api.errors import ApiError
-from router.api.headers import SLO_TPOT_HEADER, SLO_TTFT_HEADER, header
-from router.api.openai import ParsedRequest, tokenize
 from router.config import MIN_SLO_MS
 from router.core import Saturated
 from router.flow.isolation import Yielding
@@ -29,6 +26,9 @@ from router.media import block_extra_keys
 from router.plan import SERVING_ROLES, Plan, Planner, restrict
 from router.policy.base import Decision, Policy, RouteRequest
 from router.policy.disagg import SplitDecision
+from router.serving.errors import ApiError
+from router.serving.headers import SLO_TPOT_HEADER, SLO_TTFT_HEADER, header
+from router.serving.parsing import ParsedRequest, tokenize
 from router.serving.planning import wire_planner
 from router.tokenization import TokenizerUnavailable
 

@@ -38,22 +38,22 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from router.api.context import Outcome, RequestContext
-from router.api.downstream import HttpDownstream
-from router.api.errors import ApiError, bad_request
-from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int
 from router.engines.registry import Engine, EngineState
 from router.flow.ratelimit import Limit, LocalBuckets
+from router.frontends.http.downstream import HttpDownstream
 from router.http1 import HTTPError
 from router.plan import SERVING_ROLES
 from router.proxy import UpstreamError
 from router.response_store import RESPONSE_ID, ResponseStore
+from router.serving.context import Outcome, RequestContext
+from router.serving.errors import ApiError, bad_request
+from router.serving.parsing import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int
 from router.serving.relay import RelayHooks, relay
 from router.tokenization.responses import InvalidInput, responses_messages
 from router.types import EngineKey
 
 if TYPE_CHECKING:
-    from router.api.services import Services
+    from router.serving.services import Services
 
 _decode = msgspec.json.decode
 _JSON = "application/json"

@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.api.decide import Plan
 from router.engines.load import LoadTracker, Ticket
 from router.metric_catalogue import PICKS_ENDED
 from router.policy.base import RouteRequest
 from router.serving.charges import Charges
+from router.serving.decide import Plan
 from router.types import EngineKey
 
 if TYPE_CHECKING:

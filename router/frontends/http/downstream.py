@@ -3,8 +3,7 @@
 Every HTTP route that relays an engine's answer (the generation routes, the engine
 routes, ``count_tokens``, a stored response's ``GET``, the sidecar) answers through
 :class:`HttpDownstream`. ``Downstream`` itself, the pipeline's side of the contract, is
-:mod:`router.serving.downstream` (named here too for the modules that import it from
-here).
+:mod:`router.serving.downstream`.
 """
 
 from __future__ import annotations
@@ -16,13 +15,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.serving.downstream import Downstream
-
-__all__ = ["Downstream", "HttpDownstream"]
-
 
 class HttpDownstream:
-    """An aiohttp client as the :class:`Downstream` of a request.
+    """An aiohttp client as the :class:`~router.serving.downstream.Downstream` of a request.
 
     ``gone_at_end``: what a client that leaves at a stream's closing bytes (after its
     last event) means. None: :meth:`end` raises :class:`asyncio.CancelledError`, and the

@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from router.api.errors import ApiError, shape_for
 from router.metric_catalogue import (
     HTTP_CONNECTIONS,
     HTTP_CONNECTIONS_REFUSED,
     HTTP_MALFORMED_REQUESTS,
     HTTP_TIMEOUTS,
 )
+from router.serving.errors import ApiError, shape_for
 
 if TYPE_CHECKING:
     from router.metric_catalogue import StateFamily
@@ -110,7 +110,7 @@ class ConnectionGuard:
             loop=asyncio.get_running_loop(),
             keepalive_timeout=self.keepalive_timeout_s,
             access_log=None,
-            auto_decompress=False,  # bodies are inflated against the limit (router.api.body)
+            auto_decompress=False,  # bodies are inflated against the limit (body.py)
         )
 
     def count_malformed(self, peer: str | None, what: str) -> None:

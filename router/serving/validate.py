@@ -1,14 +1,14 @@
 """What every front end refuses: one set of request checks for the HTTP API, gRPC
 ``Pick`` and ``Generate``, and Envoy ext_proc.
 
-A front end parses the request (:mod:`router.api.openai`), then calls
+A front end parses the request (:mod:`router.serving.parsing`), then calls
 :func:`check_request` (the ``limits.*`` bounds on what it asks for, then its model or
-LoRA adapter), then tokenizes it (:meth:`~router.api.decide.Decider.prepare`), then
+LoRA adapter), then tokenizes it (:meth:`~router.serving.decide.Decider.prepare`), then
 calls :func:`check_prompt_tokens` (the prompt-token bound needs the token ids). A gRPC
 ``Pick`` given precomputed block keys has no body: :func:`check_keyed` applies the same
 bounds to its fields.
 
-A refusal is :class:`InvalidRequest`, an :class:`~router.api.errors.ApiError`, so each
+A refusal is :class:`InvalidRequest`, an :class:`~router.serving.errors.ApiError`, so each
 front end answers it as it answers any refusal: the HTTP API with its status (400, 404
 for an unknown model) and OpenAI error JSON, gRPC with the matching status code
 (``INVALID_ARGUMENT``, ``NOT_FOUND``) and the same message, ext_proc with an
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.api.errors import ApiError
-from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int, prompt_param
 from router.config import LimitsConfig
+from router.serving.errors import ApiError
+from router.serving.parsing import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int, prompt_param
 
 
 class InvalidRequest(ApiError):

@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from router.api.errors import ApiError
+from router.serving.errors import ApiError
 
 _PRINTABLE = re.compile(r"[\t\x20-\x7e]*")
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")

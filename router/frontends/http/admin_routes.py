@@ -20,10 +20,10 @@ import msgspec
 from aiohttp import web
 
 from router import admin
-from router.api.body import read_body
-from router.api.errors import ApiError
-from router.api.http import error_response
-from router.api.openai import decode_body
+from router.frontends.http.body import read_body
+from router.frontends.http.routes import error_response
+from router.serving.errors import ApiError
+from router.serving.parsing import decode_body
 
 if TYPE_CHECKING:
     from router.admin import Admin

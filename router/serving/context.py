@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from router.api.downstream import Downstream
-    from router.api.errors import ApiError
-    from router.api.openai import ParsedRequest
     from router.flow.ticket import FlowTicket
     from router.policy.base import RouteRequest
+    from router.serving.downstream import Downstream
+    from router.serving.errors import ApiError
+    from router.serving.parsing import ParsedRequest
     from router.types import EngineKey
 
 

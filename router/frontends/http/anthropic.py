@@ -1,7 +1,7 @@
 """The Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
 ``/v1/messages`` takes the chat path (:class:`~router.serving.generate.Generations`): it is
-parsed here into a :class:`~router.api.openai.ParsedRequest` whose prompt is the chat
+parsed here into a :class:`~router.serving.parsing.ParsedRequest` whose prompt is the chat
 template over the request's ``system`` and ``messages`` converted as vLLM converts them
 (:mod:`router.tokenization.anthropic`), so the router counts and hashes the tokens the
 engine prefills. Only what routing reads is checked (model, messages, max_tokens,
@@ -10,13 +10,13 @@ rest. The answer is relayed untouched: JSON, or Anthropic's events (``message_st
 ... ``message_stop``). ``usage.input_tokens`` does not count cached tokens when the
 engine reports them (vLLM's ``--enable-prompt-tokens-details``): the engine's prompt is
 ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens``
-(:func:`router.api.usage.engine_input_tokens`).
+(:func:`router.serving.usage.engine_input_tokens`).
 
 ``/v1/messages/count_tokens`` (:class:`CountTokens`) goes to an engine serving the model
 by load alone: a count costs the engine a tokenization, never a prefill, so which
 engine holds the prefix does not matter, and the least busy one answers soonest.
 What the router refuses on these routes is in Anthropic's error form
-(:func:`router.api.errors.shape_for`).
+(:func:`router.serving.errors.shape_for`).
 """
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from router.api.body import read_body
-from router.api.context import Outcome, RequestContext
-from router.api.downstream import HttpDownstream
-from router.api.errors import ApiError, bad_request
-from router.api.headers import REQUEST_ID
-from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
-from router.api.validate import resolve_model
+from router.frontends.http.body import read_body
+from router.frontends.http.downstream import HttpDownstream
 from router.policy.base import RouteRequest
+from router.serving.context import Outcome, RequestContext
+from router.serving.errors import ApiError, bad_request
+from router.serving.headers import REQUEST_ID
+from router.serving.parsing import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
+from router.serving.validate import resolve_model
 from router.tokenization.anthropic import chat_messages, has_inline_system
 from router.tokenization.base import PromptTokenizer
 
 if TYPE_CHECKING:
-    from router.api.services import Services
     from router.serving.forward import Forwarder
+    from router.serving.services import Services
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"

@@ -1,1 +1,0 @@
-"""Front ends: the OpenAI-compatible HTTP API (and, later, gRPC and ext_proc)."""
