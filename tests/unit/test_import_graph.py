@@ -5,6 +5,10 @@ functions count, those under ``if TYPE_CHECKING:`` do not (annotations only). Im
 ``a.b.c`` runs the ``__init__`` of ``a.b`` first, so an import also points at the
 packages above its target, except the importer's own packages (already being imported
 when it runs). A cycle fails the test and is printed, module by module.
+
+Beside it, rules on who may import whom, where every import counts (type-only ones
+too): no module outside the front ends (``router/frontends/``) and the wiring that
+builds them imports a front end, and the simulator does not import the benchmarks.
 """
 
 from __future__ import annotations
@@ -194,6 +198,80 @@ def test_the_simulator_does_not_import_the_benchmark_package() -> None:
             else:
                 continue
             assert not {n for n in named if n.startswith("router.bench")}, name
+
+
+#: The package of the front ends (transport adapters), and the wiring that builds them:
+#: the only modules outside it that may import one. (``router.cli`` names the sidecar's
+#: module as a string, imported only for its command.)
+FRONT_ENDS = "router.frontends"
+WIRING = frozenset({"router.app", "router.serve"})
+
+
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _named(tree: ast.AST, module: str, package: bool) -> Iterator[list[str]]:
+    """For every import in ``tree`` (at module level, inside functions and under ``if
+    TYPE_CHECKING:``), the modules it may name: its target, then each name it takes from
+    the target as a possible submodule (``from router import frontends``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield [alias.name]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: None if package else -1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            yield [target, *(f"{target}.{alias.name}" for alias in node.names)]
+
+
+def front_end_imports(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(importer, front end) for every import of a front end by a module outside the
+    front ends and the wiring, type-only and function-level imports included."""
+    found = []
+    for name, path in sorted(modules.items()):
+        if _in(name, FRONT_ENDS) or name in WIRING:
+            continue
+        tree = ast.parse(path.read_text())
+        for named in _named(tree, name, path.name == "__init__.py"):
+            hit = next((target for target in named if _in(target, FRONT_ENDS)), None)
+            if hit is not None:
+                found.append((name, hit))
+    return found
+
+
+def test_no_module_outside_the_front_ends_and_the_wiring_imports_a_front_end() -> None:
+    """The serving pipeline, the handoffs, the index and everything else know no
+    transport: a front end depends on them, never the other way, not even for a type."""
+    found = front_end_imports(_modules())
+    assert not found, "imports of a front end: " + ", ".join(f"{a} imports {b}" for a, b in found)
+
+
+def test_a_front_end_import_is_found_under_type_checking_and_in_a_function(
+    tmp_path: Path,
+) -> None:
+    sources = {
+        "router.serving.gate": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from router.frontends.http.routes import HttpApi\n"
+        ),
+        "router.handoff.base": "def later():\n    from ..frontends import sidecar\n",
+        "router.app": "from router.frontends.http.server import HttpServer\n",
+        "router.frontends.extproc": "from router.frontends.grpc import api\n",
+    }
+    modules = {}
+    for name, source in sources.items():
+        modules[name] = tmp_path / f"{name}.py"
+        modules[name].write_text(source)
+    assert front_end_imports(modules) == [
+        ("router.handoff.base", "router.frontends"),
+        ("router.serving.gate", "router.frontends.http.routes"),
+    ]
 
 
 def test_a_cycle_is_found_and_printed_in_order() -> None:
