@@ -16,14 +16,14 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from router.config import EngineConfig
-from router.engines.registry import Engine, EngineState
+from router.fleet.registry import Engine, EngineState
 from router.security import AuthError, engine_refused
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Registry
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Registry
     from router.index.base import KVIndex
     from router.live_config import LiveConfig
     from router.reload import Reloader

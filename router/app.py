@@ -5,7 +5,7 @@ docs/architecture.md, "Process model and lifecycle").
 With a shared index (``index.backend: redis``) lookups and decision records go through
 a :class:`~router.index.shadow.ShadowedIndex`; in the replicated mode the index is in
 memory, and decisions and engine stream snapshots are shared through Redis. With Redis,
-a :class:`~router.engines.shared_load.SharedLoad` exchanges in-flight load with the
+a :class:`~router.fleet.shared_load.SharedLoad` exchanges in-flight load with the
 other replicas. Tests run several routers in one process, each with its own metrics
 registry, index and connections.
 """
@@ -24,13 +24,13 @@ from router.admission import Admission
 from router.config import Config, EngineConfig
 from router.core import RoutingCore
 from router.drain import Drain
-from router.engines.block_size import BlockSizes
-from router.engines.fleet import EngineFleet
-from router.engines.latency import LatencyModel
-from router.engines.load import LoadTracker
-from router.engines.pool_client import PoolClient
-from router.engines.registry import Engine, Registry
 from router.events.follow import EventFollowing
+from router.fleet.block_size import BlockSizes
+from router.fleet.latency import LatencyModel
+from router.fleet.load import LoadTracker
+from router.fleet.membership import EngineFleet
+from router.fleet.pool_client import PoolClient
+from router.fleet.registry import Engine, Registry
 from router.flow.control import FlowControl
 from router.frontends.http.listener import check_free
 from router.frontends.http.server import HttpServer
@@ -57,11 +57,11 @@ from router.tokenization import Tokenizers
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from router.engines.k8s import KubernetesDiscovery
-    from router.engines.monitor import EngineMonitor
-    from router.engines.shared_load import SharedLoad
     from router.events.snapshots import SnapshotWriter
     from router.events.subscriber import KVEventSubscriber
+    from router.fleet.k8s import KubernetesDiscovery
+    from router.fleet.monitor import EngineMonitor
+    from router.fleet.shared_load import SharedLoad
     from router.frontends.grpc.server import GrpcServers
     from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.redis.client import RedisClient

@@ -28,10 +28,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "router.frontends.sidecar",
         "Run in front of a decode pod's engine (llm-d P/D sidecar)",
     ),
-    "indexer": ("router.indexer", "Write engines' KV events into the shared Redis index."),
+    "indexer": ("router.events.indexer", "Write engines' KV events into the shared Redis index."),
     "bench": ("router.bench.cli", "Replay a workload against targets; compare them side by side"),
     "simulate": ("router.sim.cli", "Replay a workload on a simulated fleet (virtual clock)"),
-    "plan": ("router.sim.plan", "Search prefill:decode ratios for the best goodput within SLOs"),
+    "plan": (
+        "router.sim.capacity",
+        "Search prefill:decode ratios for the best goodput within SLOs",
+    ),
     "config": ("router.config_cli", "Check a configuration file and print the effective values"),
     "status": ("router.status", "Show a running router's engines: state, load, index share"),
 }

@@ -9,7 +9,7 @@ A plugin's own section lives beside the plugin and is nested here: the ``policy`
 section with the policy registry in router/policy/registry.py, each policy's parameters
 in router/policy/<name>_config.py, each index backend's settings in
 router/index/<name>_config.py, flow control's in router/flow/config.py, Kubernetes
-discovery's in router/engines/k8s_config.py. Their names stay importable from this module.
+discovery's in router/fleet/k8s_config.py. Their names stay importable from this module.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core.core_schema import ValidationInfo
 
 from router.config_section import Section
-from router.engines.k8s_config import KubernetesDiscoveryConfig
+from router.fleet.k8s_config import KubernetesDiscoveryConfig
 from router.flow.config import FlowConfig
 from router.flow.config import FlowKeyConfig as FlowKeyConfig
 from router.flow.config import FlowRateLimitConfig as FlowRateLimitConfig

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.config import PolicyConfig
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.index.base import FallbackMatches, IndexUnavailable, KVIndex, Match
 from router.metric_catalogue import (
     DECISIONS,

@@ -51,12 +51,12 @@ from router.metric_catalogue import (
 if TYPE_CHECKING:
     from router.admission import Admission
     from router.core import RoutingCore
-    from router.engines.registry import Registry
-    from router.engines.shared_load import SharedLoad
     from router.events.ingest import IngestCounters
     from router.events.snapshots import SnapshotWriter
     from router.events.subscriber import SubscriberStats
     from router.events.writer import WriterStats
+    from router.fleet.registry import Registry
+    from router.fleet.shared_load import SharedLoad
     from router.flow.control import FlowControl
     from router.index.base import IndexStats
     from router.index.replicated import DecisionSync, ReplicatedIndex

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from router.config import Config
-    from router.engines.fleet import EngineFleet
+    from router.fleet.membership import EngineFleet
     from router.serving.services import Services
     from router.session_sharing import SessionSharing
 

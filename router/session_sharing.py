@@ -19,8 +19,8 @@ from router.sessions import SessionMap
 if TYPE_CHECKING:
     from router.config import Config
     from router.core import RoutingCore
-    from router.engines.load import LoadTracker
-    from router.engines.shared_load import SharedLoad
+    from router.fleet.load import LoadTracker
+    from router.fleet.shared_load import SharedLoad
     from router.index.replicated import DecisionSync, ReplicatedIndex
     from router.live_config import LiveConfig
     from router.metrics import StateSources

@@ -82,7 +82,7 @@ def _latency(rank: dict[str, Any] | None) -> tuple[str, str, str]:
 
 def table(engines: list[dict[str, Any]]) -> str:
     """The engines as an aligned text table (the latency columns are the fitted lines of
-    the online latency model: router/engines/latency.py)."""
+    the online latency model: router/fleet/latency.py)."""
     head = (
         "ENGINE",
         "ROLE",

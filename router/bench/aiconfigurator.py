@@ -311,22 +311,22 @@ def run_plan(argv: Sequence[str]) -> dict[str, Any]:
     """``kvroute plan``'s search at ``argv``, in this process: every fleet's goodput,
     the colocated fleet's and the best split's."""
     from router.config import load_config
-    from router.sim import plan
+    from router.sim import capacity
     from router.sim.cli import model_params, settings_for
     from router.workloads.flags import build_workload
 
     parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
+    capacity.add_arguments(parser)
     args = parser.parse_args(list(argv))
     params = model_params(args)
     config = load_config(args.config)
-    slo = plan.Slo(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, args.attainment)
+    slo = capacity.Slo(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, args.attainment)
     workload = build_workload(args, compact=True)
-    specs = plan.poisson_arrivals(workload.specs, args.rate, args.seed)
-    points = plan.plan_fleets(
-        plan.candidate_fleets(args.gpus),
-        lambda factor: plan.at_rate(specs, factor),
-        plan.base_rate(specs),
+    specs = capacity.poisson_arrivals(workload.specs, args.rate, args.seed)
+    points = capacity.plan_fleets(
+        capacity.candidate_fleets(args.gpus),
+        lambda factor: capacity.at_rate(specs, factor),
+        capacity.base_rate(specs),
         lambda fleet: settings_for(fleet, args.policy, params, config, args, workload.concurrency),
         slo,
         args.search_steps,

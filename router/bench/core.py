@@ -20,9 +20,9 @@ from typing import Any
 
 from router.config import PolicyConfig
 from router.core import RoutingCore
-from router.engines.load import LoadTracker
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import BlockStored, EventBatch
+from router.fleet.load import LoadTracker
 from router.hashing import block_keys, seed_for
 from router.index import MemoryIndex
 from router.policy import make_policy

@@ -62,7 +62,7 @@ from router.bench.report import save_results
 from router.bench.throwaway_redis import run_on_redis
 from router.config import PolicyConfig, ReplicatedIndexConfig
 from router.core import RoutingCore
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.index.base import KVIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex

@@ -64,7 +64,7 @@ def _decision_inputs(fleet: Fleet, keys_of: list[Any]) -> tuple[Any, Any, Any]:
     """The ``kv_cost`` policy, a load view with every engine busy to a different degree,
     and the query as a request: what a timed decision is made of."""
     from router.config import PolicyConfig
-    from router.engines.load import LoadTracker
+    from router.fleet.load import LoadTracker
     from router.policy import make_policy
     from router.policy.base import RouteRequest
 

@@ -38,7 +38,7 @@ from router.emulator.protocol import (
     parse_body,
     render_result,
 )
-from router.emulator.responses import responses_routes
+from router.emulator.responses_api import responses_routes
 from router.emulator.state import EmulatorState
 from router.emulator.tokens import routes as tokens_routes
 from router.tokenization.words import VOCAB_SIZE

@@ -33,10 +33,10 @@ from router.types import EngineKey, Tier
 
 if TYPE_CHECKING:
     from router.config import Config, IndexConfig
-    from router.engines.block_size import BlockSizes
-    from router.engines.registry import Engine, Registry
     from router.events.snapshots import Snapshot
     from router.events.writer import RemoteEventWriter
+    from router.fleet.block_size import BlockSizes
+    from router.fleet.registry import Engine, Registry
     from router.index.base import KVIndex
     from router.index.remote import RemoteIndex
     from router.index.replicated import ReplicatedIndex

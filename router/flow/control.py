@@ -37,8 +37,8 @@ from router.metric_catalogue import (
 if TYPE_CHECKING:
     from router.admission import Admission
     from router.config import Config
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Registry
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Registry
     from router.flow.config import FlowConfig
     from router.metric_catalogue import StateFamily
 

@@ -43,7 +43,7 @@ from router.core import Saturated
 from router.metric_catalogue import FLOW_PREFILL_ISOLATION, FLOW_PREFILL_ISOLATION_WAIT_SECONDS
 
 if TYPE_CHECKING:
-    from router.engines.load import LoadTracker, Ticket
+    from router.fleet.load import LoadTracker, Ticket
     from router.flow.ticket import FlowTicket
     from router.metric_catalogue import StateFamily
     from router.policy.base import RouteRequest

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from router.engines.load import load_of
+from router.fleet.load import load_of
 
 if TYPE_CHECKING:
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Registry
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Registry
     from router.flow.config import FlowSaturationConfig
 
 ALL_ROLES = ("both", "prefill", "decode")

@@ -19,8 +19,8 @@ from router.serving.usage import cached_tokens
 
 if TYPE_CHECKING:
     from router.config import DisaggregationConfig
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Engine
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Engine
     from router.metrics import RouterMetrics
     from router.plan import Plan
     from router.policy.base import Decision

@@ -32,7 +32,7 @@ from router.serving.charges import Charges
 from router.serving.usage import UsageTap, carries_usage
 
 if TYPE_CHECKING:
-    from router.engines.registry import Engine
+    from router.fleet.registry import Engine
     from router.plan import Plan
     from router.policy.base import Decision
     from router.serving.context import RequestContext

@@ -22,7 +22,7 @@ from router.handoff.base import PREFILLER, Handoff, Legs
 from router.serving.charges import Charges
 
 if TYPE_CHECKING:
-    from router.engines.load import LoadTracker, Ticket
+    from router.fleet.load import LoadTracker, Ticket
     from router.plan import Plan
     from router.serving.context import RequestContext
     from router.serving.downstream import Downstream

@@ -13,7 +13,7 @@ other travels through Redis off the request path:
   blocking ``XREAD`` and records its peers' decisions in its own index with what is left
   of their life. Entries older than ``window_s`` are trimmed as new ones are added.
 * **Load.** In-flight work per engine is exchanged as with the shared index
-  (:class:`~router.engines.shared_load.SharedLoad`), and its changes in between ride
+  (:class:`~router.fleet.shared_load.SharedLoad`), and its changes in between ride
   the stream's entries (an ``l`` field, ``index.redis.load_push``).
 * **Warm start.** A replica that starts reads the stream from its oldest entry (the
   decisions still live), and one replica, elected by a lease, writes a snapshot of each
@@ -69,8 +69,8 @@ from router.sessions import MAX_KEY_CHARS, SessionMap
 from router.types import EngineKey, Tier
 
 if TYPE_CHECKING:
-    from router.engines.shared_load import SharedLoad
     from router.events.snapshots import SnapshotWriter
+    from router.fleet.shared_load import SharedLoad
     from router.metric_catalogue import StateFamily
 
 log = logging.getLogger("kvroute.index.replicated")

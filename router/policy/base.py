@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 import xxhash
 
-from router.engines.load import LoadView
+from router.fleet.load import LoadView
 from router.index.base import Match
 from router.types import EngineKey
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import xxhash
 
-from router.engines.load import LoadView, load_of
+from router.fleet.load import LoadView, load_of
 from router.index.base import Match
 from router.policy.base import Decision, Policy, RouteRequest, request_rng, tiebreak
 from router.types import EngineKey

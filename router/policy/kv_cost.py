@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
-from router.engines.load import EngineLoad, LoadView
+from router.fleet.load import EngineLoad, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
 from router.policy.base import (

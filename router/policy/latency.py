@@ -1,7 +1,7 @@
 """The ``latency`` policy (the default): the engine where the request costs everyone least.
 
 Per candidate, in seconds, from the engine's fitted latency lines
-(:mod:`router.engines.latency`: ``a`` seconds per prefill token, ``b`` seconds of
+(:mod:`router.fleet.latency`: ``a`` seconds per prefill token, ``b`` seconds of
 first-token overhead, the TPOT line ``tpot_base + tpot_per_seq`` per sequence decoding)
 or the configured priors while it has not been timed (lower total wins)::
 
@@ -70,8 +70,8 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from router.engines.latency import LatencyPriors
-from router.engines.load import OFFERED_HALF_LIFE_S, LoadView
+from router.fleet.latency import LatencyPriors
+from router.fleet.load import OFFERED_HALF_LIFE_S, LoadView
 from router.hashing import cacheable_blocks, native_helper
 from router.index.base import Match
 from router.policy.base import Decision, LazyScores, RouteRequest, Score, tiebreak

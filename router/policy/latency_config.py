@@ -26,7 +26,7 @@ class SLOConfig(Section):
 
 
 class LatencyPolicyConfig(Section):
-    """The ``latency`` policy and the online latency model it reads (router/engines/latency.py).
+    """The ``latency`` policy and the online latency model it reads (router/fleet/latency.py).
 
     The model's priors are what an engine is assumed to do before the router has timed
     it; the fitted lines replace them as first tokens and output pace are observed.

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from router.engines.load import LoadView, load_of
+from router.fleet.load import LoadView, load_of
 from router.index.base import Match
 from router.policy.base import Decision, Policy, RouteRequest
 from router.policy.registry import PolicyConfig

@@ -2,7 +2,7 @@
 written and read back in one script call (``router/index/lua/load.lua``).
 
 What a payload holds and how replicas fold each other's figures into their load view
-is :mod:`router.engines.shared_load`'s; this module only moves the bytes.
+is :mod:`router.fleet.shared_load`'s; this module only moves the bytes.
 """
 
 from __future__ import annotations

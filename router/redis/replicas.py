@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from router.availability import IndexUnavailable
 
 if TYPE_CHECKING:
-    from router.engines.load import LoadTracker
-    from router.engines.shared_load import SharedLoad
     from router.events.follow import EventFollowing
     from router.events.snapshots import SnapshotWriter
+    from router.fleet.load import LoadTracker
+    from router.fleet.shared_load import SharedLoad
     from router.index.replicated import ReplicatedIndex
     from router.live_config import LiveConfig
     from router.metrics import StateSources
@@ -62,7 +62,7 @@ class ReplicaSharing:
 
     async def start(self) -> None:
         """Before the engines are subscribed."""
-        from router.engines.shared_load import SharedLoad
+        from router.fleet.shared_load import SharedLoad
 
         redis = self.redis
         # Learn Redis's incarnation now, so that after an outage the router can tell a

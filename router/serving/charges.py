@@ -1,7 +1,7 @@
 """The load a plan's legs put on their engines: one rule for every caller.
 
 A request's engines carry its work in the load tracker from the moment it is sent until
-it ends (:class:`~router.engines.load.LoadTracker`). Which tickets a plan opens is the
+it ends (:class:`~router.fleet.load.LoadTracker`). Which tickets a plan opens is the
 same whoever forwards the request: the handoff dialects and the HTTP prefill leg, a
 gateway's pick (gRPC ``Pick``, ext_proc) and the cluster simulator all take their
 charges from here, so that an engine's load looks the same to the next decision
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router.engines.load import LoadTracker, Ticket
+    from router.fleet.load import LoadTracker, Ticket
     from router.flow.ticket import FlowTicket
     from router.plan import Plan
     from router.policy.base import Decision, RouteRequest

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from router.admission import Admission
     from router.core import RoutingCore
-    from router.engines.registry import Registry
+    from router.fleet.registry import Registry
     from router.live_config import LiveConfig
     from router.metrics import RouterMetrics
     from router.tokenization import Tokenizers

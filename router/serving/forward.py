@@ -36,8 +36,8 @@ from router.serving.relay import SSE_HEADERS, RelayHooks, first_chunk, read_all,
 from router.serving.usage import engine_input_tokens, stream_input_tokens
 
 if TYPE_CHECKING:
-    from router.engines.load import LoadTracker, Ticket
-    from router.engines.registry import Engine, Registry
+    from router.fleet.load import LoadTracker, Ticket
+    from router.fleet.registry import Engine, Registry
     from router.http1 import Response
     from router.policy.base import Decision, RouteRequest
     from router.proxy import Deadline, Upstream

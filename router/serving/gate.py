@@ -30,7 +30,7 @@ from router.serving.errors import Draining, TooManyInFlight
 
 if TYPE_CHECKING:
     from router.admission import Admission
-    from router.engines.load import LoadTracker
+    from router.fleet.load import LoadTracker
     from router.flow.control import FlowControl
     from router.flow.ticket import FlowTicket
     from router.live_config import LiveConfig

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.engines.load import LoadTracker, Ticket
+from router.fleet.load import LoadTracker, Ticket
 from router.metric_catalogue import PICKS_ENDED
 from router.policy.base import RouteRequest
 from router.serving.charges import Charges

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from router.admission import Admission
     from router.config import Config
     from router.core import RoutingCore
-    from router.engines.registry import Registry
+    from router.fleet.registry import Registry
     from router.flow.control import FlowControl
     from router.live_config import LiveConfig
     from router.metrics import RouterMetrics

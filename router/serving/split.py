@@ -31,7 +31,7 @@ from router.serving.charges import prefill_charge
 
 if TYPE_CHECKING:
     from router.config import DisaggregationConfig
-    from router.engines.registry import Engine
+    from router.fleet.registry import Engine
     from router.plan import Plan
     from router.serving.context import RequestContext
     from router.serving.downstream import Downstream

@@ -4,7 +4,7 @@ virtual clock.
 Nothing here is a second router. Each request goes through the objects ``kvroute serve``
 routes with: :class:`~router.core.RoutingCore` over a :class:`~router.index.memory.MemoryIndex`
 (provisional holders included), the configured policy from :func:`~router.policy.make_policy`,
-the :class:`~router.engines.load.LoadTracker` in-flight accounting (a plan's legs charged
+the :class:`~router.fleet.load.LoadTracker` in-flight accounting (a plan's legs charged
 as every front end charges them, :mod:`router.serving.charges`), the router's request
 plan (:class:`~router.plan.Planner`: the decode policy, the split decision and the
 prefill choice for prefill/decode pools, over the fleet as :class:`SimPools`), and the
@@ -65,10 +65,10 @@ from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore
 from router.engine_model import EngineModel, EngineParams
 from router.engine_model import RequestSpec as EngineRequest
-from router.engines.latency import LatencyModel
-from router.engines.load import InFlight, LoadTracker, Ticket
 from router.events.ingest import EventIngestor, StreamState
 from router.events.types import EventBatch
+from router.fleet.latency import LatencyModel
+from router.fleet.load import InFlight, LoadTracker, Ticket
 from router.hashing import block_keys, cacheable_blocks, seed_for
 from router.index.base import IndexStats, KVIndex, Match, footprint
 from router.index.memory import MemoryIndex

@@ -179,5 +179,5 @@ class PromptTokenizer(ABC):
     ) -> list[int]:
         """Token ids of a Responses request (``request``: its body without conversation
         state; ``messages``: the chat it renders from,
-        :func:`router.tokenization.responses.responses_messages`). By default the chat's."""
+        :func:`router.tokenization.responses_input.responses_messages`). By default the chat's."""
         return await self.chat(messages, True, template_kwargs)

@@ -53,7 +53,7 @@ from router.tokenization.base import (
     common_prefix,
     media_by_message,
 )
-from router.tokenization.responses import chat_tools
+from router.tokenization.responses_input import chat_tools
 from router.tokenization.words import (
     WordTokenizer,
     message_text,

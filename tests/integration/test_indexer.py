@@ -20,6 +20,7 @@ import zmq.asyncio
 from support.redis import RedisServer
 from support.vllm_publisher import Publisher
 
+from router.events.indexer import Indexer
 from router.events.ingest import StreamState
 from router.events.subscriber import EventSource
 from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -27,7 +28,6 @@ from router.events.writer import RemoteEventWriter
 from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.redis import RedisIndex
-from router.indexer import Indexer
 from router.types import EngineKey
 
 MODEL = "m"

@@ -26,7 +26,7 @@ from support.routers import start_router
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from router.topology import Topology, locality
 from router.types import EngineKey
 

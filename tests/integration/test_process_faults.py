@@ -15,7 +15,7 @@ from support.clients import metric_sum, metrics, post_reply
 from support.engines import EngineProcess, poll, start_test_engine
 from support.routers import start_router
 
-from router.engines.registry import endpoint_of
+from router.fleet.registry import endpoint_of
 from router.types import EngineKey
 
 

@@ -21,7 +21,7 @@ from support.routers import start_router
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
-from router.engines.load import EngineLoad
+from router.fleet.load import EngineLoad
 
 LONG = 2000
 

@@ -23,7 +23,7 @@ from support.routers import start_router
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from router.frontends.http.routes import HttpDownstream
 from router.http1 import Response
 from router.types import EngineKey

@@ -19,7 +19,7 @@ from support.hf_tokenizer import FIXTURE
 from support.routers import start_router
 
 from router.emulator import EmulatedEngine
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from router.types import EngineKey
 
 MODEL = "kvroute-emulated"

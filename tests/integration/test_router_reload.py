@@ -10,7 +10,7 @@ from support.engines import poll, start_test_engine
 from support.routers import router_config, start_router
 
 from router.emulator import EmulatedEngine
-from router.engines.registry import endpoint_of
+from router.fleet.registry import endpoint_of
 from router.reload import LIVE, Reloader, changed_keys, is_live
 
 

@@ -34,12 +34,12 @@ from support.routers import StartRouter
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.engine_model import EngineParams
+from router.events.indexer import Indexer
 from router.events.subscriber import EventSource
 from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.redis import RedisIndex
 from router.index.replicated import decode_decisions, unpack_keys
-from router.indexer import Indexer
 from router.redis.client import RedisClient
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey

@@ -94,7 +94,7 @@ async def test_engines_added_and_removed_at_run_time(
     """add_engine makes a new engine a candidate with its KV events followed;
     remove_engine stops routing to it and drops its stream and load state."""
     from router.config import EngineConfig
-    from router.engines.registry import endpoint_of
+    from router.fleet.registry import endpoint_of
     from router.types import EngineKey
 
     await fresh(http, fleet)

@@ -31,7 +31,7 @@ from support.tls import TestCA
 
 from router.cli import main
 from router.emulator import EmulatedEngine
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.reload import Reloader

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 from support.redis import RedisServer, monitored_commands
 
-from router.engines.load import InFlight, LoadTracker, load_of
-from router.engines.shared_load import SharedLoad, encode_load
+from router.fleet.load import InFlight, LoadTracker, load_of
+from router.fleet.shared_load import SharedLoad, encode_load
 from router.index import Match
 from router.index.base import IndexUnavailable
 from router.index.redis import RedisIndex

@@ -25,7 +25,7 @@ from router.events.types import AllBlocksCleared, BlockRemoved, BlockStored, Eve
 
 from .conftest import NUM_BLOCKS
 
-#: Metrics the router scrapes from vLLM (docs/metrics.md, router/engines/scrape.py).
+#: Metrics the router scrapes from vLLM (docs/metrics.md, router/fleet/scrape.py).
 ROUTER_READS = {
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

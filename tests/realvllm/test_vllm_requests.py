@@ -14,7 +14,7 @@ from support.engines import poll
 from support.real_vllm import VllmEngine
 from support.vllm_prompts import MODEL, completion, engine_metric, start_vllm_router, text, zero
 
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from router.tokenization.modes import HFTokenizer
 from router.types import EngineKey
 

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from router.app import RouterApp
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from support.clients import metric_sum, metrics
 from support.engines import poll
 from support.routers import start_router

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from router.admin import Admin, AdminError
 from router.config import AuthConfig, Config, EngineConfig, HealthConfig
-from router.engines.load import LoadTracker
-from router.engines.registry import Engine, Registry
+from router.fleet.load import LoadTracker
+from router.fleet.registry import Engine, Registry
 from router.index.memory import MemoryIndex
 from router.live_config import LiveConfig
 from router.security import Credentials

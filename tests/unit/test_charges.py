@@ -13,7 +13,7 @@ import pytest
 
 from router.config import DisaggregationConfig, PolicyConfig
 from router.engine_model import EngineParams
-from router.engines.load import LoadTracker, Ticket
+from router.fleet.load import LoadTracker, Ticket
 from router.flow.ticket import FlowTicket
 from router.handoff import registry as dialects
 from router.plan import Plan

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from router.config import PolicyConfig
 from router.core import RoutingCore
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.hashing import block_keys, seed_for
 from router.index import Match, MemoryIndex
 from router.index.base import IndexUnavailable

@@ -10,7 +10,7 @@ import pytest
 
 from router.cli import _parser
 from router.config import ConfigError, DisaggregationConfig, PolicyConfig, load_config
-from router.engines.load import EngineLoad
+from router.fleet.load import EngineLoad
 from router.frontends.sidecar import AllowList, parse_target
 from router.handoff import nixl, sglang
 from router.index.base import Match

@@ -307,8 +307,8 @@ def test_an_answers_usage_corrects_only_what_it_reports() -> None:
     estimate stands, the output's is corrected."""
     from router.admission import Admission
     from router.config import Config
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Registry
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Registry
     from router.flow.control import FlowControl
 
     config = Config(flow={"enabled": True})

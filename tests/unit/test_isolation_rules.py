@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.flow.isolation import PrefillIsolation, Yielding
 from router.flow.ticket import FlowTicket
 from router.policy.base import RouteRequest

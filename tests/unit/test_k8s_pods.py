@@ -6,7 +6,7 @@ import pytest
 from support.kube import pod
 
 from router.config import EventEndpoints, KubernetesDiscoveryConfig
-from router.engines.k8s import PodProblem, engine_of_pod
+from router.fleet.k8s import PodProblem, engine_of_pod
 
 CFG = KubernetesDiscoveryConfig(enabled=True)
 

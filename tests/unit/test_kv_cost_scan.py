@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import PolicyConfig
-from router.engines.load import EngineLoad
+from router.fleet.load import EngineLoad
 from router.index.base import Match
 from router.policy import kv_cost
 from router.policy.base import LazyScores, RouteRequest

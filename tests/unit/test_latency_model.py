@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from router.engines.latency import EngineLatency, LatencyModel, LatencyPriors, LineFit
-from router.engines.load import LoadTracker
+from router.fleet.latency import EngineLatency, LatencyModel, LatencyPriors, LineFit
+from router.fleet.load import LoadTracker
 from router.types import EngineKey
 
 A = EngineKey("127.0.0.1:8000")

@@ -8,8 +8,8 @@ import pytest
 
 from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
 from router.core import RoutingCore
-from router.engines.latency import LatencyModel, LatencyPriors
-from router.engines.load import EngineLoad, LoadTracker
+from router.fleet.latency import LatencyModel, LatencyPriors
+from router.fleet.load import EngineLoad, LoadTracker
 from router.index.base import Match
 from router.index.memory import MemoryIndex
 from router.policy import make_policy

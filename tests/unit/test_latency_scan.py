@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import LatencyPolicyConfig, PolicyConfig
-from router.engines.latency import LatencyModel, LatencyPriors
-from router.engines.load import EngineLoad
+from router.fleet.latency import LatencyModel, LatencyPriors
+from router.fleet.load import EngineLoad
 from router.index.base import Match
 from router.policy import latency
 from router.policy.base import LazyScores, RouteRequest

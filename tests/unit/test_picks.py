@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.policy.base import Decision, RouteRequest
 from router.policy.disagg import SplitDecision
 from router.serving.decide import Plan

@@ -11,8 +11,15 @@ import pytest
 
 from router.cli import main
 from router.engine_model import EngineParams
+from router.sim.capacity import (
+    Slo,
+    at_rate,
+    base_rate,
+    candidate_fleets,
+    poisson_arrivals,
+    search_rate,
+)
 from router.sim.cluster import Fleet, RequestRecord, SimRun, SimSettings
-from router.sim.plan import Slo, at_rate, base_rate, candidate_fleets, poisson_arrivals, search_rate
 from router.workloads.spec import RequestSpec
 
 

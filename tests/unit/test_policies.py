@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 from pydantic import BaseModel, Field
 
-from router.engines.load import EngineLoad, LoadTracker, LoadView
+from router.fleet.load import EngineLoad, LoadTracker, LoadView
 from router.index.base import Match
 from router.policy import POLICY_NAMES, make_policy, registry
 from router.policy.base import Decision, Policy, RouteRequest

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from router.config import HealthConfig
-from router.engines.registry import Engine, EngineState, Registry
+from router.fleet.registry import Engine, EngineState, Registry
 
 
 class Clock:

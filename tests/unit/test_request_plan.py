@@ -9,7 +9,7 @@ import pytest
 from router.admission import Overloaded
 from router.config import DisaggregationConfig, PolicyConfig
 from router.core import RoutingCore, Saturated
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.index.memory import MemoryIndex
 from router.plan import Planner, WaitForRoom, refuse
 from router.policy import make_decode_policy, make_policy

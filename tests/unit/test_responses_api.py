@@ -15,7 +15,7 @@ from router.response_store import ResponseStore
 from router.serving.errors import ApiError
 from router.serving.relay import ends_stream
 from router.tokenization.modes import EngineTokenizer
-from router.tokenization.responses import (
+from router.tokenization.responses_input import (
     InvalidInput,
     chat_tools,
     output_messages,

@@ -1,9 +1,9 @@
-"""Reading engines' /metrics (router/engines/scrape.py): load gauges per DP rank, and the
+"""Reading engines' /metrics (router/fleet/scrape.py): load gauges per DP rank, and the
 block size from vllm:cache_config_info or sglang:cache_config_info."""
 
 from __future__ import annotations
 
-from router.engines.scrape import parse_metrics
+from router.fleet.scrape import parse_metrics
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -60,7 +60,7 @@ def test_no_cache_config_means_no_block_size_and_garbage_is_skipped() -> None:
 
 
 def test_sglangs_cache_config_marks_the_engine_as_sglang() -> None:
-    from router.engines.scrape import parse_metrics
+    from router.fleet.scrape import parse_metrics
 
     sglang = parse_metrics('sglang:cache_config_info{page_size="32"} 1.0\n')
     assert (sglang.block_size, sglang.sglang) == (32, True)

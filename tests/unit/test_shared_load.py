@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from router.config import PolicyConfig
-from router.engines.load import InFlight, LoadTracker
-from router.engines.shared_load import decode_load, encode_load
+from router.fleet.load import InFlight, LoadTracker
+from router.fleet.shared_load import decode_load, encode_load
 from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.types import EngineKey

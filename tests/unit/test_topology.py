@@ -7,7 +7,7 @@ import pytest
 
 from router.config import ConfigError, DisaggregationConfig, PolicyConfig, load_config
 from router.core import RoutingCore
-from router.engines.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.index.memory import MemoryIndex
 from router.plan import Planner
 from router.policy import make_decode_policy, make_policy

@@ -25,7 +25,7 @@ from router.bench.overhead import cpu_seconds
 from router.bench.soak.report import FaultWindow, Sample, router_counters
 from router.bench.targets import HOST, free_port, http_get, replays_ok, wait_until
 from router.bench.throwaway_redis import RedisServer
-from router.engines.registry import endpoint_of
+from router.fleet.registry import endpoint_of
 from router.process import EngineProcess, ServerProcess, stop_group
 
 ENGINES = 4

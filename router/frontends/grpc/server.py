@@ -42,7 +42,7 @@ from router.serving.headers import repeated
 if TYPE_CHECKING:
     from router.config import Config
     from router.drain import Drain
-    from router.engines.registry import Engine, EngineState, Registry
+    from router.fleet.registry import Engine, EngineState, Registry
     from router.metrics import RouterMetrics
     from router.security import Credentials
     from router.serving.picks import PickLedger

@@ -4,7 +4,7 @@
 A new response takes the request path every generation takes (parse, validate,
 ``Decider.prepare``, the planner, forward and relay,
 :class:`~router.serving.generate.Generations`); its prompt is tokenized from
-``instructions`` and ``input`` (:mod:`router.tokenization.responses`; the engine's own
+``instructions`` and ``input`` (:mod:`router.tokenization.responses_input`; the engine's own
 renderer where it serves one). Two things are its own:
 
 * **Affinity.** vLLM keeps a stored response in the engine that produced it, so a
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from router.engines.registry import Engine, EngineState
+from router.fleet.registry import Engine, EngineState
 from router.flow.ratelimit import Limit, LocalBuckets
 from router.frontends.http.downstream import HttpDownstream
 from router.http1 import HTTPError
@@ -49,7 +49,7 @@ from router.serving.context import Outcome, RequestContext
 from router.serving.errors import ApiError, bad_request
 from router.serving.parsing import MIN_OUTPUT_TOKENS, ParsedRequest, optional_int
 from router.serving.relay import RelayHooks, relay
-from router.tokenization.responses import InvalidInput, responses_messages
+from router.tokenization.responses_input import InvalidInput, responses_messages
 from router.types import EngineKey
 
 if TYPE_CHECKING:

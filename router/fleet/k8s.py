@@ -42,8 +42,8 @@ from router.config import (
     EventEndpoints,
     TopologyConfig,
 )
-from router.engines.k8s_config import KubernetesDiscoveryConfig
-from router.engines.registry import Engine, EngineState, Registry, endpoint_of
+from router.fleet.k8s_config import KubernetesDiscoveryConfig
+from router.fleet.registry import Engine, EngineState, Registry, endpoint_of
 from router.metric_catalogue import (
     DISCOVERY_ENGINES,
     DISCOVERY_ERRORS,

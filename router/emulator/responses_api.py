@@ -1,7 +1,7 @@
 """The emulator's OpenAI Responses API, as vLLM 0.32 serves it (models without Harmony).
 
 ``POST /v1/responses`` renders ``instructions`` and ``input`` (a string, or input items)
-with the chat template (:mod:`router.tokenization.responses`), generates like a chat,
+with the chat template (:mod:`router.tokenization.responses_input`), generates like a chat,
 and answers a response object, or streams vLLM's events: ``response.created``,
 ``response.in_progress``, ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``...,
@@ -39,7 +39,7 @@ from router.emulator.protocol import (
     parse_body,
 )
 from router.emulator.state import EmulatorState
-from router.tokenization.responses import InvalidInput, output_messages, responses_messages
+from router.tokenization.responses_input import InvalidInput, output_messages, responses_messages
 from router.tokenization.words import render_chat
 
 #: Stored responses one server keeps (the oldest are forgotten first).

@@ -5,7 +5,7 @@ Two sources, kept apart because they age differently:
 * in-flight accounting: requests, prompt tokens still to prefill, decode tokens still
   to generate, KV blocks pinned. This router's own part is exact and instant; with
   replicas sharing Redis, the peers' part (``peer_*``) is added in by a background task
-  (``router/engines/shared_load.py``) about every 100 ms, and in between as each peer's
+  (``router/fleet/shared_load.py``) about every 100 ms, and in between as each peer's
   changes arrive on the decision stream, so the fields every policy reads are totals
   over the replicas and no decision merges anything;
 * values the engine reports on ``/metrics`` (waiting, running, KV usage), which include
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from router.engines.latency import EngineLatency, LatencyModel
+from router.fleet.latency import EngineLatency, LatencyModel
 from router.metric_catalogue import (
     ENGINE_INFLIGHT_REQUESTS,
     ENGINE_PEER_INFLIGHT_REQUESTS,
@@ -88,7 +88,7 @@ class EngineLoad:
     each request sent extends it by its prefill at the fitted speed, each first token
     re-anchors it to what the engine really did. Kept with a latency model."""
     latency: EngineLatency | None = None
-    """The engine's fitted latency lines (:mod:`router.engines.latency`), when the
+    """The engine's fitted latency lines (:mod:`router.fleet.latency`), when the
     tracker keeps a model."""
     offered: float = 0.0
     """Uncached prompt tokens this router has sent there, each weighing half as much
@@ -221,14 +221,14 @@ class LoadTracker:
     on_change: Callable[[EngineKey], None] | None = None
     """Called with the engine whenever this router's own work on it changed (a request
     sent, its first token, its end): the replicas' load sharing sends such changes at
-    once (:meth:`~router.engines.shared_load.SharedLoad.changed`)."""
+    once (:meth:`~router.fleet.shared_load.SharedLoad.changed`)."""
     track_prefills: bool = False
     """Keep :attr:`prefilling` (prefill isolation is on)."""
     prefilling: dict[EngineKey, dict[int, Ticket]] = field(default_factory=dict)
     """Engine -> tickets with a flow ticket whose first token has not arrived (prefill
     isolation, :mod:`router.flow.isolation`); engines with none are left out."""
     latency: LatencyModel | None = None
-    """The online latency model (:mod:`router.engines.latency`) the tracker feeds with
+    """The online latency model (:mod:`router.fleet.latency`) the tracker feeds with
     first-token times and output pace; None keeps none."""
     replicas: int = 1
     """Router replicas sharing the engines, this one included (:meth:`set_replicas`)."""

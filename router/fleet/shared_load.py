@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from router.engines.load import NO_PEERS, InFlight, LoadTracker
+from router.fleet.load import NO_PEERS, InFlight, LoadTracker
 from router.index.base import IndexUnavailable
 from router.metric_catalogue import LOAD_CHANGES_APPLIED, LOAD_CHANGES_SENT, LOAD_PEERS
 from router.redis.client import RedisClient, replica_id

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from router.config import Config
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Engine, Registry
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Engine, Registry
     from router.live_config import LiveConfig
     from router.types import EngineKey
 

@@ -6,7 +6,7 @@ own requests:
 * **time to first token** = ``ttft_overhead_s`` + ``prefill_s_per_token`` x (prefill
   tokens queued ahead of the request when it was sent + its own uncached prompt
   tokens). Observed when a streamed request's first token arrives
-  (:meth:`LoadTracker.prefilled <router.engines.load.LoadTracker.prefilled>`).
+  (:meth:`LoadTracker.prefilled <router.fleet.load.LoadTracker.prefilled>`).
 * **time per output token** = ``tpot_base_s`` + ``tpot_s_per_seq`` x sequences
   decoding on the engine. Observed when a request ends, from its first-token time, end
   time and output tokens, against the sequences that decoded there meanwhile.
@@ -20,7 +20,7 @@ anywhere. Slopes and intercepts never go below zero.
 The model belongs to the load tracker, not to the policy, so a reload of the
 ``policy`` section (new weights, another policy) keeps what was learnt; only the priors
 change. The ``latency`` policy (:mod:`router.policy.latency`) reads the coefficients
-from :attr:`EngineLoad.latency <router.engines.load.EngineLoad.latency>`.
+from :attr:`EngineLoad.latency <router.fleet.load.EngineLoad.latency>`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engines the router routes to as they come and go.
 
 Engines join from the configuration, the admin API (``/admin/engines``, gRPC ``Admin``),
-Kubernetes discovery (:mod:`router.engines.k8s`) and a reload of the static ``engines``
+Kubernetes discovery (:mod:`router.fleet.k8s`) and a reload of the static ``engines``
 list. A new engine is probed in the background; its discovery (what it serves, its block
 size, where its KV events are) admits it once its block size fits its pools, then its
 KV events are followed and its models' tokenizers settled. An engine back from an
@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from router.engines.monitor import EngineMonitor
-from router.engines.registry import Engine, EngineState, endpoint_of
+from router.fleet.monitor import EngineMonitor
+from router.fleet.registry import Engine, EngineState, endpoint_of
 from router.index.base import IndexUnavailable
 
 if TYPE_CHECKING:
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 
     from router.config import Config, EngineConfig
     from router.core import RoutingCore
-    from router.engines.block_size import BlockSizes
-    from router.engines.k8s import KubernetesDiscovery
-    from router.engines.load import LoadTracker
-    from router.engines.registry import Registry
     from router.events.follow import EventFollowing
+    from router.fleet.block_size import BlockSizes
+    from router.fleet.k8s import KubernetesDiscovery
+    from router.fleet.load import LoadTracker
+    from router.fleet.registry import Registry
     from router.index.base import KVIndex
     from router.live_config import LiveConfig
     from router.proxy import Upstream
@@ -41,7 +41,7 @@ log = logging.getLogger("kvroute")
 
 class EngineFleet:
     """Adds, removals and discovery of engines while the router runs (what
-    :class:`~router.engines.k8s.KubernetesDiscovery` and the admin layer change)."""
+    :class:`~router.fleet.k8s.KubernetesDiscovery` and the admin layer change)."""
 
     def __init__(
         self,
@@ -90,7 +90,7 @@ class EngineFleet:
         ``discovery.kubernetes`` is on; its metrics are collected into ``metrics``."""
         if not self.config.discovery.kubernetes.enabled:
             return None
-        from router.engines.k8s import DiscoveryCollector, KubernetesDiscovery
+        from router.fleet.k8s import DiscoveryCollector, KubernetesDiscovery
 
         discovery = KubernetesDiscovery(self, self.config.discovery.kubernetes)
         metrics.register(DiscoveryCollector(discovery))

@@ -1,4 +1,4 @@
-"""The settings of engine discovery from Kubernetes (router/engines/k8s.py): the
+"""The settings of engine discovery from Kubernetes (router/fleet/k8s.py): the
 ``discovery.kubernetes`` section of the configuration."""
 
 from __future__ import annotations

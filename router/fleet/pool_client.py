@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from router.engines.registry import EngineState
+from router.fleet.registry import EngineState
 from router.proxy import UpstreamError
 from router.tokenization.base import TokenizerUnavailable
 
 if TYPE_CHECKING:
-    from router.engines.registry import Registry
+    from router.fleet.registry import Registry
     from router.live_config import LiveConfig
     from router.proxy import Upstream
 

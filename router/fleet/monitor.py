@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.config import Config, EventEndpoints
-from router.engines.load import LoadTracker
-from router.engines.registry import Engine, EngineState, Registry
-from router.engines.scrape import parse_metrics
+from router.fleet.load import LoadTracker
+from router.fleet.registry import Engine, EngineState, Registry
+from router.fleet.scrape import parse_metrics
 from router.proxy import Upstream, UpstreamError
 from router.security import endpoint_allowed
 

@@ -1,1 +1,0 @@
-"""Engines: identity, load accounting, health, registry."""
