@@ -9,7 +9,7 @@ A plugin's own section lives beside the plugin and is nested here: the ``policy`
 section with the policy registry in router/policy/registry.py, each policy's parameters
 in router/policy/<name>_config.py, each index backend's settings in
 router/index/<name>_config.py, flow control's in router/flow/config.py, Kubernetes
-discovery's in router/fleet/k8s_config.py. Their names stay importable from this module.
+discovery's in router/fleet/k8s_config.py. Import a section's own names from its module.
 """
 
 from __future__ import annotations
@@ -39,21 +39,11 @@ from pydantic_core.core_schema import ValidationInfo
 from router.config_section import Section
 from router.fleet.k8s_config import KubernetesDiscoveryConfig
 from router.flow.config import FlowConfig
-from router.flow.config import FlowKeyConfig as FlowKeyConfig
-from router.flow.config import FlowRateLimitConfig as FlowRateLimitConfig
-from router.flow.config import FlowSaturationConfig as FlowSaturationConfig
-from router.flow.config import FlowTenantConfig as FlowTenantConfig
 from router.handoff import registry as handoff_registry
 from router.index.redis_config import RedisIndexConfig
 from router.index.replicated_config import ReplicatedIndexConfig
 from router.media import DEFAULT_MM_PLACEHOLDER_TOKENS
-from router.policy.latency_config import MIN_SLO_MS as MIN_SLO_MS
-from router.policy.latency_config import LatencyPolicyConfig as LatencyPolicyConfig
-from router.policy.latency_config import SLOConfig as SLOConfig
-from router.policy.registry import POLICIES as POLICIES
-from router.policy.registry import POLICY_NAMES as POLICY_NAMES
 from router.policy.registry import PolicyConfig
-from router.policy.sglang_config import SGLangCacheAwareConfig as SGLangCacheAwareConfig
 
 ENV_PREFIX = "KVROUTE_"
 PROCESS_SWITCHES = frozenset({"KVROUTE_PURE_PYTHON"})

@@ -16,7 +16,7 @@ import sys
 import yaml
 
 from router.config import ConfigError, load_config
-from router.security import redacted
+from router.redaction import redacted
 
 #: What an unset top-level block_size means (the value printed is only the fallback).
 ADOPTED_BLOCK_SIZE = (

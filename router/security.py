@@ -36,7 +36,6 @@ from router.config import (
     ProxyConfig,
     TlsConfig,
 )
-from router.redaction import redacted as redacted  # re-exported: callers import it here
 from router.serving.errors import anthropic_route
 
 log = logging.getLogger("kvroute.security")

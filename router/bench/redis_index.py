@@ -37,7 +37,9 @@ from router.events.writer import RemoteEventWriter
 from router.hashing import block_keys, seed_for
 from router.index import MemoryIndex
 from router.index.base import KVIndex, Match
-from router.index.redis import AddOp, ExpireOp, RedisIndex, WriteBatch, pack_keys
+from router.index.redis import RedisIndex
+from router.index.remote import AddOp, ExpireOp, WriteBatch
+from router.redis.schema import pack_keys
 from router.types import EngineKey, Tier
 
 PROMPT_TOKENS = 8192

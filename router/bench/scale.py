@@ -155,7 +155,8 @@ def measure_kvroute(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
 def measure_redis(engines: int, blocks: int, repeat: int) -> dict[str, Any]:
     """The fleet in the Redis index on a throw-away ``redis-server`` (own process)."""
     from router.bench.throwaway_redis import RedisServer
-    from router.index.redis import AddOp, RedisIndex, WriteBatch
+    from router.index.redis import RedisIndex
+    from router.index.remote import AddOp, WriteBatch
     from router.types import EngineKey, Tier
 
     fleet = Fleet(engines, blocks)

@@ -55,15 +55,14 @@ from grpc import aio
 
 from router.flow.ticket import FlowTicket
 from router.frontends.grpc.api import fallbacks
-from router.frontends.http.routes import REQUEST_ID
 from router.handoff import base
 from router.handoff import registry as dialects
 from router.handoff.fields import owned_fields
+from router.plan import Plan
 from router.policy.base import Decision, NoCandidates
-from router.serving.decide import Plan
 from router.serving.errors import ApiError
 from router.serving.gate import Entry
-from router.serving.headers import check_single
+from router.serving.headers import REQUEST_ID, check_single
 from router.serving.intake import prepare
 from router.serving.parsing import decode_body, parse_chat, parse_completion
 from router.serving.picks import Lease

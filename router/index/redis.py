@@ -39,7 +39,6 @@ from router.index.remote import (
     AvailabilityListener,
     ClearOp,
     ExpireOp,
-    Fence,
     FencedIndex,
     LeaseMode,
     RemoveOp,
@@ -53,24 +52,7 @@ from router.redis.client import RedisClient, Script
 from router.redis.schema import pack_keys, unpack_key
 from router.types import EngineKey, Tier
 
-# The write vocabulary lived here before it was shared by remote backends: still
-# importable from this module, as is the packing of block keys.
-__all__ = [
-    "AddOp",
-    "AvailabilityListener",
-    "ClearOp",
-    "ExpireOp",
-    "Fence",
-    "RedisIndex",
-    "RemoveOp",
-    "StreamPosition",
-    "WriteBatch",
-    "WriteOp",
-    "WriteResult",
-    "bucket_key",
-    "bucket_name",
-    "pack_keys",
-]
+__all__ = ["RedisIndex", "bucket_key", "bucket_name"]
 
 _CANDIDATE_CACHE = 1024
 

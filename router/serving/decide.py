@@ -18,14 +18,14 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from router.admission import Overloaded
-from router.config import MIN_SLO_MS
 from router.core import Saturated
 from router.flow.isolation import Yielding
 from router.hashing import block_keys, seed_for
 from router.media import block_extra_keys
-from router.plan import SERVING_ROLES, Plan, Planner, restrict
+from router.plan import Plan, Planner
 from router.policy.base import Decision, Policy, RouteRequest
 from router.policy.disagg import SplitDecision
+from router.policy.latency_config import MIN_SLO_MS
 from router.serving.errors import ApiError
 from router.serving.headers import SLO_TPOT_HEADER, SLO_TTFT_HEADER, header
 from router.serving.parsing import ParsedRequest, tokenize
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from router.tokenization import Tokenizers
 
 log = logging.getLogger("kvroute.decide")
-
-__all__ = ["SERVING_ROLES", "Decider", "Plan", "body_text", "restrict"]
 
 
 def body_text(parsed: ParsedRequest) -> str:

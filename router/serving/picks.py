@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 from router.fleet.load import LoadTracker, Ticket
 from router.metric_catalogue import PICKS_ENDED
+from router.plan import Plan
 from router.policy.base import RouteRequest
 from router.serving.charges import Charges
-from router.serving.decide import Plan
 from router.types import EngineKey
 
 if TYPE_CHECKING:

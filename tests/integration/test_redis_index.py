@@ -17,17 +17,15 @@ from support.redis import RedisServer, monitored_commands, random_namespace, red
 from router.config import IndexConfig, RedisIndexConfig
 from router.index import Match, MemoryIndex, index_from_config
 from router.index.base import IndexUnavailable
-from router.index.redis import (
+from router.index.redis import RedisIndex, bucket_key, bucket_name
+from router.index.remote import (
     AddOp,
     ClearOp,
     ExpireOp,
     Fence,
-    RedisIndex,
     RemoveOp,
     WriteBatch,
     WriteResult,
-    bucket_key,
-    bucket_name,
 )
 from router.redis.client import client_from_url
 from router.types import EngineKey, Tier

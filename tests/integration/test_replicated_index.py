@@ -44,9 +44,9 @@ from router.hashing import block_keys, seed_for
 from router.index import Match
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryIndex
-from router.index.redis import pack_keys
 from router.index.replicated import DecisionSync, decode_decisions, encode_decisions, unpack_keys
 from router.redis.client import RedisClient
+from router.redis.schema import pack_keys
 from router.sessions import SessionMap
 from router.tokenization.words import WordTokenizer
 from router.types import EngineKey

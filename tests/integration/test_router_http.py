@@ -24,7 +24,7 @@ from support.routers import start_router
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.fleet.registry import EngineState
-from router.frontends.http.routes import HttpDownstream
+from router.frontends.http.downstream import HttpDownstream
 from router.http1 import Response
 from router.types import EngineKey
 

@@ -7,13 +7,14 @@ import asyncio
 
 import pytest
 
-from router.config import FlowConfig, FlowSaturationConfig
+from router.flow.config import FlowConfig, FlowSaturationConfig
 from router.flow.control import usage_tokens
 from router.flow.fairness import RoundRobin, VirtualTokenCounter
 from router.flow.queue import BandedQueue
 from router.flow.ratelimit import Limit, LocalBuckets
 from router.flow.saturation import engine_saturation, pool_saturation
-from router.flow.ticket import FlowTicket, Identities, body_facts, key_digest
+from router.flow.ticket import FlowTicket, Identities, body_facts
+from router.security import key_digest
 
 
 class Clock:

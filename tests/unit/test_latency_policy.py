@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
+from router.config import PolicyConfig
 from router.core import RoutingCore
 from router.fleet.latency import LatencyModel, LatencyPriors
 from router.fleet.load import EngineLoad, LoadTracker
@@ -16,6 +16,7 @@ from router.policy import make_policy
 from router.policy.base import RouteRequest
 from router.policy.kv_cost import KVCostPolicy
 from router.policy.latency import LatencyPolicy, priors_of
+from router.policy.latency_config import LatencyPolicyConfig, SLOConfig
 from router.sessions import MAX_KEY_CHARS, session_key
 from router.types import EngineKey
 

@@ -15,13 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.config import LatencyPolicyConfig, PolicyConfig
+from router.config import PolicyConfig
 from router.fleet.latency import LatencyModel, LatencyPriors
 from router.fleet.load import EngineLoad
 from router.index.base import Match
 from router.policy import latency
 from router.policy.base import LazyScores, RouteRequest
 from router.policy.latency import LatencyPolicy
+from router.policy.latency_config import LatencyPolicyConfig
 from router.sessions import session_key
 from router.types import EngineKey
 

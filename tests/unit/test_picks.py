@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from router.fleet.load import LoadTracker
+from router.plan import Plan
 from router.policy.base import Decision, RouteRequest
 from router.policy.disagg import SplitDecision
-from router.serving.decide import Plan
 from router.serving.picks import DuplicatePick, PickLedger
 from router.types import EngineKey
 

@@ -10,6 +10,7 @@ import pytest
 from router.config import AuthConfig, Config, ConfigError, load_config
 from router.handoff.fields import OWNED_PATHS, owned_fields, strip_owned
 from router.index.redis import RedisIndex
+from router.redaction import redacted
 from router.security import (
     AuthError,
     Credentials,
@@ -17,7 +18,6 @@ from router.security import (
     endpoint_allowed,
     engine_allowed,
     is_loopback,
-    redacted,
 )
 
 

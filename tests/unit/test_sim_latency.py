@@ -9,9 +9,10 @@ from collections import Counter
 
 import pytest
 
-from router.config import LatencyPolicyConfig, PolicyConfig, SLOConfig
+from router.config import PolicyConfig
 from router.engine_model import EngineParams
 from router.policy.latency import LatencyPolicy
+from router.policy.latency_config import LatencyPolicyConfig, SLOConfig
 from router.sim.cluster import ClusterSim, Fleet, SimSettings
 from router.workloads.generated import shared_prefix_workload, words
 from router.workloads.spec import RequestSpec

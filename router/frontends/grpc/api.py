@@ -30,15 +30,15 @@ from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff import registry as dialects
 from router.handoff.base import Directions
 from router.handoff.fields import owned_fields
+from router.plan import Plan
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.serving.context import Outcome
-from router.serving.decide import Plan
 from router.serving.errors import ApiError, bad_request
 from router.serving.forward import Forwarder
 from router.serving.gate import Entry, Permit
-from router.serving.generate import Generations, Parse
+from router.serving.generate import Generations
 from router.serving.headers import REQUEST_ID, check_headers
-from router.serving.intake import prepare
+from router.serving.intake import Parse, prepare
 from router.serving.parsing import decode_body, parse_chat, parse_completion
 from router.serving.picks import DuplicatePick
 from router.serving.validate import check_keyed, resolve_model

@@ -52,8 +52,9 @@ from router.serving.downstream import Downstream
 from router.serving.errors import ApiError, shape_for
 from router.serving.forward import Forwarder
 from router.serving.gate import Entry, Permit
-from router.serving.generate import BeforePlan, Generations, Parse
+from router.serving.generate import BeforePlan, Generations
 from router.serving.headers import REQUEST_ID, check_headers
+from router.serving.intake import Parse
 from router.serving.parsing import parse_chat, parse_completion
 
 if TYPE_CHECKING:
