@@ -26,7 +26,6 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from aiohttp import web
 
 from router.api.body import read_body
@@ -34,7 +33,7 @@ from router.api.context import Outcome, RequestContext
 from router.api.downstream import HttpDownstream
 from router.api.errors import ApiError, bad_request
 from router.api.headers import REQUEST_ID
-from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
+from router.api.openai import MIN_OUTPUT_TOKENS, ParsedRequest, required_int
 from router.api.validate import resolve_model
 from router.policy.base import RouteRequest
 from router.tokenization.anthropic import chat_messages, has_inline_system
@@ -149,9 +148,7 @@ class CountTokens:
         try:
             app.gate.refuse_closed()
             body = await read_body(request)
-            payload = decode_body(body, app.config.limits.max_json_depth)
-            if app.strip_owned_fields(payload):
-                body = msgspec.json.encode(payload)
+            body, payload = app.owned.body(body, app.config.limits.max_json_depth)
             model = resolve_model(_required_str(payload, "model"), app.registry.models())
             _checked_messages(payload)
             given = request.headers.get("x-request-id")

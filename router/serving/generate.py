@@ -18,7 +18,6 @@ import msgspec
 
 from router.api.context import RequestContext
 from router.api.headers import check_headers
-from router.api.openai import decode_body
 from router.serving.intake import Parse, prepare
 
 if TYPE_CHECKING:
@@ -64,9 +63,7 @@ class Generations:
         app = self.app
         limits = app.config.limits
         check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
-        payload = decode_body(body, limits.max_json_depth)
-        if app.strip_owned_fields(payload):
-            body = _encode(payload)  # every path below forwards these bytes
+        body, payload = app.owned.body(body, limits.max_json_depth)  # the bytes forwarded
         ready = await prepare(
             app, request_id, payload, parse, sink.headers, wait_until=deadline, flow=outcome.ticket
         )
