@@ -126,6 +126,11 @@ async def via_extproc(app: RouterApp, endpoint: str, raw: bytes) -> tuple[int, A
     return 200, None
 
 
+def grown(before: dict[str, Any], after: dict[str, Any], name: str, **labels: str) -> float:
+    """How much a counter grew between two scrapes."""
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -154,10 +159,8 @@ async def test_pick_gives_the_status_code_and_the_message(
     after = await metrics(http, router.url)
     for code in ("INVALID_ARGUMENT", "NOT_FOUND"):
         count = sum(status_code(err.status).name == code for *_, err in cases)
-        counted = metric_sum(after, "kvroute_grpc_requests_total", method="Pick", code=code)
-        assert (
-            counted - metric_sum(before, "kvroute_grpc_requests_total", method="Pick", code=code)
-            == count
+        assert grown(before, after, "kvroute_grpc_requests_total", method="Pick", code=code) == (
+            count
         ), code
 
 
@@ -178,6 +181,5 @@ async def test_extproc_answers_an_immediate_response_with_the_status_and_json(
     assert await via_extproc(router, *ACCEPTED) == (200, None)
     assert router.loads.in_flight == 0 and router.picks.open_count == 0
     after = await metrics(http, router.url)
-    name, labels = "kvroute_extproc_requests_total", {"outcome": "client_error"}
-    refused = metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+    refused = grown(before, after, "kvroute_extproc_requests_total", outcome="client_error")
     assert refused == len(cases)
