@@ -114,13 +114,23 @@ def stop_group(proc: subprocess.Popen[Any], grace: float = 5.0, kill_wait: float
 class ServerProcess:
     """``kvroute COMMAND ARGS`` in a child process with its own process group."""
 
-    def __init__(self, command: str, args: Sequence[str], timeout: float = 60.0) -> None:
-        """Start ``kvroute COMMAND ARGS`` on 127.0.0.1 and wait for its start-up line."""
+    def __init__(
+        self,
+        command: str,
+        args: Sequence[str],
+        timeout: float = 60.0,
+        checkout: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Start ``kvroute COMMAND ARGS`` on 127.0.0.1 and wait for its start-up line.
+        ``checkout``: run the ``router`` package of that directory (another commit's
+        worktree, its compiled helper built) instead of this one."""
         self.args = [sys.executable, "-m", "router", command, "--host", "127.0.0.1", *args]
         # A file, not a pipe: nobody reads stderr while the engine runs, and a full pipe
         # would block it.
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = start_group(self.args, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.proc = start_group(
+            self.args, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=checkout
+        )
         self.line = ""
         try:
             self.line = self._read_line(timeout)

@@ -19,6 +19,7 @@ shared system prompt. Targets:
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -130,7 +131,11 @@ def bench_argvs(found: list[str]) -> list[list[str]]:
     return [[*base, *run] for run in RUNS]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # No options: the runs are fixed (docs/benchmarks.md); --help says what it does.
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
     BUILD.mkdir(parents=True, exist_ok=True)
     status = 0
     for argv in bench_argvs(targets()):

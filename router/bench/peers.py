@@ -238,16 +238,28 @@ def main(argv: list[str] | None = None) -> int:
         default=0.25,
         help="the long workload sends this share of --serial and --parallel",
     )
-    parser.add_argument("--peer", action="append", choices=["sglang-router", "vllm-router"])
+    parser.add_argument(
+        "--peer",
+        action="append",
+        choices=["sglang-router", "vllm-router", "none"],
+        help="the peers to run (repeatable; default both; 'none': kvroute alone)",
+    )
     parser.add_argument("--router-args", default="", help="extra `kvroute serve` arguments")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run the kvroute of another checkout (e.g. `git worktree add DIR COMMIT`, "
+        "its compiled helper built), as the target 'kvroute@base', to compare commits",
+    )
     parser.add_argument("--output", default="bench-results/peers.json")
     args = parser.parse_args(argv)
     workloads = args.workload or ["small", "long"]
-    peers = args.peer or ["sglang-router", "vllm-router"]
+    peers = [p for p in args.peer or ["sglang-router", "vllm-router"] if p != "none"]
     use_uvloop()
     engines = fast_engines("peers")
     urls = [e.url for e in engines]
     kvroute: ServerProcess | None = None
+    baseline: ServerProcess | None = None
     peer_procs: list[tuple[str, RouterProcess]] = []
     results: dict[str, Any] = {}
     try:
@@ -255,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         for url in urls:
             serve += ["--engine", url]
         kvroute = ServerProcess("serve", serve)
+        if args.baseline:
+            baseline = ServerProcess("serve", serve, checkout=args.baseline)
         peer_procs, problems = asyncio.run(_start_peers(peers, urls))
         for problem in problems:
             print(f"bench-peers: left out {problem}", file=sys.stderr)
@@ -262,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             "direct": ("direct", [f"{u}/v1/completions" for u in urls], None),
             "kvroute": ("kvroute", [f"{kvroute.url}/v1/completions"], kvroute.proc.pid),
         }
+        if baseline is not None:
+            base = ("kvroute@base", [f"{baseline.url}/v1/completions"], baseline.proc.pid)
+            targets_of["kvroute@base"] = base
         for name, p in peer_procs:
             targets_of[name] = (name, [f"{p.url}/v1/completions"], p.proc.pid)
         for workload in workloads:
@@ -280,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for _, p in peer_procs:
             p.stop()
-        if kvroute is not None:
-            kvroute.stop()
+        for server in (kvroute, baseline):
+            if server is not None:
+                server.stop()
         for e in engines:
             e.stop()
     _print(results)

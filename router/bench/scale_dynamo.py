@@ -83,5 +83,6 @@ def main(engines: int, blocks: int, repeat: int) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:4]]
-    print(json.dumps(main(*args)))
+    if len(sys.argv) != 4 or not all(a.isdigit() for a in sys.argv[1:]):
+        sys.exit(f"usage: {sys.argv[0]} ENGINES BLOCKS REPEAT (run by router/bench/scale.py)")
+    print(json.dumps(main(*(int(a) for a in sys.argv[1:4]))))

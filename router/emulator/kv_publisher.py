@@ -176,6 +176,11 @@ class KVEventPublisher:
         if self._replay is not None and self._replay_task is None:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
+    @property
+    def published(self) -> int:
+        """The batches published so far."""
+        return self._seq
+
     def publish(self, events: Sequence[KVEvent], ts: float) -> None:
         """Send one batch now and keep it for replay."""
         if self.wire_format == "sglang":

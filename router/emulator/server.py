@@ -114,6 +114,11 @@ class EmulatedEngine:
         self.side_channel_port: int = info["side_channel_port"]
         self.bootstrap_port: int | None = info["bootstrap_port"]
 
+    @property
+    def kv_batches_published(self) -> int:
+        """The KV-event batches its ranks have published so far."""
+        return sum(p.published for p in self._publishers)
+
     def startup_line(self) -> str:
         """The one line a kvroute server prints when it is ready."""
         cfg = self.config

@@ -57,7 +57,6 @@ from router.flow.ticket import FlowTicket
 from router.frontends.grpc.api import fallbacks
 from router.handoff import base
 from router.handoff import registry as dialects
-from router.handoff.fields import owned_fields
 from router.plan import Plan
 from router.policy.base import Decision, NoCandidates
 from router.serving.errors import ApiError
@@ -316,7 +315,7 @@ class Exchange:
         try:
             payload = decode_body(body, depth) if body else None
         except ApiError:
-            if self._json_body() and not self.app.config.auth.allow_client_handoff_fields:
+            if self._json_body() and not self.app.owned.trusted:
                 # An engine's laxer parser (NaN, deeper nesting) could still find
                 # router-owned fields in a JSON body the router cannot read.
                 raise
@@ -335,17 +334,13 @@ class Exchange:
 
     def _strip_owned(self, payload: dict[str, Any], body: bytes) -> bytes:
         """The body without router-owned handoff fields; the gateway is sent the new one."""
-        owned = owned_fields(payload)
-        if not owned:
-            return body
+        owned = self.app.owned
         if not self._duplex and len(self.chunks) > 1:
             # STREAMED mode: the earlier chunks went on unchanged already.
-            raise ApiError(
-                400,
-                f"the router sets {', '.join(owned)} itself; a client may not send them",
-                param=owned[0],
-            )
-        self.app.strip_owned_fields(payload)
+            owned.refuse(payload)
+            return body
+        if not owned.strip(payload):
+            return body
         body = _encode(payload)
         self.chunks = [body]
         self.rewritten = True
@@ -365,7 +360,7 @@ class Exchange:
         if subset is not None and not subset:
             raise ApiError(503, "no eligible endpoint in the gateway's subset hint", retry_after=1)
         kind, payload = self._kind(body)
-        if payload is not None and not app.config.auth.allow_client_handoff_fields:
+        if payload is not None:
             body = self._strip_owned(payload, body)
         decode: Decision
         plan: Plan | None = None

@@ -35,11 +35,11 @@ from router.frontends.http.listener import BoundSite, ConnectionGuard, ListenErr
 from router.frontends.http.routes import error_response, openai_errors
 from router.handoff import nixl
 from router.handoff import sidecar as sidecar_dialect
-from router.handoff.fields import strip_owned
 from router.http1 import HTTPError
 from router.proxy import Upstream, UpstreamError
 from router.serving.errors import ApiError, bad_request
 from router.serving.forward import EngineCall
+from router.serving.owned import OwnedFields
 from router.serving.parsing import decode_body
 from router.serving.relay import RelayHooks
 from router.serving.usage import UsageTap, cached_tokens
@@ -107,7 +107,7 @@ class Sidecar:
         self.engine_url = engine_url.rstrip("/")
         self.allow = allow
         self.proxy = proxy
-        self.allow_client_handoff_fields = allow_client_handoff_fields
+        self.owned = OwnedFields(trusted=allow_client_handoff_fields)
         self.upstream: Upstream | None = None
 
     async def start(self) -> None:
@@ -157,8 +157,8 @@ class Sidecar:
         assert self.upstream is not None
         body = await read_body(request)
         payload: dict[str, Any] | None = None
-        if not self.allow_client_handoff_fields:
-            body, payload = _without_owned_fields(body)
+        if not self.owned.trusted:  # trusted: the body goes on unread
+            body, payload = self.owned.body(body)
         headers = {**self._headers(request), "X-Request-Id": rid}
         target = request.headers.get(HEADER)
         if target is None:
@@ -241,20 +241,6 @@ class Sidecar:
                 await call.relay(sink, head, _LOCAL_STREAM, self.proxy.idle_timeout_s, tap=tap)
         assert sink.response is not None
         return sink.response
-
-
-def _without_owned_fields(body: bytes) -> tuple[bytes, dict[str, Any]]:
-    """The body without a client's own handoff fields (router.handoff.fields), and the
-    decoded request it carries.
-
-    Decoded as the router decodes every body (``decode_body``: depth-checked, 400 for
-    anything but a JSON object): a body the sidecar cannot read is the client's 400,
-    not passed on, since an engine's laxer parser (``NaN``, deeper nesting) could still
-    find the fields in it."""
-    payload = decode_body(body)
-    if not strip_owned(payload):
-        return body, payload
-    return _encode(payload), payload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,6 @@ import msgspec
 from router.serving.context import RequestContext
 from router.serving.headers import check_headers
 from router.serving.intake import Parse, prepare
-from router.serving.parsing import decode_body
 
 if TYPE_CHECKING:
     from router.serving.context import Outcome
@@ -64,9 +63,7 @@ class Generations:
         app = self.app
         limits = app.config.limits
         check_headers(sink.headers)  # gRPC Generate's headers map comes straight here
-        payload = decode_body(body, limits.max_json_depth)
-        if app.strip_owned_fields(payload):
-            body = _encode(payload)  # every path below forwards these bytes
+        body, payload = app.owned.body(body, limits.max_json_depth)  # the bytes forwarded
         ready = await prepare(
             app, request_id, payload, parse, sink.headers, wait_until=deadline, flow=outcome.ticket
         )

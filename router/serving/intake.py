@@ -7,8 +7,9 @@ routing cannot read), checked (:func:`~router.serving.validate.check_request`: t
 (:meth:`~router.serving.decide.Decider.prepare`), and its prompt checked against the model's
 length (:func:`~router.serving.validate.check_prompt_tokens`). Refusals are
 :class:`~router.serving.errors.ApiError` values that each front end writes in its own form.
-Decoding the body and the router-owned fields stay with the front end: HTTP strips
-them, ``Pick`` refuses them, ext_proc strips them unless the body has gone on already.
+Before it, the body is decoded and the router-owned fields taken out by the one rule of
+:mod:`router.serving.owned` (a front end that cannot change the body it forwards,
+``Pick`` or ext_proc once chunks have gone on, refuses them by the same rule).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from router.handoff.fields import strip_owned
+from router.serving.owned import OwnedFields
 
 if TYPE_CHECKING:
     from router.admin import Admin
@@ -77,18 +77,16 @@ class Services:
     def draining(self) -> bool:
         return self.state.draining
 
-    def strip_owned_fields(self, payload: dict[str, Any]) -> bool:
-        """Remove a client body's router-owned handoff fields, wherever they hide
-        (:func:`router.handoff.fields.strip_owned`), each counted in
-        ``kvroute_client_handoff_fields_removed_total``; unless
-        ``auth.allow_client_handoff_fields`` trusts the clients. True if any was removed
-        (the body must then be encoded again)."""
-        if self.config.auth.allow_client_handoff_fields:
-            return False
-        removed = strip_owned(payload)
-        for path in removed:
-            self.metrics.handoff_fields_removed.labels(path).inc()
-        return bool(removed)
+    @property
+    def owned(self) -> OwnedFields:
+        """The router-owned fields rule (:mod:`router.serving.owned`) for the
+        configuration in force, counting each field it takes out in
+        ``kvroute_client_handoff_fields_removed_total``."""
+        removed = self.metrics.handoff_fields_removed
+        return OwnedFields(
+            self.config.auth.allow_client_handoff_fields,
+            lambda path: removed.labels(path).inc(),
+        )
 
     @property
     def started_at(self) -> float:

@@ -1,6 +1,10 @@
-"""The same bad request is refused by every front end with the same message: the HTTP
-API (400/404 with OpenAI error JSON), gRPC Pick and Generate (the matching status code),
-Envoy ext_proc (an ImmediateResponse with the same status and JSON), one router each."""
+"""Each front end writes intake's refusal in its own form, with intake's message: the
+HTTP API (the status with OpenAI error JSON), gRPC Pick and Generate (the matching status
+code, the message as details), Envoy ext_proc (an ImmediateResponse with the status and
+the same JSON). What is refused, and why, is decided once by intake and tested once,
+table-driven, in ``test_intake.py``; here, one error-mapping test per front end, each on
+a few refusals of every kind (the body, a limit, the model) and one request that passes,
+on one router."""
 
 from __future__ import annotations
 
@@ -10,128 +14,47 @@ from typing import Any
 
 import aiohttp
 import grpc
-import pytest
 import pytest_asyncio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc import aio
+from support.clients import metric_sum, metrics
 from support.grpc_clients import connect, generate
+from support.intake import refusal
 from support.routers import start_router
 
 from router.app import RouterApp
 from router.emulator import EmulatedEngine
 from router.frontends.grpc.api import status_code
 from router.grpc.gen.kvroute.v1 import router_pb2 as pb
+from router.serving.errors import ApiError
 
-LIMITS = {
-    "max_n": 2,
-    "max_prompts": 2,
-    "max_sequences": 3,
-    "max_prompt_tokens": 8,
-    "max_output_tokens": 16,
-    "max_json_depth": 4,
-}
+LIMITS = {"max_n": 2, "max_prompts": 2, "max_prompt_tokens": 8, "max_json_depth": 4}
 MODEL = "kvroute-emulated"
 """The shared engine serves it and one LoRA adapter, ``sql-adapter``."""
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
-#: (case, endpoint, body, HTTP status, what the message says)
-REFUSED: list[tuple[str, str, dict[str, Any], int, str]] = [
-    (
-        "n over max_n",
-        "completions",
-        {"model": MODEL, "prompt": "x", "n": 3},
-        400,
-        "'n' must be at most 2",
-    ),
-    (
-        "too many prompts",
-        "completions",
-        {"model": MODEL, "prompt": ["a", "b", "c"]},
-        400,
-        "at most 2 prompts per request, got 3",
-    ),
-    (
-        "too many messages",
-        "chat",
-        {**CHAT, "messages": CHAT["messages"] * 3},
-        400,
-        "at most 2 messages per request, got 3",
-    ),
-    (
-        "prompts x n over max_sequences",
-        "completions",
-        {"model": MODEL, "prompt": ["a", "b"], "n": 2},
-        400,
-        "this request asks for 4 sequences",
-    ),
-    (
-        "prompt over max_prompt_tokens",
-        "completions",
-        {"model": MODEL, "prompt": "w0 w1 w2 w3 w4 w5 w6 w7 w8"},
-        400,
-        "the prompt has 9 tokens; this router accepts at most 8",
-    ),
-    (
-        "max_tokens over max_output_tokens",
-        "completions",
-        {"model": MODEL, "prompt": "x", "max_tokens": 17},
-        400,
-        "'max_tokens' must be at most 16",
-    ),
-    (
-        "max_completion_tokens over max_output_tokens",
-        "chat",
-        {**CHAT, "max_completion_tokens": 17},
-        400,
-        "'max_completion_tokens' must be at most 16",
-    ),
-    (
-        "max_tokens under the least an engine runs",
-        "completions",
-        {"model": MODEL, "prompt": "x", "max_tokens": 0},
-        400,
-        "'max_tokens' must be at least 1, got 0",
-    ),
-    (
-        "max_completion_tokens under the least an engine runs",
-        "chat",
-        {**CHAT, "max_tokens": 5, "max_completion_tokens": 0},
-        400,
-        "'max_completion_tokens' must be at least 1, got 0",
-    ),
-    (
-        "max_tokens not an integer",
-        "chat",
-        {**CHAT, "max_tokens": "ten"},
-        400,
-        "'max_tokens' must be an integer",
-    ),
-    ("unknown model", "completions", {"prompt": "x", "model": "nope"}, 404, "'nope'"),
-    (
-        "unknown LoRA adapter",
-        "completions",
-        {"prompt": "x", "model": "sql-adapter-2"},
-        404,
-        "The model 'sql-adapter-2' does not exist",
-    ),
-    (
-        "no model while several are served",
-        "chat",
-        {"messages": CHAT["messages"]},
-        400,
-        "'model' is required when several models are served",
-    ),
-    (
-        "JSON over max_json_depth",
-        "completions",
-        {"model": MODEL, "prompt": "x", "extra": [[[[1]]]]},
-        400,
-        "nests JSON deeper than 4 levels",
-    ),
+
+def raw(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload).encode()
+
+
+#: (endpoint, body): one refusal of each kind intake has.
+REFUSED: list[tuple[str, bytes]] = [
+    ("completions", b"{not json"),  # the body: no param
+    ("completions", raw({"model": MODEL, "prompt": "x", "extra": [[[[1]]]]})),
+    ("completions", raw({"model": MODEL, "prompt": "x", "n": 3})),  # a limit
+    ("completions", raw({"model": MODEL, "prompt": "w0 w1 w2 w3 w4 w5 w6 w7 w8"})),
+    ("chat", raw({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 3})),
+    ("completions", raw({"model": "nope", "prompt": "x"})),  # the model: 404
 ]
+ACCEPTED = ("chat", raw({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+
+
+async def expected(app: RouterApp) -> list[tuple[str, bytes, ApiError]]:
+    """Each refusal with the error intake gives it on ``app``."""
+    return [(endpoint, body, await refusal(app, endpoint, body)) for endpoint, body in REFUSED]
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -172,14 +95,14 @@ async def via_generate(
     kind = pb.ENDPOINT_CHAT_COMPLETIONS if endpoint == "chat" else pb.ENDPOINT_COMPLETIONS
     async with connect(app.grpc_port) as stubs:
         try:
-            answer = await generate(stubs.router, json.loads(raw), endpoint=kind)
+            answer = await generate(stubs.router, raw, endpoint=kind)
         except aio.AioRpcError as err:
             return err.code(), err.details()
         assert answer.status == 200
         return grpc.StatusCode.OK, None
 
 
-async def via_extproc(app: RouterApp, endpoint: str, raw: bytes) -> tuple[int, str | None]:
+async def via_extproc(app: RouterApp, endpoint: str, raw: bytes) -> tuple[int, Any]:
     """Envoy's FULL_DUPLEX_STREAMED request: headers, then the body with end of stream."""
     pairs = {":method": "POST", ":path": PATHS[endpoint], "content-type": "application/json"}
     headers = base_pb2.HeaderMap(
@@ -195,63 +118,68 @@ async def via_extproc(app: RouterApp, endpoint: str, raw: bytes) -> tuple[int, s
         while await call.read() is not aio.EOF:
             pass
     if first.WhichOneof("response") == "immediate_response":
-        refusal = first.immediate_response
-        return refusal.status.code, json.loads(refusal.body)["error"]["message"]
+        answer = first.immediate_response
+        content_type = [h for h in answer.headers.set_headers if h.header.key == "content-type"]
+        assert [h.header.raw_value for h in content_type] == [b"application/json"]
+        return answer.status.code, json.loads(answer.body)
     assert first.WhichOneof("response") == "request_headers"
     return 200, None
+
+
+def grown(before: dict[str, Any], after: dict[str, Any], name: str, **labels: str) -> float:
+    """How much a counter grew between two scrapes."""
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize(
-    ("endpoint", "payload", "status", "needle"),
-    [case[1:] for case in REFUSED],
-    ids=[case[0] for case in REFUSED],
-)
-async def test_every_front_end_refuses_it_with_the_same_message(
-    router: RouterApp,
-    http: aiohttp.ClientSession,
-    endpoint: str,
-    payload: dict[str, Any],
-    status: int,
-    needle: str,
+async def test_http_writes_the_status_and_openai_error_json(
+    router: RouterApp, http: aiohttp.ClientSession
 ) -> None:
-    raw = json.dumps(payload).encode()
-    got_status, message = await via_http(http, router, endpoint, raw)
-    assert got_status == status and message is not None and needle in message, message
-    assert await via_pick(router, endpoint, raw) == (status_code(status), message)
-    assert await via_generate(router, endpoint, raw) == (status_code(status), message)
-    assert await via_extproc(router, endpoint, raw) == (status, message)
-    assert router.loads.in_flight == 0 and router.picks.open_count == 0
-
-
-@pytest.mark.parametrize(
-    ("endpoint", "payload"),
-    [
-        (
-            "completions",
-            {"model": MODEL, "prompt": "w0 w1 w2 w3 w4 w5 w6 w7", "max_tokens": 16, "n": 1},
-        ),
-        ("completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2}),
-        ("chat", {**CHAT, "messages": CHAT["messages"] * 2, "max_completion_tokens": 16, "n": 2}),
-        ("completions", {"model": "sql-adapter", "prompt": "x", "max_tokens": 2}),
-        ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True}),
-    ],
-    ids=[
-        "at every bound",
-        "two prompts",
-        "chat at its bounds",
-        "a served LoRA adapter",
-        "the prompt echoed alone",
-    ],
-)
-async def test_every_front_end_accepts_a_request_within_the_limits(
-    router: RouterApp, http: aiohttp.ClientSession, endpoint: str, payload: dict[str, Any]
-) -> None:
-    raw = json.dumps(payload).encode()
-    assert await via_http(http, router, endpoint, raw) == (200, None)
-    assert await via_pick(router, endpoint, raw) == (grpc.StatusCode.OK, None)
-    assert await via_generate(router, endpoint, raw) == (grpc.StatusCode.OK, None)
-    assert await via_extproc(router, endpoint, raw) == (200, None)
+    for endpoint, body, err in await expected(router):
+        async with http.post(
+            router.url + PATHS[endpoint], data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            assert resp.status == err.status and resp.content_type == "application/json"
+            assert await resp.json() == err.payload(), body
+    assert await via_http(http, router, *ACCEPTED) == (200, None)
     assert router.loads.in_flight == 0
+
+
+async def test_pick_gives_the_status_code_and_the_message(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    before = await metrics(http, router.url)
+    cases = await expected(router)
+    for endpoint, body, err in cases:
+        assert await via_pick(router, endpoint, body) == (status_code(err.status), err.message)
+    assert await via_pick(router, *ACCEPTED) == (grpc.StatusCode.OK, None)
+    assert router.picks.open_count == 0 and router.loads.in_flight == 0
+    after = await metrics(http, router.url)
+    for code in ("INVALID_ARGUMENT", "NOT_FOUND"):
+        count = sum(status_code(err.status).name == code for *_, err in cases)
+        assert grown(before, after, "kvroute_grpc_requests_total", method="Pick", code=code) == (
+            count
+        ), code
+
+
+async def test_generate_gives_the_status_code_and_the_message(router: RouterApp) -> None:
+    for endpoint, body, err in await expected(router):
+        assert await via_generate(router, endpoint, body) == (status_code(err.status), err.message)
+    assert await via_generate(router, *ACCEPTED) == (grpc.StatusCode.OK, None)
+    assert router.loads.in_flight == 0
+
+
+async def test_extproc_answers_an_immediate_response_with_the_status_and_json(
+    router: RouterApp, http: aiohttp.ClientSession
+) -> None:
+    before = await metrics(http, router.url)
+    cases = await expected(router)
+    for endpoint, body, err in cases:
+        assert await via_extproc(router, endpoint, body) == (err.status, err.payload()), body
+    assert await via_extproc(router, *ACCEPTED) == (200, None)
+    assert router.loads.in_flight == 0 and router.picks.open_count == 0
+    after = await metrics(http, router.url)
+    refused = grown(before, after, "kvroute_extproc_requests_total", outcome="client_error")
+    assert refused == len(cases)

@@ -413,26 +413,17 @@ def body(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload).encode()
 
 
-async def test_pick_refuses_what_the_http_api_refuses(
+async def test_pick_s_own_prompt_forms_are_refused_like_a_body(
     fleet: list[EmulatedEngine], http: aiohttp.ClientSession
 ) -> None:
+    """Text, token ids and block keys are mapped to a body and checked by intake like
+    one (test_intake.py has every refusal; these are the forms only Pick has)."""
     app = await start_router([e.url for e in fleet], grpc={"port": 0}, limits=LIMITS)
-    chat = {"messages": [{"role": "user", "content": "hi"}]}
     try:
         async with connect(app.grpc_port) as stubs:
             pick = stubs.router.Pick
             cases: list[tuple[pb.PickRequest, grpc.StatusCode, str]] = [
                 (pb.PickRequest(text="x", n=3), INVALID, "'n' must be at most 2"),
-                (
-                    pb.PickRequest(body=body({"prompt": ["a", "b", "c"]})),
-                    INVALID,
-                    "at most 2 prompts per request, got 3",
-                ),
-                (
-                    pb.PickRequest(body=body({"prompt": ["a", "b"], "n": 2})),
-                    INVALID,
-                    "asks for 4 sequences",
-                ),
                 (
                     pb.PickRequest(token_ids=pb.TokenIds(ids=list(range(9)))),
                     INVALID,
@@ -440,11 +431,6 @@ async def test_pick_refuses_what_the_http_api_refuses(
                 ),
                 (pb.PickRequest(text=words("long", 9)), INVALID, "the prompt has 9 tokens"),
                 (pb.PickRequest(text="x", max_tokens=17), INVALID, "'max_tokens' must be at most"),
-                (
-                    pb.PickRequest(body=body({**chat, "max_completion_tokens": 17})),
-                    INVALID,
-                    "'max_completion_tokens' must be at most 16",
-                ),
                 (
                     pb.PickRequest(text="x", model="nope"),
                     grpc.StatusCode.NOT_FOUND,
@@ -484,33 +470,6 @@ async def test_pick_refuses_what_the_http_api_refuses(
         )
         assert refused == len(cases) - 1
         assert metric_sum(samples, "kvroute_grpc_requests_total", method="Pick", code="OK") == 4
-    finally:
-        await app.stop()
-
-
-async def test_generate_refuses_what_the_http_api_refuses(fleet: list[EmulatedEngine]) -> None:
-    app = await start_router([e.url for e in fleet], grpc={"port": 0}, limits=LIMITS)
-    chat = {"messages": [{"role": "user", "content": "hi"}]}
-    try:
-        async with connect(app.grpc_port) as stubs:
-            cases: list[tuple[dict[str, Any], grpc.StatusCode, str]] = [
-                ({"prompt": "x", "n": 3}, INVALID, "'n' must be at most 2"),
-                ({"prompt": ["a", "b", "c"]}, INVALID, "at most 2 prompts per request, got 3"),
-                ({"prompt": ["a", "b"], "n": 2}, INVALID, "asks for 4 sequences"),
-                ({"prompt": list(range(9))}, INVALID, "the prompt has 9 tokens"),
-                ({"prompt": "x", "max_tokens": 17}, INVALID, "'max_tokens' must be at most 16"),
-                ({**chat, "max_completion_tokens": 17}, INVALID, "'max_completion_tokens'"),
-                ({"prompt": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND, "'nope'"),
-            ]
-            for payload, code, needle in cases:
-                request = pb.GenerateRequest(body=body(payload))
-                got, message = await rpc_error(_drain(stubs.router.Generate(request)))
-                assert got == code and needle in message, (payload, got, message)
-            answer = await generate(
-                stubs.router, {"prompt": list(range(8)), "max_tokens": 2, "n": 2}
-            )
-            assert answer.status == 200 and len(json.loads(answer.data)["choices"]) == 2
-        assert app.loads.in_flight == 0
     finally:
         await app.stop()
 

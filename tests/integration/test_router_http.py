@@ -204,44 +204,8 @@ async def test_metrics_expose_the_documented_names(
 # ---------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        (b"{not json", None),
-        (b"[1, 2]", None),
-        (json.dumps({"max_tokens": 2}).encode(), "prompt"),
-        (json.dumps({"prompt": ""}).encode(), "prompt"),
-        (json.dumps({"prompt": [1, -5]}).encode(), "prompt"),
-        (json.dumps({"prompt": [1, 2**40]}).encode(), "prompt"),
-        (json.dumps({"prompt": 7}).encode(), "prompt"),
-        (json.dumps({"prompt": "a", "max_tokens": "many"}).encode(), "max_tokens"),
-        (json.dumps({"prompt": "a", "stream": "yes"}).encode(), "stream"),
-        (json.dumps({"prompt": "a", "n": 0}).encode(), "n"),
-    ],
-)
-async def test_bad_completion_requests_get_400(
-    router: RouterApp, http: aiohttp.ClientSession, body: bytes, param: str | None
-) -> None:
-    status, payload = await post(http, f"{router.url}/v1/completions", body)
-    assert status == 400
-    assert payload["error"]["type"] == "invalid_request_error"
-    assert payload["error"]["param"] == param
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"messages": []},
-        {"messages": [{"content": "no role"}]},
-        {"messages": [{"role": "wizard", "content": "x"}]},
-        {"messages": "hi"},
-    ],
-)
-async def test_bad_chat_requests_get_400(
-    router: RouterApp, http: aiohttp.ClientSession, body: dict[str, object]
-) -> None:
-    status, payload = await post(http, f"{router.url}/v1/chat/completions", body)
-    assert status == 400 and payload["error"]["param"] == "messages"
+# The refusals of a body (not JSON, what routing cannot read, the limits) are intake's,
+# table-driven in test_intake.py; their HTTP form is in test_front_ends_refuse_alike.py.
 
 
 async def test_an_unknown_model_gets_404_listing_the_served_ones(

@@ -143,6 +143,32 @@ async def live_events(http: aiohttp.ClientSession, app: RouterApp, engine: Emula
     raise AssertionError("the router never received live events")
 
 
+class HeardEvents:
+    """Whether each router has received every KV-event batch the engines published since
+    it was made (both subscribe to every engine)."""
+
+    def __init__(self, engines: list[EmulatedEngine], *apps: RouterApp) -> None:
+        self.engines = engines
+        self.apps = apps
+        self.published = self._published()
+        self.received = [self._received(app) for app in apps]
+
+    def _published(self) -> int:
+        return sum(e.kv_batches_published for e in self.engines)
+
+    @staticmethod
+    def _received(app: RouterApp) -> int:
+        assert app.subscriber is not None
+        return app.subscriber.stats.batches
+
+    def all(self) -> bool:
+        since = self._published() - self.published
+        return all(
+            self._received(app) - before >= since
+            for app, before in zip(self.apps, self.received, strict=True)
+        )
+
+
 @dataclass
 class Routed:
     status: int
@@ -273,10 +299,14 @@ async def test_a_conversation_alternating_between_replicas_stays_on_one_engine(
         {"role": "user", "content": "question zero"},
     ]
     turns = []
+    heard = HeardEvents(fresh_fleet, a, b)
     for turn in range(6):
         answer = await ask(http, (a, b)[turn % 2], {"messages": messages, "max_tokens": 8}, True)
         assert answer.status == 200, answer.body
         turns.append(answer)
+        # The next turn goes to the other replica: it must have the blocks this one
+        # stored (on a loaded machine its subscriber can lag the answer by a moment).
+        await poll(heard.all, timeout=30)
         messages += [
             {"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]},
             {"role": "user", "content": f"question {turn + 1}"},
@@ -558,7 +588,9 @@ async def test_a_redis_outage_fails_no_request_and_affinity_returns_after_it(
         else:
             own_server.kill()
         stopped = time.monotonic()
-        await poll(lambda: not (has_redis(a) or has_redis(b)), timeout=5)
+        # A deadline, not a measurement: three calls in a row over the 1 s budget each
+        # (seconds more when the machine is loaded and the probes' calls queue).
+        await poll(lambda: not (has_redis(a) or has_redis(b)), timeout=20)
         # Keep it down for a while, with requests flowing through both replicas.
         await poll(
             lambda: (

@@ -71,10 +71,13 @@ class Generated:
         return out
 
 
-async def generate(router: pb_grpc.RouterStub, body: dict[str, Any], **fields: Any) -> Generated:
-    """Run Generate to its end."""
+async def generate(
+    router: pb_grpc.RouterStub, body: dict[str, Any] | bytes, **fields: Any
+) -> Generated:
+    """Run Generate to its end (``body``: the request, or its bytes as sent)."""
     out = Generated()
-    request = pb.GenerateRequest(body=json.dumps(body).encode(), **fields)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = pb.GenerateRequest(body=raw, **fields)
     async for chunk in router.Generate(request):
         if out.chunks == 0:
             out.status, out.headers = chunk.status, dict(chunk.headers)

@@ -29,7 +29,6 @@ from router.grpc.gen.kvroute.v1 import router_pb2 as pb
 from router.grpc.gen.kvroute.v1 import router_pb2_grpc as pb_grpc
 from router.handoff import registry as dialects
 from router.handoff.base import Directions
-from router.handoff.fields import owned_fields
 from router.plan import Plan
 from router.policy.base import Decision, NoCandidates, RouteRequest
 from router.serving.context import Outcome
@@ -385,14 +384,10 @@ class RouterService(pb_grpc.RouterServicer):
             if len(request.body) > limit:
                 raise ApiError(413, f"request body is larger than {limit} bytes")
             body = decode_body(request.body, self.app.config.limits.max_json_depth)
-            owned = owned_fields(body)
-            if owned and not self.app.config.auth.allow_client_handoff_fields:
-                # The caller forwards this body itself: the router cannot take them out.
-                raise bad_request(
-                    f"the router sets {', '.join(owned)} itself; remove them from the body "
-                    "(PickResponse.handoff says what to send)",
-                    owned[0],
-                )
+            # The caller forwards this body itself: the router cannot take them out.
+            self.app.owned.refuse(
+                body, "remove them from the body (PickResponse.handoff says what to send)"
+            )
             return body
         payload: dict[str, Any] = {}
         if kind == "text":

@@ -26,7 +26,6 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from aiohttp import web
 
 from router.frontends.http.body import read_body
@@ -35,7 +34,7 @@ from router.policy.base import RouteRequest
 from router.serving.context import Outcome, RequestContext
 from router.serving.errors import ApiError, bad_request
 from router.serving.headers import REQUEST_ID
-from router.serving.parsing import MIN_OUTPUT_TOKENS, ParsedRequest, decode_body, required_int
+from router.serving.parsing import MIN_OUTPUT_TOKENS, ParsedRequest, required_int
 from router.serving.validate import resolve_model
 from router.tokenization.anthropic import chat_messages, has_inline_system
 from router.tokenization.base import PromptTokenizer
@@ -149,9 +148,7 @@ class CountTokens:
         try:
             app.gate.refuse_closed()
             body = await read_body(request)
-            payload = decode_body(body, app.config.limits.max_json_depth)
-            if app.strip_owned_fields(payload):
-                body = msgspec.json.encode(payload)
+            body, payload = app.owned.body(body, app.config.limits.max_json_depth)
             model = resolve_model(_required_str(payload, "model"), app.registry.models())
             _checked_messages(payload)
             given = request.headers.get("x-request-id")

@@ -29,7 +29,7 @@ from router.frontends.http.engine_routes import EngineRoute, NotRouted, not_rout
 from router.policy.base import RouteRequest
 from router.serving.context import Outcome, RequestContext
 from router.serving.errors import bad_request
-from router.serving.parsing import ParsedRequest, decode_body
+from router.serving.parsing import ParsedRequest
 from router.serving.validate import resolve_model
 
 if TYPE_CHECKING:
@@ -77,9 +77,8 @@ class Passthrough:
         :class:`ApiError` while nothing has reached ``sink``); ``label`` is the metrics
         label the HTTP API counts it under."""
         app = self.app
-        payload = decode_body(body, app.config.limits.max_json_depth)
-        if app.strip_owned_fields(payload):  # e.g. sampling_params.extra_args on generate
-            body = _encode(payload)
+        # Owned fields hide in e.g. sampling_params.extra_args on generate.
+        body, payload = app.owned.body(body, app.config.limits.max_json_depth)
         requested = payload.get("model")
         if requested is not None and not isinstance(requested, str):
             raise bad_request("'model' must be a string", "model")
