@@ -78,8 +78,7 @@ class Fleet:
                 ],
             )
             self.procs.append(self.router)
-            assert self.router.proc.stdout is not None
-            grpc_line = self.router.proc.stdout.readline()
+            grpc_line = self.router.read_line(timeout=30)
             self.grpc_port = int(grpc_line.rsplit(":", 1)[1])
             self.sidecar = ServerProcess(
                 "sidecar",

@@ -754,7 +754,7 @@ async def test_kvroute_serve_flags_start_the_grpc_listeners(
     server = await asyncio.to_thread(ServerProcess, "serve", args)
     try:
         assert server.url.startswith("http://127.0.0.1:")
-        lines = [await asyncio.to_thread(server.proc.stdout.readline) for _ in range(2)]
+        lines = [await asyncio.to_thread(server.read_line, 30) for _ in range(2)]
         ports = {}
         for line in lines:
             match = re.fullmatch(

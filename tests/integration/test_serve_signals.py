@@ -64,8 +64,7 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(
     config = config_for(slow_engine, server={"drain_timeout_s": 30}, grpc={"port": 0})
     proc, _ = await serve(config, tmp_path)
     try:
-        assert proc.proc.stdout is not None
-        line = await asyncio.to_thread(proc.proc.stdout.readline)  # the gRPC listener's
+        line = await asyncio.to_thread(proc.read_line, 30)  # the gRPC listener's
         match = re.search(r"gRPC API listening on \S+:(\d+)", line)
         assert match, line
         grpc_port = int(match.group(1))
