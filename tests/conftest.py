@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
-from support.clients import post
+from support.clients import post, session
 from support.engines import start_test_engine
 from support.hf_tokenizer import train_tiny_tokenizer
 from support.redis import delete_namespace, random_namespace, session_redis_url
@@ -108,8 +108,8 @@ def pytest_asyncio_loop_factories(
 
 @pytest_asyncio.fixture(scope="session")
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
+    async with session() as client:
+        yield client
 
 
 @pytest.fixture(scope="session")
