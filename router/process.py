@@ -8,18 +8,20 @@ peer-router comparison and the tests' Envoy and vLLM helpers all use these three
 
 :class:`ServerProcess` runs a kvroute server (``kvroute engine``, ``kvroute serve``,
 ...) that way. Every kvroute server prints one line containing
-``listening on http://HOST:PORT`` once it is ready; that line gives the address.
+``listening on http://HOST:PORT`` once it is ready; that line gives the address, and
+:meth:`ServerProcess.read_line` waits, within a deadline, for the lines after it.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -100,11 +102,16 @@ def stop_group(proc: subprocess.Popen[Any], grace: float = 5.0, kill_wait: float
     SIGTERM to the group; if the leader has not exited within ``grace`` seconds, SIGKILL
     to the group. Once the leader has exited, whatever is left of the group (children
     that ignored SIGTERM or outlived it) gets SIGKILL, and the leader is reaped. Safe to
-    call twice; ``grace=0`` kills at once.
+    call twice; ``grace=0`` kills at once. A stopped group (SIGSTOP: a frozen Redis, a
+    paused engine) is continued after the SIGTERM: a process that handles SIGTERM runs
+    its handler only once continued, and would otherwise sit out the grace.
     """
     if proc.returncode is not None:
         return proc.returncode
-    if not (grace > 0 and signal_group(proc, signal.SIGTERM) and _exited(proc, grace)):
+    terminated = grace > 0 and signal_group(proc, signal.SIGTERM)
+    if terminated:
+        signal_group(proc, signal.SIGCONT)
+    if not (terminated and _exited(proc, grace)):
         signal_group(proc, signal.SIGKILL)
         _exited(proc, kill_wait)
     signal_group(proc, signal.SIGKILL)  # the leader is gone but not reaped: its group's id holds
@@ -131,9 +138,18 @@ class ServerProcess:
         self.proc = start_group(
             self.args, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=checkout
         )
+        # Stdout is read by a thread of its own: a caller waits for the next line with a
+        # deadline (a blocking readline has none, and a thread blocked in one holds up
+        # the exit of an event loop's default executor), and the pipe never fills.
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ended = False
+        self._reader = threading.Thread(
+            target=self._read_stdout, name=f"kvroute {command} stdout", daemon=True
+        )
+        self._reader.start()
         self.line = ""
         try:
-            self.line = self._read_line(timeout)
+            self.line = self._first_line(timeout)
         except BaseException:
             self.stop()
             raise
@@ -143,20 +159,39 @@ class ServerProcess:
             raise RuntimeError(f"unexpected start-up line: {self.line!r}")
         self.url = match.group(1)
 
-    def _read_line(self, timeout: float) -> str:
+    def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if sel.select(timeout=deadline - time.monotonic()):
-                    line = self.proc.stdout.readline()
-                    if line:
-                        return line.strip()
-                    self.proc.wait(timeout=5)
-                    self.stderr.seek(0)
-                    raise RuntimeError(f"server exited before listening: {self.stderr.read()}")
-        raise TimeoutError(f"server did not print its address within {timeout} s")
+        try:
+            for line in self.proc.stdout:
+                self._lines.put(line)
+        except (OSError, ValueError):  # the pipe closed under the read
+            pass
+        finally:
+            self._lines.put("")
+
+    def read_line(self, timeout: float) -> str:
+        """The next line the server printed on stdout (with its newline), or ``""``
+        once its output has ended; :class:`TimeoutError` if neither came within
+        ``timeout`` seconds."""
+        if self._ended:
+            return ""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the server printed no line within {timeout} s") from None
+        self._ended = not line
+        return line
+
+    def _first_line(self, timeout: float) -> str:
+        try:
+            line = self.read_line(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"server did not print its address within {timeout} s") from None
+        if not line:
+            self.proc.wait(timeout=5)
+            self.stderr.seek(0)
+            raise RuntimeError(f"server exited before listening: {self.stderr.read()}")
+        return line.strip()
 
     def terminate(self) -> int:
         """SIGTERM the server and wait for its exit code."""
@@ -166,7 +201,11 @@ class ServerProcess:
     def stop(self) -> None:
         """End the process group whatever its state (safe to call twice)."""
         stop_group(self.proc)
-        if self.proc.stdout is not None:
+        # With the group gone the pipe has ended and the reader with it; one held open by
+        # a process that left the group is left to the reader (closing the pipe under a
+        # blocked read would wait for that read).
+        self._reader.join(timeout=5)
+        if self.proc.stdout is not None and not self._reader.is_alive():
             self.proc.stdout.close()
         self.stderr.close()
 

@@ -1,11 +1,14 @@
 """Fixtures shared by every suite: an HTTP client, a session-wide emulated engine and
-routers stopped when the test ends."""
+routers stopped when the test ends; and the time limit of an async test's call."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
-from support.clients import post
+from pytest_timeout import _get_item_settings
+from support.clients import post, session
 from support.engines import start_test_engine
 from support.hf_tokenizer import train_tiny_tokenizer
 from support.redis import delete_namespace, random_namespace, session_redis_url
@@ -97,6 +101,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
 
 
+#: An async test's call is cancelled this long before pytest-timeout's limit for the
+#: test: what its teardown is left.
+TEARDOWN_TIME_S = 10.0
+_STARTED = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.monotonic()  # about when pytest-timeout's clock starts
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """An async test still running ``TEARDOWN_TIME_S`` before its time limit is cancelled
+    where it waits, and fails with that place in its traceback; its teardown then runs.
+
+    pytest-timeout's own end for it comes from a watchdog thread that ends the whole
+    worker: no teardown (child processes are left running) and no traceback of the
+    test's task. Its signal method, which would raise in the test, cannot reach one
+    waiting on the event loop: asyncio swallows an exception raised in a callback."""
+    __tracebackhide__ = True
+    test = getattr(item, "obj", None)
+    limit = _get_item_settings(item).timeout
+    if not (limit and inspect.iscoroutinefunction(test)):
+        return (yield)
+    left = limit - (time.monotonic() - item.stash[_STARTED]) - TEARDOWN_TIME_S
+    if left <= 0:
+        return (yield)
+
+    @functools.wraps(test)
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        task = asyncio.ensure_future(test(*args, **kwargs))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=left)
+        except asyncio.CancelledError:  # the run is interrupted: the test goes with it
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            try:
+                await task  # its finally clauses run as it ends
+            except asyncio.CancelledError:
+                pytest.fail(
+                    f"still running {limit - TEARDOWN_TIME_S:.0f} s into its {limit:.0f} s "
+                    "time limit: cancelled where it waited (the traceback above)"
+                )
+        return task.result()
+
+    item.obj = bounded  # type: ignore[attr-defined]
+    try:
+        return (yield)
+    finally:
+        item.obj = test  # type: ignore[attr-defined]
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
@@ -108,8 +168,8 @@ def pytest_asyncio_loop_factories(
 
 @pytest_asyncio.fixture(scope="session")
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
+    async with session() as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

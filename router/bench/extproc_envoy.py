@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             serve += ["--engine", engine.url]
         router = ServerProcess("serve", serve)
-        assert router.proc.stdout is not None
-        extproc_port = int(router.proc.stdout.readline().strip().rsplit(":", 1)[-1])
+        extproc_port = int(router.read_line(timeout=30).strip().rsplit(":", 1)[-1])
         picker = Envoy(binary, extproc_port)
         gateways.append(picker)
         plain = Envoy(binary, None, engines=addresses)

@@ -122,7 +122,7 @@ async def measure(rounds: int, per_round: int) -> dict[str, Any]:
     server = await asyncio.to_thread(ServerProcess, "serve", args)
     local: RouterApp | None = None
     try:
-        line = await asyncio.to_thread(server.proc.stdout.readline)  # type: ignore[union-attr]
+        line = await asyncio.to_thread(server.read_line, 30)
         grpc_address = line.strip().rsplit(" ", 1)[-1]
         async with aiohttp.ClientSession() as http:
             for group in range(GROUPS):  # each engine learns some groups' prefixes

@@ -125,6 +125,7 @@ def test_handoff_fields_of_any_shape_never_reach_an_engine(
         assert resp.status_code in DOCUMENTED, (resp.status_code, resp.text[:300])
         assert resp.status_code == 200, resp.text[:300]  # the rest of the body is valid
     else:
-        chunks = list(fleet.grpc.Generate(pb.GenerateRequest(body=json.dumps(body).encode())))
+        request = pb.GenerateRequest(body=json.dumps(body).encode())
+        chunks = list(fleet.grpc.Generate(request, timeout=30))
         assert chunks and chunks[0].status == 200, chunks[:1]
     assert fleet.listener.accepted == 0

@@ -78,8 +78,7 @@ class Fleet:
                 ],
             )
             self.procs.append(self.router)
-            assert self.router.proc.stdout is not None
-            grpc_line = self.router.proc.stdout.readline()
+            grpc_line = self.router.read_line(timeout=30)
             self.grpc_port = int(grpc_line.rsplit(":", 1)[1])
             self.sidecar = ServerProcess(
                 "sidecar",
@@ -332,7 +331,8 @@ def test_gzip_bombs_cost_at_most_the_body_limit(fleet: Fleet) -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=60)  # each exchange's socket times out after 30 s of silence
+        assert not thread.is_alive(), "a bomb's exchange is still running after 60 s"
     assert [status for status, _ in answers] == [413] * 6
     grown_mib = (fleet.memory_kib("VmHWM") - peak) / 1024
     assert grown_mib < 48, grown_mib

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from support.clients import REQUEST_TIMEOUT_S
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -38,7 +39,7 @@ async def _hit_rate(ipc_dir: Path, kv_events_format: str) -> tuple[float, int]:
         specs = shared_prefix_workload(6, 6, 640, 32, 4, seed=3)
         run = await run_target(
             kv_events_format, "policy:kv_cost", app.url, urls, specs, concurrency=3,
-            sample_interval=0.05, quiet=True,
+            sample_interval=0.05, quiet=True, timeout=REQUEST_TIMEOUT_S,
         )  # fmt: skip
         counters = app.ingestor.counters
         assert counters.skipped["unknown_parent"] == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from support.clients import metric, metrics
+from support.clients import REQUEST_TIMEOUT_S, metric, metrics
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -41,7 +41,13 @@ async def test_conversations_as_messages_report_the_engines_token_counts(
     specs = chat_workload(3, 2, 64, 20, 6, seed=4)
     specs += list(shared_prefix_workload(1, 2, 40, 8, 4, seed=5, shuffle=False))
     results = await run_load(
-        app.url, specs, concurrency=3, model="kvroute-emulated", stream=stream, api="messages"
+        app.url,
+        specs,
+        concurrency=3,
+        model="kvroute-emulated",
+        stream=stream,
+        api="messages",
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert [r.error for r in results if not r.ok] == []
     assert len(results) == len(specs) + 3  # every conversation's second turn too

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from support.clients import metric, metrics
+from support.clients import REQUEST_TIMEOUT_S, metric, metrics
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -54,7 +54,7 @@ async def test_the_report_matches_the_engines_own_metrics(
         specs += chat_workload(3, 2, 64, 20, 8, seed=2)
         run = await run_target(
             "kvroute", "policy:kv_cost", app.url, urls, specs, concurrency=8,
-            sample_interval=0.05, quiet=True,
+            sample_interval=0.05, quiet=True, timeout=REQUEST_TIMEOUT_S,
         )  # fmt: skip
     finally:
         await app.stop()
@@ -102,7 +102,7 @@ async def test_a_second_turn_carries_the_first_answer_and_hits_it(
         await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
         run = await run_target(
             "kvroute", "policy:kv_cost", app.url, urls, chat_workload(1, 2, 100, 30, 24),
-            concurrency=1, quiet=True,
+            concurrency=1, quiet=True, timeout=REQUEST_TIMEOUT_S,
         )  # fmt: skip
     finally:
         await app.stop()
@@ -127,7 +127,7 @@ async def test_a_chat_workload_runs_on_the_responses_api_and_hits_its_cache(
         await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 2)
         first, second = await run_load(
             app.url, chat_workload(1, 2, 100, 30, 24), concurrency=1, stream=stream,
-            api="responses",
+            api="responses", timeout=REQUEST_TIMEOUT_S,
         )  # fmt: skip
     finally:
         await app.stop()
@@ -152,6 +152,7 @@ def test_bench_compare_starts_engines_and_routers_and_writes_its_report(tmp_path
             "--sample-interval", "0.1",
             "--rounds", "2",
             "--output", str(out),
+            "--timeout", str(REQUEST_TIMEOUT_S),
             "--quiet",
         ]
     )  # fmt: skip
@@ -192,6 +193,7 @@ def test_an_external_router_command_is_started_with_the_engines_and_stopped(
             "--workload", "chat", "--conversations", "2", "--turns", "2",
             "--system-tokens", "50", "--question-tokens", "10", "--output-tokens", "4",
             "--output", str(out),
+            "--timeout", str(REQUEST_TIMEOUT_S),
             "--no-plots",
             "--quiet",
         ]
@@ -222,6 +224,7 @@ def test_a_peer_that_fails_to_start_is_recorded_and_the_others_still_run(
             "--workload", "chat", "--conversations", "2", "--turns", "2",
             "--system-tokens", "50", "--question-tokens", "10", "--output-tokens", "4",
             "--output", str(out),
+            "--timeout", str(REQUEST_TIMEOUT_S),
             "--no-plots",
             "--quiet",
         ]

@@ -34,8 +34,10 @@ async def test_the_engine_command_serves_and_exits_cleanly_on_sigterm(
         assert info["kv_events_endpoint"] in proc.line
         status, answer = await post(http, f"{proc.url}/v1/completions", {"prompt": "hi"})
         assert status == 200 and answer["model"] == "demo-model"
+        with pytest.raises(TimeoutError):  # a running server's next line is waited for
+            proc.read_line(timeout=0.1)
         assert proc.terminate() == 0
-        assert proc.proc.stdout is not None and proc.proc.stdout.read() == ""
+        assert proc.read_line(timeout=10) == ""  # nothing more was printed
     finally:
         proc.stop()
 

@@ -19,7 +19,7 @@ import pytest_asyncio
 from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support.clients import metric_sum, metrics, post, post_reply
+from support.clients import metric_sum, metrics, post, post_reply, session
 from support.engines import poll, start_test_engine
 from support.grpc_clients import (
     connect,
@@ -754,7 +754,7 @@ async def test_kvroute_serve_flags_start_the_grpc_listeners(
     server = await asyncio.to_thread(ServerProcess, "serve", args)
     try:
         assert server.url.startswith("http://127.0.0.1:")
-        lines = [await asyncio.to_thread(server.proc.stdout.readline) for _ in range(2)]
+        lines = [await asyncio.to_thread(server.read_line, 30) for _ in range(2)]
         ports = {}
         for line in lines:
             match = re.fullmatch(
@@ -780,7 +780,7 @@ async def test_generate_shares_the_http_admission_queue() -> None:
         [slow.url], grpc={"port": 0}, limits={"max_inflight": 1, "admission_timeout_s": 30}
     )
     try:
-        async with aiohttp.ClientSession() as http, connect(app.grpc_port) as stubs:
+        async with session() as http, connect(app.grpc_port) as stubs:
             body = {"prompt": "hold the slot " * 10, "max_tokens": 30, "stream": True}
             async with http.post(f"{app.url}/v1/completions", json=body) as holder:
                 await holder.content.readany()

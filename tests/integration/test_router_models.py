@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from support.clients import metrics, post
+from support.clients import metrics, post, session
 from support.engines import TEST_PARAMS, poll, start_test_engine
 from support.hf_tokenizer import FIXTURE
 from support.routers import start_router
@@ -352,7 +352,7 @@ class ModelsRelay:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession()
+        self._session = session()
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest_asyncio
 import redis as redis_sync
-from support.clients import metric_sum, metrics, post_reply
+from support.clients import metric_sum, metrics, post_reply, session
 from support.engines import start_test_engine
 from support.routers import start_router
 
@@ -385,7 +385,7 @@ async def test_one_caller_cannot_use_up_the_questions_of_another(
     pair: list[EmulatedEngine], http: aiohttp.ClientSession
 ) -> None:
     app = await start_router([e.url for e in pair], responses={"ask_per_caller_per_second": 0.01})
-    other = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
+    other = session(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
     try:
         for n in range(3):  # one caller: a burst of one, then none for 100 s
             status, _, answer = await holder_get(http, f"{app.url}/v1/responses/resp_mine{n}")

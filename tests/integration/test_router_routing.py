@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest_asyncio
-from support.clients import post, post_reply
+from support.clients import REQUEST_TIMEOUT_S, post, post_reply
 from support.engines import poll, start_test_engine
 from support.routers import start_router
 
@@ -49,7 +49,7 @@ async def test_shared_prefix_groups_stay_together_and_beat_round_robin(
         app = await start_router([e.url for e in fleet], policy={"name": policy})
         try:
             await poll(lambda app=app: app.subscriber and app.subscriber.stats.replays["ok"] == 4)
-            results = await run_load(app.url, workload, concurrency=8)
+            results = await run_load(app.url, workload, concurrency=8, timeout=REQUEST_TIMEOUT_S)
         finally:
             await app.stop()
         summary = summarize(results)

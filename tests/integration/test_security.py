@@ -22,7 +22,7 @@ from cryptography import x509
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support.clients import metric_sum, metrics, post_reply
+from support.clients import metric_sum, metrics, post_reply, session
 from support.engines import poll, start_test_engine
 from support.grpc_clients import generate, rpc_error
 from support.listeners import DialCounter, hostile_handoff
@@ -332,7 +332,7 @@ async def test_https_listener_and_certificate_reload(
     try:
         assert app.url.startswith("https://")
         context = client_context(ca)
-        async with aiohttp.ClientSession() as https:
+        async with session() as https:
             async with https.post(f"{app.url}/v1/completions", json=BODY, ssl=context) as resp:
                 assert resp.status == 200
             with pytest.raises(aiohttp.ClientError):  # plain HTTP to the TLS port
@@ -444,7 +444,7 @@ async def test_the_extproc_and_grpc_listeners_speak_tls_and_reload_their_certifi
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def served_serial(port: int) -> int:
-        pem = ssl.get_server_certificate(("127.0.0.1", port))
+        pem = ssl.get_server_certificate(("127.0.0.1", port), timeout=10)
         return x509.load_pem_x509_certificate(pem.encode()).serial_number
 
     try:

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
-from support.clients import metric_sum, metrics, post_reply
+from support.clients import metric_sum, metrics, post_reply, session
 from support.engines import poll, start_test_engine
 from support.grpc_clients import connect, health_status
 
@@ -64,15 +64,14 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(
     config = config_for(slow_engine, server={"drain_timeout_s": 30}, grpc={"port": 0})
     proc, _ = await serve(config, tmp_path)
     try:
-        assert proc.proc.stdout is not None
-        line = await asyncio.to_thread(proc.proc.stdout.readline)  # the gRPC listener's
+        line = await asyncio.to_thread(proc.read_line, 30)  # the gRPC listener's
         match = re.search(r"gRPC API listening on \S+:(\d+)", line)
         assert match, line
         grpc_port = int(match.group(1))
         async with connect(grpc_port) as stubs:
             for service in GRPC_SERVICES:
                 assert await health_status(stubs.health, service) == "SERVING"
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             body = {"prompt": "drain me " * 20, "max_tokens": 300, "stream": True}
             async with http.post(f"{proc.url}/v1/completions", json=body) as resp:
                 assert resp.status == 200
@@ -82,7 +81,7 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(
 
                 async def refused() -> bool:
                     try:
-                        async with aiohttp.ClientSession() as other:
+                        async with session() as other:
                             await other.get(f"{proc.url}/ready")
                     except aiohttp.ClientConnectionError:
                         return True
@@ -130,7 +129,7 @@ async def test_sighup_changes_a_policy_weight_without_failing_requests(
     reasons: list[str] = []
     stop = asyncio.Event()
     try:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
 
             async def traffic(worker: int) -> None:
                 i = 0
@@ -181,7 +180,7 @@ async def test_json_logs_carry_the_request_id_engine_and_reason(
     config = config_for(slow_engine, server={"log_format": fmt, "access_log": True})
     proc, _ = await serve(config, tmp_path)
     try:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             reply = await post_reply(
                 http,
                 f"{proc.url}/v1/completions",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from support.clients import REQUEST_TIMEOUT_S
 from support.engines import TEST_PARAMS, poll, start_test_engine
 from support.routers import start_router
 
@@ -45,7 +46,7 @@ async def live_hit_rate(policy: str, ipc_dir: Path) -> float:
         await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == 4)
         run = await run_target(
             policy, f"policy:{policy}", app.url, urls, workload(), concurrency=4,
-            sample_interval=0.5, quiet=True,
+            sample_interval=0.5, quiet=True, timeout=REQUEST_TIMEOUT_S,
         )  # fmt: skip
     finally:
         await app.stop()

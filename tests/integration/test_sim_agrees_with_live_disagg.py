@@ -20,7 +20,7 @@ import asyncio
 import random
 from pathlib import Path
 
-import aiohttp
+from support.clients import session
 from support.engines import TEST_PARAMS, poll, start_test_engine
 from support.routers import start_router
 
@@ -67,7 +67,7 @@ async def live_plans(engines: list[EmulatedEngine], specs: list[RequestSpec]) ->
     plans: list[Planned] = []
     try:
         await poll(lambda: app.subscriber and app.subscriber.stats.replays["ok"] == len(engines))
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             for i, spec in enumerate(specs):
                 async with http.post(
                     f"{app.url}/v1/completions",

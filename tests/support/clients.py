@@ -15,6 +15,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.events.types import EventBatch
 from router.events.vllm import END_SEQ, decode_batch, decode_seq, encode_seq
 
+#: A test's HTTP exchange (connecting, sending, reading the whole answer) fails after
+#: this long. aiohttp's own default, 300 s, outlasts a test's time limit: a server that
+#: stalled then stopped the run instead of failing the test.
+REQUEST_TIMEOUT_S = 30.0
+
+
+def session(**kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session for tests: each request fails after ``REQUEST_TIMEOUT_S``
+    unless ``timeout`` says otherwise."""
+    kwargs.setdefault("timeout", aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+    return aiohttp.ClientSession(**kwargs)
+
 
 async def post(
     http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None

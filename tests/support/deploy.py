@@ -55,7 +55,8 @@ def render_text(mode: str, overrides: dict[str, Any] | None = None) -> str:
             if overrides:
                 extra.write_text(yaml.safe_dump(overrides))
                 args += ["-f", str(extra)]
-            return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+            done = subprocess.run(args, check=True, capture_output=True, text=True, timeout=60)
+            return done.stdout
         finally:
             extra.unlink(missing_ok=True)
     import helm_python

@@ -7,6 +7,8 @@ process group, which ``stop()`` (call it in a ``finally``) terminates or kills.
 from __future__ import annotations
 
 import asyncio
+import inspect
+from collections.abc import Awaitable
 from typing import Any
 
 from router.emulator import EmulatedEngine, EmulatorConfig, start_engine
@@ -41,17 +43,35 @@ async def start_test_engine(**changes: Any) -> EmulatedEngine:
 
 
 async def poll(predicate: Any, timeout: float = 5.0, interval: float = 0.005) -> Any:
-    """Await ``predicate()`` (sync or async) until it is truthy; fail after ``timeout``."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    """Await ``predicate()`` (sync or async) until it is truthy; fail after ``timeout``.
+
+    An async check may itself take up to ``timeout``: one that takes longer (a request
+    to a server that stalled, which would never return) is cancelled and fails the poll.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     while True:
         value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
+        if inspect.isawaitable(value):
+            value = await _within(value, timeout)
         if value:
             return value
-        if asyncio.get_running_loop().time() > deadline:
+        if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(interval)
+
+
+async def _within(check: Awaitable[Any], timeout: float) -> Any:
+    """``await check``; fail if it has not returned within ``timeout`` (it is cancelled)."""
+    task = asyncio.ensure_future(check)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+    if not done:
+        raise AssertionError(f"a check did not return within {timeout} s")
+    return task.result()
 
 
 def poll_sync(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> Any:

@@ -119,7 +119,12 @@ def test_without_the_helper_the_pure_path_runs_with_the_same_keys() -> None:
         "print(hashing.NATIVE, hashing.block_keys(list(range(64)), 16, 5))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout.split(" ", 1)
     assert out[0] == "False"
     assert out[1].strip() == str(_block_keys_python(list(range(64)), 16, 5))

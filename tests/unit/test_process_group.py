@@ -61,6 +61,17 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
     assert proc.returncode == -signal.SIGKILL  # reaped
 
 
+def test_a_stopped_child_that_handles_sigterm_acts_on_it_within_the_grace() -> None:
+    """A frozen child (SIGSTOP) that handles SIGTERM, as a server draining on it does,
+    runs its handler only once continued: it is not left to sit out the grace."""
+    on_term = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); "
+    proc, _ = started(on_term + "print('ready', flush=True); time.sleep(60)")
+    assert signal_group(proc, signal.SIGSTOP)
+    began = time.monotonic()
+    assert stop_group(proc, grace=30.0) == 3  # its handler's exit, not a SIGKILL
+    assert time.monotonic() - began < 15
+
+
 def test_a_grandchild_ends_with_its_parent() -> None:
     spawn = (
         "import subprocess, sys, time; "

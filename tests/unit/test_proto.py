@@ -27,6 +27,7 @@ def test_the_generated_code_matches_the_proto(tmp_path: Path) -> None:
             str(REPO / "proto" / "kvroute" / "v1" / "router.proto"),
         ],
         check=True,
+        timeout=60,
     )
     for name in ("router_pb2.py", "router_pb2.pyi", "router_pb2_grpc.py"):
         fresh = (tmp_path / "kvroute" / "v1" / name).read_text()

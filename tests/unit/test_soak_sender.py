@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from support.clients import session
 
 from router.bench.loadgen import request_body
 from router.bench.soak.sender import RequestMix, send
@@ -66,8 +66,8 @@ async def test_each_answer_counts_as_what_it_is(
     server: str, prompt: str, stream: bool, answered: bool, reason: str, lost: bool
 ) -> None:
     spec = RequestSpec(prompt=prompt, max_tokens=4, extra={"stream": stream})
-    async with aiohttp.ClientSession() as session:
-        out = await send(session, server, spec, origin=0.0)
+    async with session() as client:
+        out = await send(client, server, spec, origin=0.0)
     assert (out.answered, out.reason, out.lost) == (answered, reason, lost)
     assert out.kind == "completion" + "-stream" * stream
     assert out.ended_at >= out.sent_at
