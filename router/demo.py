@@ -10,6 +10,7 @@ same with ``--policy round_robin`` on freshly reset engines.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import tempfile
@@ -62,7 +63,13 @@ def _table(policy: str, s: Summary) -> None:
     print()
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    # No options (make demo runs it as it is); --help says what it does.
+    argparse.ArgumentParser(
+        prog="python -m router.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     engines: list[EngineProcess] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
         try:

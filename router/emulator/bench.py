@@ -12,6 +12,7 @@ the numbers to ``bench-results/emulator.json``; docs/engine-emulator.md quotes t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import heapq
 import json
@@ -133,9 +134,18 @@ def bench_http(clients: int = 32, seconds: float = 5.0) -> dict[str, Any]:
     return results
 
 
-def main(argv: list[str]) -> int:
-    part = argv[0] if argv else "all"
-    trace = Path(argv[1]) if len(argv) > 1 else TRACE
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m router.emulator.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("part", nargs="?", default="all", choices=["model", "http", "all"])
+    parser.add_argument(
+        "trace", nargs="?", type=Path, default=TRACE, help="the trace `model` replays"
+    )
+    args = parser.parse_args(argv)
+    part, trace = args.part, args.trace
     results: dict[str, Any] = {}
     if part in ("model", "all"):
         results["model"] = bench_model(trace)
@@ -153,4 +163,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
