@@ -52,13 +52,18 @@ async def engines() -> AsyncIterator[list[EmulatedEngine]]:
 
 
 async def isolation_router(engines: list[EmulatedEngine], **flow: Any) -> RouterApp:
-    return await start_router(
+    app = await start_router(
         [e.url for e in engines],
         limits={"max_inflight": 16, "admission_timeout_s": 30},
         grpc={"port": 0},
         extproc={"port": 0},
         flow={"enabled": True, "prefill_isolation_wait_s": 10, "prefill_reserve": 0, **flow},
     )
+    # Every engine in play before the first request: on a loaded machine the start's
+    # probe of one can outlast the tests' 0.5 s health timeout, and it is down until the
+    # next probe (each test here needs both).
+    await poll(lambda: app.registry.healthy_count() == len(engines), timeout=30)
+    return app
 
 
 async def complete(
