@@ -167,7 +167,7 @@ async def test_a_tenant_with_a_backlog_goes_elsewhere_than_a_quieter_ones_prefil
         queued = []
         for prompt in (shared, words(20, "busy-last")):
             queued.append(asyncio.ensure_future(complete(http, app, prompt, 0, "busy")))
-            await poll(lambda n=len(queued): app.flow.queue.in_flow(0, "busy") == n)
+            await poll(lambda n=len(queued): app.flow.queue.in_flow(0, "busy") == n, timeout=30)
         (headers, _), _, _, _ = await asyncio.gather(queued[0], queued[1], quiet, busy)
         assert headers["x-kvroute-engine"] != cached
         samples = await metrics(http, app.url)

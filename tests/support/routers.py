@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
+
 from router.app import RouterApp
 from router.config import load_config
+from router.fleet.registry import EngineState
 
 #: Fast timers so health changes show within a fraction of a second.
 FAST: dict[str, Any] = {
@@ -30,10 +34,39 @@ def router_config(urls: list[str], **sections: Any) -> Any:
 
 
 async def start_router(urls: list[str], **sections: Any) -> RouterApp:
-    """A started router (``app.url``); stop it with ``await app.stop()``."""
+    """A started router (``app.url``), every engine that answers in play (see
+    :func:`engines_in_play`); stop it with ``await app.stop()``."""
     app = RouterApp(router_config(urls, **sections))
     await app.start()
+    await engines_in_play(app)
     return app
+
+
+async def engines_in_play(app: RouterApp, timeout: float = 30.0) -> None:
+    """Wait until the router has settled every engine that answers ``/health`` now.
+
+    A router's start probes each engine once; with the tests' 0.5 s health timeout
+    (:data:`FAST`) a loaded machine's probe can time out, and the engine then waits
+    ``pending`` for a later one: a request sent at once would find no engine. An engine
+    that does not answer here (a test's dead, stalled or failing URL) is not waited
+    for, and nothing fails: a test asserts what it expects of its engines itself."""
+    pending = [e for e in app.registry if e.state is EngineState.PENDING]
+    if not pending:
+        return
+    answering = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        for engine in pending:
+            try:
+                async with http.get(engine.url + "/health") as resp:
+                    if resp.status == 200:
+                        answering.append(engine)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+    step = 0.01
+    for _ in range(int(timeout / step)):
+        if all(e.state is not EngineState.PENDING for e in answering):
+            return
+        await asyncio.sleep(step)
 
 
 StartRouter = Callable[..., Awaitable[RouterApp]]
