@@ -149,11 +149,14 @@ async def test_a_tenant_with_a_backlog_goes_elsewhere_than_a_quieter_ones_prefil
     request is routed with one still queued (a backlog): it goes to the other engine."""
     app = await isolation_router(engines, tenant_share=1 / 16)
     shared = words(2_000, "backlog-shared")
-    long = shared + " " + words(3_000, "backlog-long")  # about 3 s of prefill
+    # Quiet's prefill (about 8 s) must outlast busy's answer, and busy's answer (24
+    # tokens) the queueing of busy's next two: on a loaded machine sending them takes a
+    # while, and a slot freed before they are queued admits them at once.
+    long = shared + " " + words(8_000, "backlog-long")
     try:
         cached = await warm(http, app, shared)
         busy = asyncio.ensure_future(
-            complete(http, app, words(50, "busy"), 0, "busy", max_tokens=8)
+            complete(http, app, words(50, "busy"), 0, "busy", max_tokens=24)
         )
         await poll(lambda: app.admission.holding.get("busy") == 1)
         quiet = asyncio.ensure_future(complete(http, app, long, 0, "quiet"))
