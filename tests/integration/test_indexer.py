@@ -313,6 +313,24 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
 
 
+async def first_line(proc: asyncio.subprocess.Process, within: float) -> bytes:
+    """The child's first line of output, waited for in short slices up to ``within`` s: a
+    slice that ends while the line sits unread (this worker's loop held up elsewhere)
+    only leads to another read, which returns it."""
+    assert proc.stdout is not None and proc.stderr is not None
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await asyncio.wait_for(proc.stdout.readline(), 1.0)
+        except asyncio.TimeoutError:
+            if proc.returncode is None and time.monotonic() < deadline:
+                continue
+        proc.kill()
+        await proc.wait()
+        err = (await proc.stderr.read()).decode(errors="replace")
+        raise AssertionError(f"no line from the indexer within {within} s; stderr: {err}")
+
+
 async def test_kvroute_indexer_command_follows_engines_and_stops_on_sigterm(
     publisher, index, indexer_config, clean_env
 ) -> None:
@@ -332,7 +350,7 @@ async def test_kvroute_indexer_command_follows_engines_and_stops_on_sigterm(
     )
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        line = await first_line(proc, 60)
         assert b"listening" in line and b"1 leased here" in line
         toks = tokens(800, 2)
         await publisher.publish([stored([1, 2], toks)])

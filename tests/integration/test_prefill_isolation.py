@@ -108,6 +108,46 @@ async def warm(http: aiohttp.ClientSession, app: RouterApp, prompt: str) -> str:
     return headers["x-kvroute-engine"]
 
 
+def engine_at(engines: list[EmulatedEngine], label: str) -> EmulatedEngine:
+    return next(e for e in engines if f"{e.host}:{e.port}" == label)
+
+
+async def held_prefill(
+    http: aiohttp.ClientSession,
+    app: RouterApp,
+    engine: EmulatedEngine,
+    prompt: str,
+    priority: int,
+    tenant: str = "t",
+) -> asyncio.Future[tuple[dict[str, str], float]]:
+    """Send ``prompt`` and wait until the router sees it prefilling on ``engine``, which
+    holds it there (``extra_latency_ms``, read as a request arrives) until the returned
+    task is cancelled: a prefill that outlasts whatever the test does meanwhile, on a
+    loaded machine too. Later requests to ``engine`` are not held."""
+    engine.state.faults.update({"extra_latency_ms": 300_000})
+    try:
+        task = asyncio.ensure_future(complete(http, app, prompt, priority, tenant))
+        label = f"{engine.host}:{engine.port}"
+        await poll(
+            lambda: any(
+                e.label == label and load.prefill_tokens > 0
+                for e, load in app.core.loads.view.items()
+            ),
+            timeout=30,
+        )
+    finally:
+        engine.state.faults.clear()
+    return task
+
+
+async def let_go(*tasks: asyncio.Future[Any] | None) -> None:
+    """Cancel the tests' requests still in flight (held prefills, open streams)."""
+    for task in tasks:
+        if task is not None:
+            task.cancel()
+    await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
+
+
 async def test_a_lower_band_goes_elsewhere_than_a_higher_bands_prefill(
     engines: list[EmulatedEngine], http: aiohttp.ClientSession
 ) -> None:
@@ -117,14 +157,14 @@ async def test_a_lower_band_goes_elsewhere_than_a_higher_bands_prefill(
     for isolate in (True, False):
         app = await isolation_router(engines, prefill_isolation=isolate)
         shared, long = prompts(f"bands-{isolate}")
+        high = None
         try:
             cached = await warm(http, app, shared)
-            high = asyncio.ensure_future(complete(http, app, long, 1))
-            assert await prefilling(app) == cached
-
-            (low, _), (gen, _), _ = await asyncio.gather(
-                complete(http, app, shared, 0), via_generate(app, shared, 0), high
+            high = await held_prefill(http, app, engine_at(engines, cached), long, 1)
+            (low, _), (gen, _) = await asyncio.wait_for(
+                asyncio.gather(complete(http, app, shared, 0), via_generate(app, shared, 0)), 60
             )
+            assert not high.done(), "the high prompt's prefill is held until the checks end"
             if isolate:  # "avoided" counts only decisions made while the prefill ran
                 assert low["x-kvroute-engine"] != cached
                 assert gen.status == 200 and gen.headers["x-kvroute-engine"] != cached
@@ -137,45 +177,45 @@ async def test_a_lower_band_goes_elsewhere_than_a_higher_bands_prefill(
                 assert low["x-kvroute-engine"] == cached
                 assert gen.headers["x-kvroute-engine"] == cached
         finally:
+            await let_go(high)
             await app.stop()
 
 
 async def test_a_tenant_with_a_backlog_goes_elsewhere_than_a_quieter_ones_prefill(
     engines: list[EmulatedEngine], http: aiohttp.ClientSession
 ) -> None:
-    """One band, two tenants, one slot each (``flow.tenant_share``): "busy" has a short
-    answer in flight and two requests queued behind it; "quiet" prefills a long prompt
-    on the engine that caches busy's next prompt. When busy's answer ends, its next
-    request is routed with one still queued (a backlog): it goes to the other engine."""
+    """One band, two tenants, one slot each (``flow.tenant_share``): "busy" has an answer
+    in flight and two requests queued behind it; "quiet" prefills on the engine that
+    caches busy's next prompt. When busy's answer ends, its next request is routed with
+    one still queued (a backlog): it goes to the other engine.
+
+    Nothing here is timed: quiet's prefill is held by the engine (``extra_latency_ms``)
+    until the test lets it go, and busy's answer ends when the test closes it."""
     app = await isolation_router(engines, tenant_share=1 / 16)
     shared = words(2_000, "backlog-shared")
-    # Quiet's prefill (about 8 s) must outlast busy's answer, and busy's answer (24
-    # tokens) the queueing of busy's next two: on a loaded machine sending them takes a
-    # while, and a slot freed before they are queued admits them at once.
-    long = shared + " " + words(8_000, "backlog-long")
+    quiet: asyncio.Future[Any] | None = None
+    busy: asyncio.Future[Any] | None = None
     try:
         cached = await warm(http, app, shared)
         busy = asyncio.ensure_future(
-            complete(http, app, words(50, "busy"), 0, "busy", max_tokens=24)
+            complete(http, app, words(50, "busy"), 0, "busy", max_tokens=4_000)
         )
-        await poll(lambda: app.admission.holding.get("busy") == 1)
-        quiet = asyncio.ensure_future(complete(http, app, long, 0, "quiet"))
-        await poll(
-            lambda: any(
-                t.flow is not None and t.flow.tenant == "quiet"
-                for e in app.core.loads.prefilling.values()
-                for t in e.values()
-            )
+        await poll(lambda: app.admission.holding.get("busy") == 1, timeout=30)
+        quiet = await held_prefill(
+            http, app, engine_at(engines, cached), shared + " more", 0, "quiet"
         )
         queued = []
         for prompt in (shared, words(20, "busy-last")):
             queued.append(asyncio.ensure_future(complete(http, app, prompt, 0, "busy")))
             await poll(lambda n=len(queued): app.flow.queue.in_flow(0, "busy") == n, timeout=30)
-        (headers, _), _, _, _ = await asyncio.gather(queued[0], queued[1], quiet, busy)
+        busy.cancel()  # the client goes: its slot is free, busy's next is routed
+        (headers, _), _ = await asyncio.wait_for(asyncio.gather(*queued), 60)
+        assert not quiet.done(), "quiet's prefill is held until the checks end"
         assert headers["x-kvroute-engine"] != cached
         samples = await metrics(http, app.url)
         assert metric_sum(samples, "kvroute_flow_prefill_isolation_total", outcome="avoided") >= 1
     finally:
+        await let_go(quiet, busy)
         await app.stop()
 
 
@@ -209,10 +249,10 @@ async def test_pick_and_extproc_steer_a_lower_band_away(
 ) -> None:
     app = await isolation_router(engines)
     shared, long = prompts("steer")
+    high = None
     try:
         cached = await warm(http, app, shared)
-        high = asyncio.ensure_future(complete(http, app, long, 1))
-        assert await prefilling(app) == cached
+        high = await held_prefill(http, app, engine_at(engines, cached), long, 1)
         # The same band first (a choice elsewhere records the prompt there, provisionally).
         async with connect(app.grpc_port) as stubs:
             same = await stubs.router.Pick(
@@ -225,13 +265,13 @@ async def test_pick_and_extproc_steer_a_lower_band_away(
             )
             await stubs.router.Release(pb.ReleaseRequest(request_id=picked.request_id))
         low_endpoint = await extproc_destination(app, shared, priority=0)
-        assert app.core.loads.prefilling, "the high prompt's prefill ended before the checks"
-        await high
+        assert not high.done(), "the high prompt's prefill is held until the checks end"
         assert picked.decode.endpoint != cached
         assert same.decode.endpoint == cached  # the same band is not kept off
         assert low_endpoint != cached
         assert high_endpoint == cached
     finally:
+        await let_go(high)
         await app.stop()
 
 
