@@ -81,6 +81,7 @@ async def test_a_long_prompt_is_split_and_the_decode_engine_pulls_its_kv(
         assert resp.headers["x-kvroute-mode"] == "split"
         assert resp.headers["x-kvroute-prefill"] in {endpoint(p) for p in pools["prefill"]}
         assert resp.headers["x-kvroute-engine"] in {endpoint(d) for d in pools["decode"]}
+        seen = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-kvroute")}
     assert body["usage"]["prompt_tokens"] == LONG
     assert body["usage"]["completion_tokens"] == 5
     # the client sees what the cache saved at prefill: nothing, for a new prompt
@@ -93,7 +94,11 @@ async def test_a_long_prompt_is_split_and_the_decode_engine_pulls_its_kv(
     )
     assert after - before >= LONG - 16
     samples = await metrics(http, pd_router.url)
-    assert metric_sum(samples, "kvroute_handoffs_total", dialect="nixl", outcome="pulled") == 1
+    outcomes = {
+        outcome: metric_sum(samples, "kvroute_handoffs_total", dialect="nixl", outcome=outcome)
+        for outcome in ("pulled", "recomputed", "unverified", "no_params")
+    }
+    assert outcomes["pulled"] == 1, (outcomes, seen, body["usage"])
     assert metric_sum(samples, "kvroute_disagg_decisions_total", mode="split") == 1
 
 
