@@ -60,8 +60,8 @@ async def isolation_router(engines: list[EmulatedEngine], **flow: Any) -> Router
         flow={"enabled": True, "prefill_isolation_wait_s": 10, "prefill_reserve": 0, **flow},
     )
     # Every engine in play before the first request: on a loaded machine the start's
-    # probe of one can outlast the tests' 0.5 s health timeout, and it is down until the
-    # next probe (each test here needs both).
+    # probe of one can time out, and it is down until the next probe (each test here
+    # needs both).
     await poll(lambda: app.registry.healthy_count() == len(engines), timeout=30)
     return app
 
