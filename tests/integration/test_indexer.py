@@ -43,7 +43,7 @@ def stored(hashes: list[int], toks: list[int], parent: int | None = None) -> Blo
     return BlockStored(hashes, parent, toks, BS, medium="GPU")
 
 
-async def until(check: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0) -> None:
+async def until(check: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         done = check()

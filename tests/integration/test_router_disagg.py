@@ -350,7 +350,7 @@ async def test_sglang_pairs_are_never_mixed_up_across_100_concurrent_requests(
 # ---------------------------------------------------------------- prefill failures, both dialects
 
 #: Faults that make a prefill engine fail at once, or never answer in time.
-PREFILL_FAULTS = {"fails": {"fail_rate": 1.0}, "stalls": {"extra_latency_ms": 5000}}
+PREFILL_FAULTS = {"fails": {"fail_rate": 1.0}, "stalls": {"extra_latency_ms": 60_000}}
 DIALECTS = ("nixl", "sglang")
 
 
@@ -368,7 +368,9 @@ async def start_pd(
         # first one that waits for an engine slow to answer on a busy machine: one
         # missed would leave it out of the pool until the next.
         "health": {"interval_s": 30.0, "timeout_s": 10.0},
-        "proxy": {"first_byte_timeout_s": 0.5},
+        # A stalled prefill is given up on after this; the good engine's prefill must
+        # come within it on a loaded machine too.
+        "proxy": {"first_byte_timeout_s": 1.5},
         "disaggregation": {"handoff": dialect},
     }
     for name, section in sections.items():

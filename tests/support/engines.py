@@ -42,7 +42,7 @@ async def start_test_engine(**changes: Any) -> EmulatedEngine:
     return await start_engine(engine_config(**changes))
 
 
-async def poll(predicate: Any, timeout: float = 5.0, interval: float = 0.005) -> Any:
+async def poll(predicate: Any, timeout: float = 30.0, interval: float = 0.005) -> Any:
     """Await ``predicate()`` (sync or async) until it is truthy; fail after ``timeout``.
 
     An async check may itself take up to ``timeout``: one that takes longer (a request
@@ -74,7 +74,7 @@ async def _within(check: Awaitable[Any], timeout: float) -> Any:
     return task.result()
 
 
-def poll_sync(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> Any:
+def poll_sync(predicate: Any, timeout: float = 30.0, interval: float = 0.01) -> Any:
     """``poll`` for synchronous tests: call ``predicate()`` until it is truthy."""
     import time
 
