@@ -254,6 +254,10 @@ class FakeKubeAPI:
     async def _watch(self, request: web.Request, selector: str, since: int) -> web.StreamResponse:
         timeout = float(request.query.get("timeoutSeconds") or 3600)
         bookmarks = _true(request.query.get("allowWatchBookmarks"))
+        # Bookmarks sent from now on reach this watch: read before the first await, in
+        # the step that listed the request in `watches()` (a test that saw it there and
+        # sent a bookmark before the stream was ready lost it, on a loaded machine).
+        seen_bookmarks = self._bookmarks
         stream = web.StreamResponse(headers={"Content-Type": "application/json"})
         stream.enable_chunked_encoding()
         await stream.prepare(request)
@@ -277,15 +281,18 @@ class FakeKubeAPI:
                     },
                 )
                 return stream
-            await asyncio.wait_for(self._follow(send, selector, since, bookmarks), timeout)
+            await asyncio.wait_for(
+                self._follow(send, selector, since, bookmarks, seen_bookmarks), timeout
+            )
         except (asyncio.TimeoutError, ConnectionResetError):
             pass
         finally:
             self._streams.discard(stream)
         return stream
 
-    async def _follow(self, send: Any, selector: str, sent: int, bookmarks: bool) -> None:
-        seen_bookmarks = self._bookmarks
+    async def _follow(
+        self, send: Any, selector: str, sent: int, bookmarks: bool, seen_bookmarks: int
+    ) -> None:
         while True:
             snapshot = list(self.history)
             for version, kind, obj in snapshot:
