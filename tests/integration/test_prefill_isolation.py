@@ -52,18 +52,13 @@ async def engines() -> AsyncIterator[list[EmulatedEngine]]:
 
 
 async def isolation_router(engines: list[EmulatedEngine], **flow: Any) -> RouterApp:
-    app = await start_router(
+    return await start_router(
         [e.url for e in engines],
         limits={"max_inflight": 16, "admission_timeout_s": 30},
         grpc={"port": 0},
         extproc={"port": 0},
         flow={"enabled": True, "prefill_isolation_wait_s": 10, "prefill_reserve": 0, **flow},
     )
-    # Every engine in play before the first request: on a loaded machine the start's
-    # probe of one can time out, and it is down until the next probe (each test here
-    # needs both).
-    await poll(lambda: app.registry.healthy_count() == len(engines), timeout=30)
-    return app
 
 
 async def complete(
@@ -93,13 +88,22 @@ async def via_generate(app: RouterApp, prompt: str, priority: int) -> tuple[Gene
         return out, time.monotonic()
 
 
-async def prefilling(app: RouterApp) -> str:
-    """Wait until the router has a prefill in flight; the engine's label."""
+def label(engine: EmulatedEngine) -> str:
+    """The engine as the router names it (``x-kvroute-engine``)."""
+    return f"{engine.host}:{engine.port}"
+
+
+async def prefilling(app: RouterApp, on: str | None = None) -> str:
+    """Wait until the router has a prefill in flight (on the engine labelled ``on``, if
+    given); the engine's label."""
     engines = await poll(
-        lambda: [e for e, load in app.core.loads.view.items() if load.prefill_tokens > 0],
-        timeout=10,
+        lambda: [
+            str(e.label)
+            for e, load in app.core.loads.view.items()
+            if load.prefill_tokens > 0 and on in (None, e.label)
+        ]
     )
-    return str(engines[0].label)
+    return engines[0]
 
 
 async def warm(http: aiohttp.ClientSession, app: RouterApp, prompt: str) -> str:
@@ -108,8 +112,8 @@ async def warm(http: aiohttp.ClientSession, app: RouterApp, prompt: str) -> str:
     return headers["x-kvroute-engine"]
 
 
-def engine_at(engines: list[EmulatedEngine], label: str) -> EmulatedEngine:
-    return next(e for e in engines if f"{e.host}:{e.port}" == label)
+def engine_at(engines: list[EmulatedEngine], name: str) -> EmulatedEngine:
+    return next(e for e in engines if label(e) == name)
 
 
 async def held_prefill(
@@ -127,14 +131,7 @@ async def held_prefill(
     engine.state.faults.update({"extra_latency_ms": 300_000})
     try:
         task = asyncio.ensure_future(complete(http, app, prompt, priority, tenant))
-        label = f"{engine.host}:{engine.port}"
-        await poll(
-            lambda: any(
-                e.label == label and load.prefill_tokens > 0
-                for e, load in app.core.loads.view.items()
-            ),
-            timeout=30,
-        )
+        await prefilling(app, on=label(engine))
     finally:
         engine.state.faults.clear()
     return task

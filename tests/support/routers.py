@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import aiohttp
 from router.app import RouterApp
 from router.config import load_config
 from router.fleet.registry import EngineState
+from support.engines import poll
 
 #: Fast timers so health changes show within a fraction of a second. The bounds on a
 #: call (a probe's answer, a connection to an engine) stay far above what a loaded
@@ -54,9 +56,9 @@ async def engines_in_play(app: RouterApp, timeout: float = 30.0) -> None:
     A router's start probes each engine once; on a loaded machine that probe can time
     out (a test's own short health timeout, or a loop held up past :data:`FAST`'s), and
     the engine then waits ``pending`` for a later one: a request sent at once would find
-    no engine. An engine
-    that does not answer here (a test's dead, stalled or failing URL) is not waited
-    for, and nothing fails: a test asserts what it expects of its engines itself."""
+    no engine. An engine that does not answer here (a test's dead, stalled or failing
+    URL) is not waited for, and nothing fails: a test asserts what it expects of its
+    engines itself."""
     pending = [e for e in app.registry if e.state is EngineState.PENDING]
     if not pending:
         return
@@ -69,11 +71,8 @@ async def engines_in_play(app: RouterApp, timeout: float = 30.0) -> None:
                         answering.append(engine)
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
-    step = 0.01
-    for _ in range(int(timeout / step)):
-        if all(e.state is not EngineState.PENDING for e in answering):
-            return
-        await asyncio.sleep(step)
+    with contextlib.suppress(AssertionError):
+        await poll(lambda: all(e.state is not EngineState.PENDING for e in answering), timeout)
 
 
 StartRouter = Callable[..., Awaitable[RouterApp]]
